@@ -1,0 +1,283 @@
+"""Typed engine configuration, validated once.
+
+`EngineConfig` takes the flat keywords users know from vLLM and builds the grouped
+sub-configs (`model_config`, `parallel_config`, `load_config`, `cache_config`,
+`device_config`, `scheduler_config`). Every check runs in `__post_init__`; a bad value
+raises `ConfigError` naming the field, the value and what is allowed. The whole object
+is picklable and is sent to every worker process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+MiB = 1 << 20
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+SAFETENSORS_LOAD_STRATEGIES = (None, "lazy", "eager", "prefetch")
+QUANTIZATION_METHODS = (None, "fp8")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message names the field."""
+
+
+def _choice(field_name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{field_name}={value!r} is not valid; allowed values: {list(allowed)}")
+
+
+def _positive(field_name: str, value: int | float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{field_name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def read_hf_config(model_dir: Path) -> SimpleNamespace:
+    """Parse `model_dir/config.json` into attribute access; transformers is never imported."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"model={str(model_dir)!r}: no config.json found at {path}")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot parse {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
+    return SimpleNamespace(**raw)
+
+
+@dataclass
+class ModelConfig:
+    model: str  # a local directory (resolved from a Hub id by the engine before workers start)
+    dtype: torch.dtype
+    hf_config: SimpleNamespace
+    max_model_len: int
+    seed: int = 0
+    revision: str | None = None
+    quantization: str | None = None
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(getattr(self.hf_config, "architectures", None) or [])
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hf_config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.hf_config.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.hf_config, "head_dim", None) or self.hidden_size // self.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def num_kv_heads_per_rank(self, tp_size: int) -> int:
+        """KV heads held by one rank: at least one, since heads replicate when tp > kv heads."""
+        return max(1, self.num_kv_heads // tp_size)
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | type | None = None  # None -> "uni" at tp=1, else "mp"
+    # The torch.distributed rendezvous; filled in by the executor before workers start.
+    distributed_init_method: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
+@dataclass
+class LoadConfig:
+    load_format: str = "auto"
+    download_dir: str | None = None
+    safetensors_load_strategy: str | None = None  # None behaves as "lazy", with prefetch on network filesystems
+    safetensors_prefetch_num_threads: int = 8
+    safetensors_prefetch_block_size: int = 16 * MiB
+    model_loader_extra_config: dict[str, Any] = field(default_factory=dict)
+    ignore_patterns: list[str] = field(default_factory=lambda: ["original/**/*"])
+    use_tqdm_on_load: bool = True
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # set: skip profiling and use this many bytes per rank
+    cache_dtype: str = "auto"
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"
+
+    @property
+    def device_type(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+
+@dataclass
+class EngineConfig:
+    """The one configuration object: flat keywords in, validated sub-configs out."""
+
+    model: str
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    load_format: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    distributed_executor_backend: str | type | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    download_dir: str | None = None
+    revision: str | None = None
+    quantization: str | None = None
+    safetensors_load_strategy: str | None = None
+    safetensors_prefetch_num_threads: int = 8
+    safetensors_prefetch_block_size: int = 16 * MiB
+    model_loader_extra_config: dict[str, Any] | None = None
+    ignore_patterns: list[str] | None = None
+    use_tqdm_on_load: bool = True
+
+    model_config: ModelConfig = field(init=False)
+    parallel_config: ParallelConfig = field(init=False)
+    load_config: LoadConfig = field(init=False)
+    cache_config: CacheConfig = field(init=False)
+    device_config: DeviceConfig = field(init=False)
+    scheduler_config: SchedulerConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.model = os.fspath(self.model)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _choice("device", self.device, DEVICES)
+        _choice("dtype", self.dtype, ("auto", *_DTYPES))
+        _choice("safetensors_load_strategy", self.safetensors_load_strategy, SAFETENSORS_LOAD_STRATEGIES)
+        _choice("quantization", self.quantization, QUANTIZATION_METHODS)
+        from model_loader.registry import get_supported_load_formats
+
+        _choice("load_format", self.load_format, tuple(get_supported_load_formats()))
+        _positive("block_size", self.block_size)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("safetensors_prefetch_num_threads", self.safetensors_prefetch_num_threads)
+        _positive("safetensors_prefetch_block_size", self.safetensors_prefetch_block_size)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+        if self.kv_cache_memory_bytes is not None:
+            _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        backend = self.distributed_executor_backend
+        if backend is not None and not isinstance(backend, type):
+            _choice("distributed_executor_backend", backend, ("uni", "mp"))
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"distributed_executor_backend='uni' runs one in-process worker; "
+                f"tensor_parallel_size={self.tensor_parallel_size} needs 'mp'"
+            )
+
+        self.device_config = DeviceConfig(self.device)
+        self.parallel_config = ParallelConfig(self.tensor_parallel_size, backend)
+        self.load_config = LoadConfig(
+            load_format=self.load_format,
+            download_dir=self.download_dir,
+            safetensors_load_strategy=self.safetensors_load_strategy,
+            safetensors_prefetch_num_threads=self.safetensors_prefetch_num_threads,
+            safetensors_prefetch_block_size=self.safetensors_prefetch_block_size,
+            model_loader_extra_config=dict(self.model_loader_extra_config or {}),
+            ignore_patterns=list(self.ignore_patterns) if self.ignore_patterns is not None else ["original/**/*"],
+            use_tqdm_on_load=self.use_tqdm_on_load,
+        )
+        self.cache_config = CacheConfig(self.block_size, self.gpu_memory_utilization, self.kv_cache_memory_bytes)
+        self.model_config = self._build_model_config()
+        max_len = self.model_config.max_model_len
+        batched = self.max_num_batched_tokens if self.max_num_batched_tokens is not None else max(max_len, 2048)
+        _positive("max_num_batched_tokens", batched)
+        self.scheduler_config = SchedulerConfig(self.max_num_seqs, batched, max_len)
+        self._check_parallel_fits_model()
+
+    def _build_model_config(self) -> ModelConfig:
+        model_dir = Path(self.model)
+        if not model_dir.is_dir():
+            raise ConfigError(f"model={self.model!r} is not a local directory")
+        hf_config = read_hf_config(model_dir)
+        for key in ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            if getattr(hf_config, key, None) is None:
+                raise ConfigError(f"{model_dir / 'config.json'} lacks the required key {key!r}")
+        if self.dtype == "auto":
+            ckpt_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None) or "float32"
+            if ckpt_dtype not in _DTYPES:
+                raise ConfigError(f"{model_dir / 'config.json'}: torch_dtype={ckpt_dtype!r} is not one of {list(_DTYPES)}")
+            dtype = _DTYPES[ckpt_dtype]
+        else:
+            dtype = _DTYPES[self.dtype]
+        max_positions = int(getattr(hf_config, "max_position_embeddings", 2048))
+        max_len = self.max_model_len if self.max_model_len is not None else max_positions
+        _positive("max_model_len", max_len)
+        if max_len > max_positions:
+            raise ConfigError(
+                f"max_model_len={max_len} exceeds the model's max_position_embeddings={max_positions}"
+            )
+        window = getattr(hf_config, "sliding_window", None)
+        if window is not None and getattr(hf_config, "use_sliding_window", True) and window < max_len:
+            raise ConfigError(
+                f"sliding_window={window} in {model_dir / 'config.json'} is shorter than max_model_len={max_len}; "
+                "sliding-window attention is not supported, set max_model_len <= the window"
+            )
+        return ModelConfig(self.model, dtype, hf_config, max_len, self.seed, self.revision, self.quantization)
+
+    def _check_parallel_fits_model(self) -> None:
+        tp = self.tensor_parallel_size
+        heads = self.model_config.num_attention_heads
+        kv_heads = self.model_config.num_kv_heads
+        if heads % tp:
+            raise ConfigError(
+                f"tensor_parallel_size={tp} does not divide num_attention_heads={heads} of {self.model}"
+            )
+        if (kv_heads % tp) if tp <= kv_heads else (tp % kv_heads):
+            raise ConfigError(
+                f"tensor_parallel_size={tp} and num_key_value_heads={kv_heads} of {self.model} are incompatible: "
+                "one must be a multiple of the other"
+            )
+
+    @property
+    def quant_config(self) -> str | None:
+        return self.quantization

@@ -1,0 +1,74 @@
+"""Find the weight files of a local model directory for a given load_format.
+
+Called on every rank by the loaders (after the engine has downloaded Hub models). It
+reads only directory listings and the small index JSON. Raises `WeightLoadError`
+naming the directory, the patterns or the missing file.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from pathlib import Path
+
+from models.errors import WeightLoadError
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+ALLOW_PATTERNS: dict[str, list[str]] = {
+    "auto": ["*.safetensors", "*.bin"],
+    "hf": ["*.safetensors", "*.bin"],
+    "safetensors": ["*.safetensors"],
+    "pt": ["*.pt", "*.bin"],
+    "npcache": ["*.bin"],
+}
+
+# Files that match the patterns but hold optimizer or trainer state, never weights.
+TRAINING_FILES = frozenset(
+    {"training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth", "trainer_state.bin"}
+)
+
+
+def _is_ignored(rel_path: str, ignore_patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatch(rel_path, pattern) for pattern in ignore_patterns)
+
+
+def filter_by_safetensors_index(model_dir: Path, files: list[Path]) -> list[Path]:
+    """Keep only the shards that the index's weight_map names (drops stray or
+    consolidated duplicates); a shard named by the index but absent is an error."""
+    index_path = model_dir / SAFETENSORS_INDEX
+    if not index_path.is_file():
+        return files
+    try:
+        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise WeightLoadError(f"{index_path} is not a valid safetensors index: {e!r}") from None
+    wanted = set(weight_map.values())
+    missing = sorted(name for name in wanted if not (model_dir / name).is_file())
+    if missing:
+        raise WeightLoadError(f"{index_path} references shard(s) {missing} that do not exist in {model_dir}")
+    return [f for f in files if f.name in wanted]
+
+
+def prepare_weight_files(model_dir: Path, load_format: str, ignore_patterns: list[str]) -> tuple[list[Path], bool]:
+    """(sorted weight files, whether they are safetensors) for `load_format`.
+
+    With "auto"/"hf", safetensors files win when any exist; otherwise `.bin` files are used.
+    """
+    patterns = ALLOW_PATTERNS.get(load_format, ALLOW_PATTERNS["auto"])
+    for pattern in patterns:
+        files = sorted(
+            p
+            for p in model_dir.glob(pattern)
+            if p.is_file() and p.name not in TRAINING_FILES and not _is_ignored(p.name, ignore_patterns)
+        )
+        if files:
+            break
+    else:
+        raise WeightLoadError(
+            f"no weight files matching {patterns} (load_format={load_format!r}) found in {model_dir}"
+        )
+    use_safetensors = pattern == "*.safetensors"
+    if use_safetensors:
+        files = filter_by_safetensors_index(model_dir, files)
+    return files, use_safetensors

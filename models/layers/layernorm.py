@@ -1,0 +1,33 @@
+"""RMSNorm, optionally fused with the residual add (the vLLM calling convention)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.layers.weight_utils import default_weight_loader, set_weight_attrs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the scale, as the HF reference does,
+        # so half-precision results agree bit for bit in spirit, not just roughly.
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

@@ -1,0 +1,66 @@
+"""Rotary position embedding (neox style), plain or with llama3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    old_context_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q and k given absolute `positions` [T].
+
+    The cos/sin table covers `max_position` positions, is computed in float32 and is a
+    non-persistent buffer, so it never appears among the weights to load.
+    """
+
+    def __init__(
+        self, head_size: int, max_position: int, base: float, rope_scaling: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__()
+        self.head_size = head_size
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+        rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling or {})
+        elif rope_type not in ("default", None):
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: 'default', 'llama3'")
+        t = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cached", emb.cos(), persistent=False)
+        self.register_buffer("sin_cached", emb.sin(), persistent=False)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, num_heads * head_size], k: [T, num_kv_heads * head_size]; same shapes out."""
+        cos = self.cos_cached[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin_cached[positions].to(q.dtype).unsqueeze(1)
+        qh = q.view(q.shape[0], -1, self.head_size)
+        kh = k.view(k.shape[0], -1, self.head_size)
+        q_out = qh * cos + self._rotate_half(qh) * sin
+        k_out = kh * cos + self._rotate_half(kh) * sin
+        return q_out.reshape(q.shape), k_out.reshape(k.shape)

@@ -1,0 +1,84 @@
+"""Vocabulary-parallel embedding and LM head.
+
+The vocabulary is padded to a multiple of 64 (and of tp_size) and split into equal
+contiguous ranges, one per rank. Padding rows are zero and never read: token ids fall
+in [0, vocab_size), and `compute_logits` drops the padded columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.errors import WeightLoadError
+from models.layers.weight_utils import set_weight_attrs
+from worker.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+
+DEFAULT_VOCAB_PADDING_SIZE = 64
+
+
+def pad_vocab_size(vocab_size: int, multiple: int) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds rows [r*n, (r+1)*n) of the padded table; lookups outside that range
+    contribute zeros and the all-reduce fills them in from the owning rank."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_size: int = DEFAULT_VOCAB_PADDING_SIZE) -> None:
+        super().__init__()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        padded = pad_vocab_size(num_embeddings, padding_size)
+        self.num_embeddings_padded = pad_vocab_size(padded, self.tp_size)
+        self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if tuple(loaded_weight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise WeightLoadError(
+                f"shape mismatch (vocab embedding): the model expects {(self.num_embeddings, self.embedding_dim)}, "
+                f"the checkpoint tensor has {tuple(loaded_weight.shape)}"
+            )
+        start = min(self.vocab_start_index, self.num_embeddings)
+        end = min(self.vocab_end_index, self.num_embeddings)
+        param.data[: end - start].copy_(loaded_weight[start:end])
+        param.data[end - start :].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_range = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index) * in_range
+        out = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1).to(self.weight.dtype)
+        return tensor_model_parallel_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection, sharded like the embedding. Tie it by passing the
+    embedding: the two then share one Parameter, and one checkpoint tensor fills both."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tie_to: VocabParallelEmbedding | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        if tie_to is not None:
+            self.weight = tie_to.weight
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[tokens, vocab] logits, identical on every rank (all-gathered)."""
+        logits = F.linear(hidden_states, self.weight)
+        logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        return logits[..., : self.num_embeddings]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is not an embedding lookup; call compute_logits()")

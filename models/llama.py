@@ -1,0 +1,163 @@
+"""Llama (and the architectures that share its layout) with tensor parallelism.
+
+Built by `model_loader.initialize_model()` as `LlamaForCausalLM(config)`, where `config`
+is an EngineConfig: only `config.model_config.hf_config` (the parsed config.json) and
+`config.quant_config` are read. On each rank the module holds that rank's shard.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from models.layers.activation import SiluAndMul
+from models.layers.attention import Attention, AttentionMetadata
+from models.layers.layernorm import RMSNorm
+from models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from models.layers.rotary_embedding import RotaryEmbedding
+from models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from models.utils import AutoWeightsLoader
+from worker.parallel_state import get_tensor_model_parallel_world_size
+
+
+def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either the classic keys or transformers v5's `rope_parameters`."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    theta = getattr(hf_config, "rope_theta", None) or params.get("rope_theta", 10000.0)
+    scaling = getattr(hf_config, "rope_scaling", None) or (params if params.get("rope_type", "default") != "default" else None)
+    return float(theta), scaling
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config: Any, qkv_bias: bool) -> None:
+        super().__init__()
+        hidden_size = hf_config.hidden_size
+        total_heads = hf_config.num_attention_heads
+        total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(hf_config, "head_dim", None) or hidden_size // total_heads
+        self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_dim, hidden_size, bias=getattr(hf_config, "attention_out_bias", False)
+        )
+        theta, scaling = rope_settings(hf_config)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, hf_config.max_position_embeddings, theta, scaling)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: AttentionMetadata | None
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, attn_metadata))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, qkv_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(hf_config, qkv_bias)
+        self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, getattr(hf_config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn_metadata: AttentionMetadata | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config: Any, qkv_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, qkv_bias) for _ in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata | None = None
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """The causal LM: `forward(input_ids [T], positions [T]) -> hidden [T, hidden_size]`,
+    `compute_logits(hidden) -> [T, vocab_size]` on every rank."""
+
+    qkv_bias = False
+    default_tie_word_embeddings = False
+    # checkpoint sub-module name -> (fused parameter's sub-module, shard id)
+    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Any, prefix: str = "") -> None:
+        super().__init__()
+        hf_config = config.model_config.hf_config
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, self.qkv_bias)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", self.default_tie_word_embeddings))
+        self.lm_head = ParallelLMHead(
+            hf_config.vocab_size,
+            hf_config.hidden_size,
+            tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+        )
+        self.tp_size = get_tensor_model_parallel_world_size()
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata | None = None
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)
+
+    def attention_layers(self) -> list[Attention]:
+        """The Attention modules in layer order: the worker attaches one KV cache to each."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loader = AutoWeightsLoader(
+            self,
+            skip_prefixes=["lm_head."] if self.tie_word_embeddings else None,
+            skip_substrs=["rotary_emb.inv_freq"],
+        )
+        return loader.load_weights(weights)
