@@ -1,0 +1,212 @@
+"""EngineCore: from a config to ready workers with a sized KV cache, then the step loop.
+
+`EngineCore(config)` returns only when every rank has loaded its shard and allocated
+the same number of KV blocks, or raises with nothing left running. Shutdown is
+idempotent and also runs at garbage collection and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+import weakref
+from typing import Any, Iterable, Sequence
+
+from engine.block_manager import KVBlockManager
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+from executor.abstract import Executor, RPCMethod
+from worker.kv_cache import KVCacheConfig, KVCacheTooSmallError, kv_cache_config_for
+
+logger = logging.getLogger(__name__)
+
+STARTUP_PHASES = ("spawn", "distributed_init", "load", "profile", "kv_alloc")
+
+Prompt = str | Sequence[int]
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        """Either an EngineConfig or its flat keywords (`EngineCore(model=..., tensor_parallel_size=2)`)."""
+        if config is None:
+            config = EngineConfig(**kwargs)
+        elif kwargs:
+            raise TypeError("pass either an EngineConfig or keywords, not both")
+        self.config = config
+        start = time.perf_counter()
+        self.model_executor: Executor = Executor.get_class(config)(config)
+        # The finalizer holds the executor, not self, so the core can be collected.
+        self._finalizer = weakref.finalize(self, self.model_executor.shutdown)
+        try:
+            self.kv_cache_config = self._initialize_kv_caches()
+            self.startup_timings = self._gather_startup_timings(time.perf_counter() - start)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.scheduler = Scheduler(
+            max_num_seqs=config.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+            max_model_len=config.scheduler_config.max_model_len,
+            block_manager=KVBlockManager(self.kv_cache_config.num_blocks, self.kv_cache_config.block_size),
+            eos_token_id=self._eos_token_id(),
+        )
+        self._request_counter = itertools.count()
+        self._requests: dict[str, Request] = {}
+
+    # ------------------------------------------------------------------ start-up
+
+    def _initialize_kv_caches(self) -> KVCacheConfig:
+        available = self.model_executor.determine_available_memory()
+        block_bytes = kv_cache_config_for(self.config, 1).block_bytes
+        num_blocks = min(available) // block_bytes
+        max_len = self.config.model_config.max_model_len
+        needed = math.ceil(max_len / self.config.cache_config.block_size)
+        if num_blocks < max(1, needed):
+            raise KVCacheTooSmallError(
+                f"the KV cache does not fit one sequence of max_model_len={max_len}: it needs {needed} blocks of "
+                f"{block_bytes} bytes ({needed * block_bytes} bytes per rank), but the smallest rank can spare "
+                f"{min(available)} bytes (per rank: {available}), i.e. {num_blocks} blocks. Raise "
+                f"gpu_memory_utilization (now {self.config.cache_config.gpu_memory_utilization}) or "
+                f"kv_cache_memory_bytes (now {self.config.cache_config.kv_cache_memory_bytes}), or lower "
+                f"max_model_len or max_num_batched_tokens (now {self.config.scheduler_config.max_num_batched_tokens})."
+            )
+        kv_cache_config = kv_cache_config_for(self.config, num_blocks)
+        self.model_executor.initialize_from_config(kv_cache_config)
+        return kv_cache_config
+
+    def _gather_startup_timings(self, total: float) -> dict[str, Any]:
+        per_rank = self.model_executor.worker_timings()
+        timings: dict[str, Any] = {"total": total, "spawn": self.model_executor.startup_timings.get("spawn", 0.0)}
+        for phase in STARTUP_PHASES[1:]:
+            timings[phase] = max(rank.get(phase, 0.0) for rank in per_rank)
+        timings["per_rank"] = per_rank
+        logger.info(
+            "EngineCore ready in %.2fs (tp=%d, num_blocks=%d): %s; per rank: %s",
+            total,
+            self.config.tensor_parallel_size,
+            self.kv_cache_config.num_blocks,
+            " | ".join(f"{p} {timings[p]:.3f}s" for p in STARTUP_PHASES),
+            per_rank,
+        )
+        return timings
+
+    def _eos_token_id(self) -> int | None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return self.tokenizer.eos_token_id
+        eos = getattr(self.config.model_config.hf_config, "eos_token_id", None)
+        return eos[0] if isinstance(eos, list) and eos else eos
+
+    # ------------------------------------------------------------------ RPC
+
+    def collective_rpc(
+        self,
+        method: RPCMethod,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        """Run a Worker method (by name) or `fn(worker, *args, **kwargs)` on every rank."""
+        return self.model_executor.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
+
+    def check_health(self) -> None:
+        self.model_executor.check_health()
+
+    # ------------------------------------------------------------------ requests
+
+    def _to_token_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt is a string but {self.config.model} has no tokenizer.json; pass token ids")
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        vocab = self.config.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return ids
+
+    def add_request(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request; returns its id. Raises ValueError for an invalid prompt."""
+        request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
+        request = Request(request_id, self._to_token_ids(prompt), sampling_params or SamplingParams())
+        self.scheduler.add_request(request)
+        self._requests[request_id] = request
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort_request(request_id)
+        self._requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule one batch, run it on every rank, and return the requests that advanced."""
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled:
+            return []
+        runner_output = self.model_executor.execute_model(scheduler_output)
+        outputs = []
+        for request in self.scheduler.update_from_output(scheduler_output, runner_output):
+            outputs.append(self._make_output(request))
+            if request.is_finished():
+                self._requests.pop(request.request_id, None)
+        return outputs
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        text = self.tokenizer.decode(request.output_token_ids) if self.tokenizer is not None else ""
+        wants_logprobs = request.sampling_params.logprobs is not None
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            token_ids=list(request.output_token_ids),
+            text=text,
+            logprobs=list(request.output_logprobs) if wants_logprobs else None,
+            finished=request.is_finished(),
+            finish_reason=request.finish_reason,
+        )
+
+    def generate(
+        self,
+        prompts: Prompt | Iterable[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion; outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    # ------------------------------------------------------------------ shutdown
+
+    def shutdown(self) -> None:
+        """Stop every worker and free every resource. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> "EngineCore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

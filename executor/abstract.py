@@ -1,0 +1,87 @@
+"""The Executor interface: how the engine reaches its workers.
+
+`Executor.get_class(config)` maps `distributed_executor_backend`: "uni" ->
+UniProcExecutor (in-process, tp=1), "mp" -> MultiprocExecutor (default when tp > 1),
+or a user's Executor subclass. All methods are called from the engine's thread.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from engine.outputs import ModelRunnerOutput, SchedulerOutput
+    from worker.kv_cache import KVCacheConfig
+
+RPCMethod = str | Callable[..., Any]
+
+
+class Executor(ABC):
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.world_size: int = config.parallel_config.world_size
+        # Per-phase startup seconds: "spawn" here, worker phases gathered per rank.
+        self.startup_timings: dict[str, float] = {}
+        self._init_executor()
+
+    @staticmethod
+    def get_class(config: Any) -> type["Executor"]:
+        backend = config.parallel_config.distributed_executor_backend
+        if isinstance(backend, type):
+            if not issubclass(backend, Executor):
+                raise TypeError(f"distributed_executor_backend={backend!r} must be a subclass of Executor")
+            return backend
+        if backend is None:
+            backend = "uni" if config.parallel_config.world_size == 1 else "mp"
+        if backend == "uni":
+            from executor.uniproc_executor import UniProcExecutor
+
+            return UniProcExecutor
+        if backend == "mp":
+            from executor.multiproc_executor import MultiprocExecutor
+
+            return MultiprocExecutor
+        raise ValueError(f"distributed_executor_backend={backend!r} is not valid; allowed: 'uni', 'mp' or an Executor subclass")
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Start the workers and leave them with a loaded model; raise on any failure."""
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: RPCMethod,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        """Run `method` on every rank: a Worker method name, or a picklable
+        `fn(worker, *args, **kwargs)`. Returns one result per rank, in rank order, or
+        only `unique_reply_rank`'s result. Raises TimeoutError after `timeout` seconds,
+        RemoteWorkerError for a worker exception, EngineDeadError once a worker died."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise EngineDeadError if any worker is gone."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker and release every resource. Idempotent."""
+
+    @property
+    def output_rank(self) -> int:
+        return 0
+
+    def determine_available_memory(self) -> list[int]:
+        return self.collective_rpc("determine_available_memory")
+
+    def initialize_from_config(self, kv_cache_config: "KVCacheConfig") -> None:
+        self.collective_rpc("initialize_from_config", args=(kv_cache_config,))
+
+    def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":
+        return self.collective_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank)
+
+    def worker_timings(self) -> list[dict[str, float]]:
+        return self.collective_rpc("get_timings")

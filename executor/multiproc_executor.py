@@ -1,0 +1,253 @@
+"""MultiprocExecutor: one WorkerProc per TP rank, driven over shared memory.
+
+Start-up: create the queues, start every rank, then wait for all READY messages on
+the ready pipes (a rank that fails or dies first makes the whole start fail, with its
+traceback, and nothing left running). Then the shm names are unlinked (everyone has
+mapped them, so no crash can leak a segment) and a monitor thread watches the process
+sentinels: any rank exiting marks the executor failed and cancels pending calls.
+
+Processes: forkserver with torch and the worker stack preloaded (set
+TP_WORKER_MULTIPROC_METHOD=spawn to change), so a rank forks from a warm interpreter.
+Each worker holds the read end of a death pipe and sets PR_SET_PDEATHSIG, so it exits
+when the engine process dies, however it dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import cloudpickle
+
+from executor.abstract import Executor, RPCMethod
+from executor.errors import EngineDeadError, RemoteWorkerError, WorkerStartupError
+from executor.message_queue import MessageQueue, QueueClosedError
+from executor.messages import SHUTDOWN, ReadyMessage, RPCReply, RPCRequest
+from executor.worker_proc import WorkerProc
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = float(os.environ.get("TP_WORKER_STARTUP_TIMEOUT", "600"))
+SHUTDOWN_GRACE_S = 5.0
+_FORKSERVER_PRELOAD = ["torch", "executor.worker_proc"]
+
+
+def _mp_context() -> multiprocessing.context.BaseContext:
+    method = os.environ.get("TP_WORKER_MULTIPROC_METHOD", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"TP_WORKER_MULTIPROC_METHOD={method!r} is not valid; allowed: 'forkserver', 'spawn'")
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    return ctx
+
+
+class MultiprocExecutor(Executor):
+    def _init_executor(self) -> None:
+        self._failure: str | None = None
+        self._shutdown_started = False
+        self._rpc_lock = threading.Lock()
+        self._call_id = 0
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        self._death_writers: list[Connection] = []
+        self._queues: list[MessageQueue] = []
+        self._monitor: threading.Thread | None = None
+        self._ipc_dir = tempfile.mkdtemp(prefix="tp-engine-")
+        try:
+            self._start_workers()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_workers(self) -> None:
+        start = time.perf_counter()
+        ws = self.world_size
+        # A FileStore in our private directory: no port to pick, nothing on the network.
+        init_method = f"file://{os.path.join(self._ipc_dir, 'dist_store')}"
+        self._broadcast_creator = MessageQueue(ws, ipc_dir=self._ipc_dir)
+        self._reply_creators = [MessageQueue(1, ipc_dir=self._ipc_dir) for _ in range(ws)]
+        self._queues += [self._broadcast_creator, *self._reply_creators]
+        self._broadcast = MessageQueue.attach(self._broadcast_creator.export_handle(), writer=True)
+        self._replies = [MessageQueue.attach(q.export_handle(), reader_rank=0) for q in self._reply_creators]
+        self._queues += [self._broadcast, *self._replies]
+
+        ctx = _mp_context()
+        ready_readers: list[Connection] = []
+        for rank in range(ws):
+            ready_r, ready_w = ctx.Pipe(duplex=False)
+            death_r, death_w = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=WorkerProc.worker_main,
+                name=f"WorkerProc-TP{rank}",
+                args=(self.config, rank, rank, init_method, self._broadcast_creator.export_handle(),
+                      self._reply_creators[rank].export_handle(), ready_w, death_r),
+                daemon=True,
+            )
+            proc.start()
+            # Our copies of the child's ends must go, or EOF would never be seen.
+            ready_w.close()
+            death_r.close()
+            self.processes.append(proc)
+            ready_readers.append(ready_r)
+            self._death_writers.append(death_w)
+        self.startup_timings["spawn"] = time.perf_counter() - start
+        self.ready_timings = self._wait_for_ready(ready_readers)
+        self._broadcast.wait_until_ready(timeout=60)
+        for queue in (self._broadcast_creator, *self._reply_creators):
+            queue.unlink()
+        self.startup_timings["startup_total"] = time.perf_counter() - start
+        self._monitor = threading.Thread(target=self._monitor_workers, name="worker-monitor", daemon=True)
+        self._monitor.start()
+
+    def _wait_for_ready(self, ready_readers: list[Connection]) -> list[dict[str, float]]:
+        timings: list[dict[str, float]] = [{} for _ in ready_readers]
+        pending = {conn: rank for rank, conn in enumerate(ready_readers)}
+        sentinels = {self.processes[rank].sentinel: rank for rank in range(len(ready_readers))}
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        try:
+            while pending:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise WorkerStartupError(
+                        f"ranks {sorted(pending.values())} not ready after {STARTUP_TIMEOUT_S:.0f}s "
+                        "(TP_WORKER_STARTUP_TIMEOUT)"
+                    )
+                for obj in wait([*pending, *sentinels], timeout=remaining):
+                    if obj in pending:
+                        rank = pending.pop(obj)
+                        try:
+                            msg: ReadyMessage = obj.recv()
+                        except EOFError:
+                            raise WorkerStartupError(self._startup_death_message(rank)) from None
+                        if not msg.ok:
+                            raise WorkerStartupError(
+                                f"rank {rank} failed during start-up: {msg.error}\n"
+                                f"--- remote traceback (rank {rank}) ---\n{msg.traceback}"
+                            )
+                        timings[rank] = msg.timings
+                    elif obj in sentinels:
+                        rank = sentinels.pop(obj)
+                        conn = ready_readers[rank]
+                        if conn in pending and not conn.poll():
+                            raise WorkerStartupError(self._startup_death_message(rank))
+        finally:
+            for conn in ready_readers:
+                conn.close()
+        return timings
+
+    def _death_message(self, rank: int, when: str) -> str:
+        proc = self.processes[rank]
+        proc.join(timeout=1)
+        return f"worker rank {rank} (pid {proc.pid}) died {when} with exit code {proc.exitcode}"
+
+    def _startup_death_message(self, rank: int) -> str:
+        # The usual cause of a silent early death: the child re-imports the parent's
+        # __main__ script, which starts another engine at import time.
+        return (
+            self._death_message(rank, "during start-up")
+            + "; see its stderr. A script that creates an engine must do so under `if __name__ == '__main__':`"
+        )
+
+    def _monitor_workers(self) -> None:
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.processes)}
+        died = wait(list(sentinels))
+        if self._shutdown_started:
+            return
+        rank = sentinels[died[0]]
+        self._failure = self._death_message(rank, "unexpectedly")
+        logger.error("%s; the executor is dead", self._failure)
+        # Wakes any caller blocked on a reply so it raises EngineDeadError now.
+        for queue in self._replies:
+            queue.shutdown()
+
+    @property
+    def is_failed(self) -> bool:
+        return self._failure is not None
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise EngineDeadError(self._failure)
+        if self._shutdown_started:
+            raise EngineDeadError("the executor has been shut down")
+
+    def _enqueue(self, request: RPCRequest) -> None:
+        while True:
+            self.check_health()
+            try:
+                self._broadcast.enqueue(request, timeout=1.0)
+                return
+            except TimeoutError:
+                continue  # the ring is full: a rank is slow, or dead and about to be noticed
+
+    def collective_rpc(
+        self,
+        method: RPCMethod,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
+            raise ValueError(f"unique_reply_rank={unique_reply_rank} is outside [0, {self.world_size})")
+        name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
+        payload = method if isinstance(method, str) else cloudpickle.dumps(method)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._rpc_lock:
+            self._call_id += 1
+            call_id = self._call_id
+            self._enqueue(RPCRequest(call_id, payload, tuple(args), dict(kwargs or {}), unique_reply_rank))
+            ranks = [unique_reply_rank] if unique_reply_rank is not None else range(self.world_size)
+            results = [self._await_reply(rank, call_id, name, deadline, timeout) for rank in ranks]
+        return results[0] if unique_reply_rank is not None else results
+
+    def _await_reply(self, rank: int, call_id: int, name: str, deadline: float | None, timeout: float | None) -> Any:
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                reply: RPCReply = self._replies[rank].dequeue(timeout=remaining)
+            except TimeoutError:
+                raise TimeoutError(f"collective_rpc({name!r}) timed out after {timeout}s waiting for rank {rank}") from None
+            except QueueClosedError:
+                self.check_health()
+                raise EngineDeadError(f"rank {rank}'s reply queue closed") from None
+            if reply.call_id == call_id:
+                break
+            # A reply to an earlier call that timed out: drop it.
+        if not reply.ok:
+            raise RemoteWorkerError(rank, name, reply.error or "", reply.traceback or "")
+        return reply.result
+
+    def shutdown(self) -> None:
+        """Ask the workers to stop, close the death pipes, then TERM and KILL whatever is
+        left after the grace period; release every queue, segment and socket file."""
+        if self._shutdown_started:
+            return
+        self._shutdown_started = True
+        if self._failure is None and getattr(self, "_broadcast", None) is not None and self.processes:
+            try:
+                self._broadcast.enqueue(RPCRequest(-1, SHUTDOWN), timeout=1.0)
+            except Exception:  # noqa: BLE001 - best effort; the pipes and signals follow
+                pass
+        for conn in self._death_writers:
+            conn.close()
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for proc in self.processes:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.processes:
+            proc.join(timeout=2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for queue in self._queues:
+            queue.shutdown()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)

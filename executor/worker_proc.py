@@ -1,0 +1,108 @@
+"""WorkerProc: the body of one worker process (one TP rank).
+
+Started by MultiprocExecutor. In order: arm the parent-death signal and the death-pipe
+watcher, attach to the broadcast queue (reader) and to this rank's reply queue
+(writer), build the Worker, init_device(), load_model(), report READY (or FAILED with
+the traceback) over the ready pipe, then serve RPCs until told to stop. A worker
+exception is sent back as a reply and the loop goes on; only the death of the engine,
+a SHUTDOWN message or a signal ends the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from tqdm import tqdm
+
+from executor.message_queue import MessageQueue, MessageQueueHandle, QueueClosedError
+from executor.messages import SHUTDOWN, ReadyMessage, RPCReply, RPCRequest
+from executor.uniproc_executor import run_method
+from worker.worker import Worker
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _set_parent_death_signal() -> None:
+    """Ask Linux to SIGKILL us when our parent dies (even by SIGKILL). Elsewhere the
+    death pipe alone covers it."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _watch_death_pipe(death_conn: Connection) -> None:
+    """EOF on the death pipe means the engine closed it (shutdown) or died: leave now.
+    os._exit skips interpreter teardown, which could block on a half-dead group."""
+    try:
+        death_conn.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(0)
+
+
+class WorkerProc:
+    def __init__(self, config: Any, rank: int, local_rank: int, distributed_init_method: str | None,
+                 broadcast_handle: MessageQueueHandle, reply_handle: MessageQueueHandle) -> None:
+        self.rank = rank
+        self.broadcast = MessageQueue.attach(broadcast_handle, reader_rank=rank)
+        self.reply = MessageQueue.attach(reply_handle, writer=True)
+        self.worker = Worker(config, local_rank=local_rank, rank=rank, distributed_init_method=distributed_init_method)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    @staticmethod
+    def worker_main(config: Any, rank: int, local_rank: int, distributed_init_method: str | None,
+                    broadcast_handle: MessageQueueHandle, reply_handle: MessageQueueHandle,
+                    ready_conn: Connection, death_conn: Connection) -> None:
+        """Process entry point (the multiprocessing target)."""
+        _set_parent_death_signal()
+        # Ctrl-C reaches the whole process group; the engine decides how to stop us.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # tqdm's default lock is a multiprocessing semaphore that a worker ending in
+        # os._exit would leak to the resource tracker; one process needs only a thread lock.
+        tqdm.set_lock(threading.RLock())
+        threading.Thread(target=_watch_death_pipe, args=(death_conn,), name="death-pipe", daemon=True).start()
+        try:
+            proc = WorkerProc(config, rank, local_rank, distributed_init_method, broadcast_handle, reply_handle)
+            proc.reply.wait_until_ready(timeout=60)
+        except BaseException as e:
+            ready_conn.send(ReadyMessage(rank, False, os.getpid(), error=f"{type(e).__name__}: {e}",
+                                         traceback=traceback.format_exc()))
+            ready_conn.close()
+            os._exit(1)
+        ready_conn.send(ReadyMessage(rank, True, os.getpid(), timings=proc.worker.get_timings()))
+        ready_conn.close()
+        proc.busy_loop()
+        proc.close()
+
+    def busy_loop(self) -> None:
+        while True:
+            try:
+                request: RPCRequest = self.broadcast.dequeue()
+            except QueueClosedError:
+                return
+            if request.method == SHUTDOWN:
+                return
+            must_reply = request.reply_rank is None or request.reply_rank == self.rank
+            try:
+                result = run_method(self.worker, request.method, request.args, request.kwargs)
+                reply = RPCReply(request.call_id, self.rank, True, result=result if must_reply else None)
+            except Exception as e:
+                reply = RPCReply(request.call_id, self.rank, False, error=f"{type(e).__name__}: {e}",
+                                 traceback=traceback.format_exc())
+            # Ranks that are not asked stay silent: nobody drains their reply ring for
+            # this call, and unread replies would eventually block the writer.
+            if must_reply:
+                self.reply.enqueue(reply)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.broadcast.shutdown()
+        self.reply.shutdown()

@@ -1,0 +1,78 @@
+"""Memory accounting for the worker: pool contexts and peak measurement.
+
+`memory_pool(tag)` wraps the allocations of one phase ("weights", "kv_cache"). On CUDA
+it routes them to a dedicated `torch.cuda.MemPool`, which is what sleep/wake-style
+offloading builds on; on CPU it is an accounting context that records how much the
+process grew. Either way the result is a `PoolUsage` the worker keeps per tag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import psutil
+import torch
+
+
+def process_rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+@dataclass
+class PoolUsage:
+    tag: str
+    bytes_allocated: int = 0
+    seconds: float = 0.0
+    pool: object | None = field(default=None, repr=False)  # the torch.cuda.MemPool on CUDA
+
+
+class PeakRSSSampler:
+    """Samples this process's RSS on a background thread; `peak` is the maximum seen.
+
+    Used around the profile forward pass on CPU, where torch keeps no peak statistics.
+    """
+
+    def __init__(self, interval_s: float = 0.001) -> None:
+        self.interval_s = interval_s
+        self.peak = process_rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _run(self) -> None:
+        proc = psutil.Process()
+        while not self._stop.is_set():
+            self.peak = max(self.peak, proc.memory_info().rss)
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "PeakRSSSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, process_rss())
+
+
+@contextlib.contextmanager
+def memory_pool(tag: str, device_type: str) -> Iterator[PoolUsage]:
+    """Account (and on CUDA, pool) every allocation made inside the block under `tag`."""
+    usage = PoolUsage(tag)
+    start = time.perf_counter()
+    if device_type == "cuda":
+        pool = torch.cuda.MemPool()
+        usage.pool = pool
+        before = torch.cuda.memory_allocated()
+        with torch.cuda.use_mem_pool(pool):
+            yield usage
+        torch.cuda.synchronize()
+        usage.bytes_allocated = torch.cuda.memory_allocated() - before
+    else:
+        before = process_rss()
+        yield usage
+        usage.bytes_allocated = max(0, process_rss() - before)
+    usage.seconds = time.perf_counter() - start

@@ -1,0 +1,111 @@
+"""Token sampling that is identical on every TP rank and independent of batching.
+
+Each request draws from its own ``torch.Generator`` seeded from
+``(request seed, num_output_tokens)``. The seed never depends on the batch
+composition, the request's row, the rank, or how often it was preempted, so a
+request yields the same tokens however it is scheduled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # engine sits above worker; only the message's shape is needed here
+    from engine.outputs import ScheduledRequest
+
+_MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1  # torch.Generator.manual_seed wants a non-negative int64 here
+
+
+def stable_hash(*parts: int | str) -> int:
+    """A process-independent 63-bit hash (unlike the salted builtin ``hash``)."""
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        if isinstance(part, str):
+            data = part.encode("utf-8")
+            h.update(b"s" + struct.pack("<Q", len(data)) + data)
+        else:
+            h.update(b"i" + struct.pack("<Q", part & _MASK64))
+    return int.from_bytes(h.digest(), "little") & _MASK63
+
+
+def request_step_seed(request: ScheduledRequest, engine_seed: int = 0) -> int:
+    """Seed of ``request``'s generator for the token it samples this step."""
+    seed = request.sampling_params.seed
+    base = seed if seed is not None else engine_seed ^ stable_hash(request.req_id)
+    return stable_hash(base, request.num_output_tokens)
+
+
+class Sampler:
+    """Turns last-position logits into one token (and optional logprobs) per request."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        requests: list[ScheduledRequest],
+        engine_seed: int = 0,
+    ) -> tuple[list[int], list[dict[int, float] | None]]:
+        """Sample one token per row of ``logits`` (float32 ``[len(requests), vocab]``).
+
+        Greedy rows (temperature 0 or top_k 1) take the argmax. Others apply
+        temperature, then top-k, then top-p (always keeping the most likely
+        token), then draw with the request's own generator. Logprobs come from
+        ``log_softmax`` of the raw logits: the top ``logprobs`` ids plus the
+        sampled id, or None when the request did not ask for them.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(
+                f"logits must be [num_requests={len(requests)}, vocab], got {tuple(logits.shape)}"
+            )
+        logits = logits.float()
+        tokens: list[int] = []
+        all_logprobs: list[dict[int, float] | None] = []
+        # Row by row: per-request generators cannot be batched, and doing every
+        # row the same way keeps a request's result independent of its batch.
+        for row, request in zip(logits, requests):
+            token = self._sample_row(row, request, engine_seed)
+            tokens.append(token)
+            all_logprobs.append(self._logprobs(row, request, token))
+        return tokens, all_logprobs
+
+    @staticmethod
+    def _sample_row(row: torch.Tensor, request: ScheduledRequest, engine_seed: int) -> int:
+        params = request.sampling_params
+        if params.is_greedy:
+            return int(torch.argmax(row).item())
+        scaled = row / params.temperature
+        if params.top_k > 0 and params.top_k < scaled.numel():
+            kth = torch.topk(scaled, params.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # Drop a token when the mass strictly before it already reaches
+            # top_p; the first token has zero mass before it, so it always stays.
+            mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+            drop_sorted = mass_before >= params.top_p
+            drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+            probs = probs.masked_fill(drop, 0.0)
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(request_step_seed(request, engine_seed))
+        # Draw on CPU so every rank and device type gets the same stream.
+        return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
+
+    @staticmethod
+    def _logprobs(
+        row: torch.Tensor, request: ScheduledRequest, token: int
+    ) -> dict[int, float] | None:
+        k = request.sampling_params.logprobs
+        if k is None:
+            return None
+        logprobs = torch.log_softmax(row, dim=-1)
+        result: dict[int, float] = {}
+        if k > 0:
+            top = torch.topk(logprobs, min(k, logprobs.numel()))
+            result = {int(i): float(v) for i, v in zip(top.indices.tolist(), top.values.tolist())}
+        result[token] = float(logprobs[token].item())
+        return result
