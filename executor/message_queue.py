@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Literal, NamedTuple
@@ -63,7 +63,7 @@ _NOTIFY_HWM = 8  # wake-ups are idempotent, so dropping extras is fine
 _ALIGN = 64
 _INLINE, _OVERFLOW = 0, 1
 _META = struct.Struct("<QB")  # payload length, kind
-_CLOSED_OFF = 0  # global header: [writer_closed][sleeping flag per reader]
+_CLOSED_OFF = 0  # global header byte set by the writer's shutdown()
 
 _fence_lock = threading.Lock()
 
@@ -75,6 +75,11 @@ def _fence() -> None:
     # and loads in practice. Same trick as vLLM's shm_broadcast.
     with _fence_lock:
         pass
+
+
+# sched_yield lets the process we wait for run on an oversubscribed box;
+# macOS lacks it, where sleep(0) is the closest stand-in.
+_yield_cpu: Callable[[], None] = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
 def _align(n: int) -> int:
@@ -94,8 +99,8 @@ class MessageQueueHandle:
 
 
 class _Layout(NamedTuple):
-    """Byte offsets: [writer_closed][asleep x n] then chunks of
-    [written][read x n][pad to 8][length u64, kind u8][pad to 64][payload]."""
+    """Byte offsets: header [writer_closed][asleep x n][reader_gone x n], then
+    chunks of [written][read x n][pad to 8][length u64, kind u8][pad][payload]."""
 
     header: int
     meta: int  # relative to the chunk start, like payload
@@ -105,7 +110,7 @@ class _Layout(NamedTuple):
 
     @classmethod
     def of(cls, h: MessageQueueHandle) -> _Layout:
-        header = _align(1 + h.n_reader)
+        header = _align(1 + 2 * h.n_reader)
         meta = (1 + h.n_reader + 7) // 8 * 8
         payload = _align(meta + _META.size)
         stride = _align(payload + h.max_chunk_bytes)
@@ -117,7 +122,7 @@ def _map_segment(handle: MessageQueueHandle, fd: int | None) -> mmap.mmap:
     if fd is not None:
         return mmap.mmap(fd, size)
     # Deliberately not SharedMemory(name): before 3.13 it registers the name
-    # with the resource tracker, and spawned children share the creator's
+    # with the resource tracker, and spawn/forkserver children share the creator's
     # tracker, whose registry is a *set* -- a child's register is a no-op and
     # its unregister would cancel the creator's registration (losing the
     # SIGKILL safety net and making the creator's own unlink print a KeyError).
@@ -273,15 +278,17 @@ class MessageQueue:
             for sock in self._sockets:
                 poller.register(sock, zmq.POLLIN)
             poller.register(self._wake_r, zmq.POLLIN)
-            while any(missing.values()):
+            while True:
+                for sock in self._sockets:
+                    missing[sock] -= zmq_utils.subscribed_ranks(zmq_utils.drain(sock))
+                if not any(missing.values()):
+                    break
                 self._check_open()
                 try:
                     self._poll(poller, deadline)
                 except TimeoutError:
                     ranks = sorted(set().union(*missing.values()))
                     raise TimeoutError(f"readers {ranks} never subscribed") from None
-                for sock in self._sockets:
-                    missing[sock] -= zmq_utils.subscribed_ranks(zmq_utils.drain(sock))
             self._ready = True
 
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
@@ -290,8 +297,9 @@ class MessageQueue:
         Blocks while the ring is full (the slowest reader is ``max_chunks``
         behind) and, on first use, until all readers are ready. Raises
         TimeoutError if that lasts past ``timeout`` seconds (nothing was
-        sent), QueueClosedError after ``shutdown()``, and whatever pickling
-        raises.
+        sent); QueueClosedError after ``shutdown()`` or if the ring is full
+        and some reader has called ``shutdown()`` (a SIGKILLed reader is not
+        detected: use a timeout); and whatever pickling raises.
         """
         self._require("writer")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -333,15 +341,20 @@ class MessageQueue:
 
     def _wait_writable(self, deadline: float | None) -> int:
         off = self._lay.header + self._idx * self._lay.stride
+        buf, n = self._buf, self._handle.n_reader
+        assert buf is not None
         spin_end = time.monotonic() + _SPIN_S
         delay = 0.0
         while not self._chunk_free(off):
             self._check_open()
+            gone = buf[1 + n : 1 + 2 * n]  # a reader that shut down will never catch up
+            if any(gone):
+                raise QueueClosedError(f"reader(s) {[r for r in range(n) if gone[r]]} shut down")
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise TimeoutError("ring stayed full: a reader is not keeping up")
             if now < spin_end:
-                os.sched_yield()
+                _yield_cpu()
             else:
                 # No wake-up channel from readers to the writer; a capped
                 # backoff keeps a writer stuck behind a slow reader cheap.
@@ -395,7 +408,7 @@ class MessageQueue:
             self._check_open()
             if time.monotonic() >= spin_end:
                 break
-            os.sched_yield()
+            _yield_cpu()
         else:
             _fence()
             return off
@@ -493,8 +506,9 @@ class MessageQueue:
         Makes a call blocked in another thread raise QueueClosedError. A writer
         first waits up to 1 s for readers to consume pending overflow payloads,
         then marks the queue closed so readers raise QueueClosedError once
-        drained. The creator also unlinks the segment and removes its socket
-        files / private ipc dir.
+        drained. A reader marks itself gone, so a writer blocked on the full
+        ring raises instead of hanging. The creator also unlinks the segment
+        and removes its socket files / private ipc dir.
         """
         with self._state_lock:
             if self._shutdown_started:
@@ -524,6 +538,8 @@ class MessageQueue:
                     self._notify.send(b"", zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass  # readers notice the flag on their next poll tick anyway
+            if self._role == "reader" and self._buf is not None:
+                self._buf[1 + self._handle.n_reader + self._rank] = 1
             if self._role == "creator":
                 self.unlink()
                 MessageQueue._creators.pop(self._handle.shm_name, None)

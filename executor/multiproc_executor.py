@@ -185,6 +185,9 @@ class MultiprocExecutor(Executor):
                 return
             except TimeoutError:
                 continue  # the ring is full: a rank is slow, or dead and about to be noticed
+            except QueueClosedError:
+                self.check_health()
+                raise EngineDeadError("a worker closed the broadcast queue") from None
 
     def collective_rpc(
         self,
