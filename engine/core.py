@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import time
 import weakref
 from typing import Any, Iterable, Sequence
@@ -46,17 +47,18 @@ class EngineCore:
         try:
             self.kv_cache_config = self._initialize_kv_caches()
             self.startup_timings = self._gather_startup_timings(time.perf_counter() - start)
+            # Inside the try: a bad tokenizer.json must not leave the workers running.
+            self.tokenizer = Tokenizer.from_dir(config.model)
+            self.scheduler = Scheduler(
+                max_num_seqs=config.scheduler_config.max_num_seqs,
+                max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+                max_model_len=config.scheduler_config.max_model_len,
+                block_manager=KVBlockManager(self.kv_cache_config.num_blocks, self.kv_cache_config.block_size),
+                eos_token_id=self._eos_token_id(),
+            )
         except BaseException:
             self.shutdown()
             raise
-        self.tokenizer = Tokenizer.from_dir(config.model)
-        self.scheduler = Scheduler(
-            max_num_seqs=config.scheduler_config.max_num_seqs,
-            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
-            max_model_len=config.scheduler_config.max_model_len,
-            block_manager=KVBlockManager(self.kv_cache_config.num_blocks, self.kv_cache_config.block_size),
-            eos_token_id=self._eos_token_id(),
-        )
         self._request_counter = itertools.count()
         self._requests: dict[str, Request] = {}
 
@@ -118,6 +120,27 @@ class EngineCore:
 
     def check_health(self) -> None:
         self.model_executor.check_health()
+
+    def save_sharded_state(self, path: str, max_size: int | None = None) -> None:
+        """Write a `load_format="sharded_state"` checkpoint of the loaded model to `path`.
+
+        Every rank writes its own shard to `model-rank-{rank}-part-{part}.safetensors`
+        (parts of at most `max_size` bytes; shared tensors once); config.json,
+        generation_config.json and tokenizer files are copied alongside. Sharded-state
+        files of an earlier save in `path` are removed first. Load the result with the
+        same tensor_parallel_size."""
+        from model_loader.sharded_state_loader import (
+            copy_model_metadata_files,
+            remove_sharded_state_files,
+            save_sharded_state_on_worker,
+        )
+
+        if max_size is not None and max_size <= 0:
+            raise ValueError(f"max_size={max_size!r} must be > 0 bytes (or None for one part per rank)")
+        os.makedirs(path, exist_ok=True)
+        remove_sharded_state_files(path)
+        self.collective_rpc(save_sharded_state_on_worker, args=(os.fspath(path), max_size))
+        copy_model_metadata_files(self.config.model, path)
 
     # ------------------------------------------------------------------ requests
 

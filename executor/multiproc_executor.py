@@ -87,7 +87,7 @@ class MultiprocExecutor(Executor):
                 target=WorkerProc.worker_main,
                 name=f"WorkerProc-TP{rank}",
                 args=(self.config, rank, rank, init_method, self._broadcast_creator.export_handle(),
-                      self._reply_creators[rank].export_handle(), ready_w, death_r),
+                      self._reply_creators[rank].export_handle(), ready_w, death_r, self._ipc_dir),
                 daemon=True,
             )
             proc.start()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -37,13 +38,17 @@ def _set_parent_death_signal() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def _watch_death_pipe(death_conn: Connection) -> None:
+def _watch_death_pipe(death_conn: Connection, ipc_dir: str) -> None:
     """EOF on the death pipe means the engine closed it (shutdown) or died: leave now.
-    os._exit skips interpreter teardown, which could block on a half-dead group."""
+    os._exit skips interpreter teardown, which could block on a half-dead group.
+
+    A dead engine cannot remove its private directory (socket files, rendezvous store),
+    so every rank does; on a normal shutdown the engine has no more use for it either."""
     try:
         death_conn.recv()
     except (EOFError, OSError):
         pass
+    shutil.rmtree(ipc_dir, ignore_errors=True)
     os._exit(0)
 
 
@@ -60,7 +65,7 @@ class WorkerProc:
     @staticmethod
     def worker_main(config: Any, rank: int, local_rank: int, distributed_init_method: str | None,
                     broadcast_handle: MessageQueueHandle, reply_handle: MessageQueueHandle,
-                    ready_conn: Connection, death_conn: Connection) -> None:
+                    ready_conn: Connection, death_conn: Connection, ipc_dir: str) -> None:
         """Process entry point (the multiprocessing target)."""
         _set_parent_death_signal()
         # Ctrl-C reaches the whole process group; the engine decides how to stop us.
@@ -68,7 +73,7 @@ class WorkerProc:
         # tqdm's default lock is a multiprocessing semaphore that a worker ending in
         # os._exit would leak to the resource tracker; one process needs only a thread lock.
         tqdm.set_lock(threading.RLock())
-        threading.Thread(target=_watch_death_pipe, args=(death_conn,), name="death-pipe", daemon=True).start()
+        threading.Thread(target=_watch_death_pipe, args=(death_conn, ipc_dir), name="death-pipe", daemon=True).start()
         try:
             proc = WorkerProc(config, rank, local_rank, distributed_init_method, broadcast_handle, reply_handle)
             proc.reply.wait_until_ready(timeout=60)
@@ -100,7 +105,12 @@ class WorkerProc:
             # Ranks that are not asked stay silent: nobody drains their reply ring for
             # this call, and unread replies would eventually block the writer.
             if must_reply:
-                self.reply.enqueue(reply)
+                try:
+                    self.reply.enqueue(reply)
+                except Exception as e:  # noqa: BLE001 - the result did not pickle; nothing was sent
+                    self.reply.enqueue(RPCReply(request.call_id, self.rank, False,
+                                                error=f"cannot send the result back: {type(e).__name__}: {e}",
+                                                traceback=traceback.format_exc()))
 
     def close(self) -> None:
         self.worker.shutdown()

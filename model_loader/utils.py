@@ -8,6 +8,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from models.layers.quantization import set_current_quant_config
 from models.registry import ModelRegistry
 
 
@@ -31,7 +32,9 @@ def initialize_model(config: Any, prefix: str = "") -> nn.Module:
     """Construct the architecture on the current default device and dtype. Parameters are
     allocated but uninitialised: a loader must fill every one of them."""
     model_cls, _ = get_model_architecture(config)
-    return model_cls(config, prefix=prefix)
+    # Linear layers built inside pick their quant_method from the current config.
+    with set_current_quant_config(getattr(config, "quant_config", None)):
+        return model_cls(config, prefix=prefix)
 
 
 def process_weights_after_loading(model: nn.Module, config: Any, target_device: torch.device) -> None:

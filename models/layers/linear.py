@@ -13,10 +13,15 @@ the checkpoint (or by the dummy loader).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.errors import WeightLoadError
+from models.layers.quantization import (
+    LinearMethodBase,
+    QuantizationConfig,
+    UnquantizedLinearMethod,
+    get_current_quant_config,
+)
 from models.layers.weight_utils import copy_checked, narrow_for_rank, set_weight_attrs
 from worker.parallel_state import (
     get_tensor_model_parallel_rank,
@@ -41,10 +46,22 @@ def _check_full_dim(loaded: torch.Tensor, dim: int, expected: int, what: str) ->
 
 
 class LinearBase(nn.Module):
-    """Holds `weight` [out_per_rank, in_per_rank] and an optional `bias`."""
+    """Holds `weight` [out_per_rank, in_per_rank] and an optional `bias`.
 
-    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+    `quant_method` computes the product: `UnquantizedLinearMethod` (plain F.linear)
+    unless a quantisation config is given, or is current while the model is built
+    (`models.layers.quantization.set_current_quant_config`). After loading,
+    `quant_method.process_weights_after_loading(self)` may replace `weight`.
+    """
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, quant_config: QuantizationConfig | None = None
+    ) -> None:
         super().__init__()
+        if quant_config is None:
+            quant_config = get_current_quant_config()
+        method = quant_config.get_linear_method(self) if quant_config is not None else None
+        self.quant_method: LinearMethodBase = method if method is not None else UnquantizedLinearMethod()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.input_size = input_size
@@ -68,16 +85,23 @@ class ReplicatedLinear(LinearBase):
         copy_checked(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
     """y = xA^T + b with A split along its output dim: rank r holds rows [r*n, (r+1)*n)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        gather_output: bool = False,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         tp_size = get_tensor_model_parallel_world_size()
         self.total_output_size = output_size
-        super().__init__(input_size, _divide(output_size, tp_size, "output_size"), bias)
+        super().__init__(input_size, _divide(output_size, tp_size, "output_size"), bias, quant_config)
         self.gather_output = gather_output
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -86,7 +110,7 @@ class ColumnParallelLinear(LinearBase):
         copy_checked(param.data, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
         return tensor_model_parallel_all_gather(y) if self.gather_output else y
 
 
@@ -97,9 +121,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     output splits cleanly into per-projection halves with no communication.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, quant_config=quant_config)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | None = None) -> None:
         if shard_id is None:
@@ -124,7 +154,13 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(
-        self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         tp_size = get_tensor_model_parallel_world_size()
         self.head_size = head_size
@@ -144,7 +180,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_head_replicas = 1
         output_per_rank = (self.num_heads + 2 * self.num_kv_heads) * head_size
         # The base class divides by tp_size, so hand it the "total" that gives our per-rank width.
-        super().__init__(hidden_size, output_per_rank * tp_size, bias)
+        super().__init__(hidden_size, output_per_rank * tp_size, bias, quant_config=quant_config)
         self.total_output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None) -> None:
@@ -168,10 +204,17 @@ class RowParallelLinear(LinearBase):
     The bias is added once, after the all-reduce, so it is not counted tp_size times.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        reduce_results: bool = True,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         tp_size = get_tensor_model_parallel_world_size()
         self.total_input_size = input_size
-        super().__init__(_divide(input_size, tp_size, "input_size"), output_size, bias)
+        super().__init__(_divide(input_size, tp_size, "input_size"), output_size, bias, quant_config)
         self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -183,7 +226,7 @@ class RowParallelLinear(LinearBase):
         copy_checked(param.data, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.quant_method.apply(self, x)  # the bias is added once, after the reduce
         if self.reduce_results and self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:

@@ -1,0 +1,28 @@
+"""GGUFModelLoader: llama.cpp GGUF files (load_format "gguf").
+
+`model` is a .gguf file or a directory holding exactly one. The architecture and sizes
+come from the GGUF metadata (`EngineConfig` builds `hf_config` with
+`model_loader.gguf_utils.gguf_hf_config`); tensors are renamed to their HF names,
+dequantised (F32/F16/BF16, Q8_0, Q4_0, …) and un-permuted (llama q/k), then fed through
+the model's normal `load_weights`, so each rank keeps only its TP slice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from model_loader.base_loader import BaseModelLoader
+from model_loader.default_loader import check_all_weights_loaded
+from model_loader.gguf_utils import find_gguf_file, gguf_weights_iterator
+
+
+class GGUFModelLoader(BaseModelLoader):
+    def download_model(self, model_config: Any) -> None:
+        find_gguf_file(model_config.model)  # local files only: fail early when there is none
+
+    def load_weights(self, model: nn.Module, model_config: Any) -> None:
+        path = find_gguf_file(model_config.model)
+        loaded = model.load_weights(gguf_weights_iterator(path, model_config.hf_config))
+        check_all_weights_loaded(model, loaded, str(path))
