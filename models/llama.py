@@ -30,6 +30,10 @@ def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
+def head_dim(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -42,12 +46,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf_config: Any, qkv_bias: bool) -> None:
+    def __init__(self, hf_config: Any, qkv_bias: bool, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         hidden_size = hf_config.hidden_size
         total_heads = hf_config.num_attention_heads
         total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_heads
-        self.head_dim = getattr(hf_config, "head_dim", None) or hidden_size // total_heads
+        self.head_dim = head_dim(hf_config)
         self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
@@ -56,8 +60,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             total_heads * self.head_dim, hidden_size, bias=getattr(hf_config, "attention_out_bias", False)
         )
-        theta, scaling = rope_settings(hf_config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, hf_config.max_position_embeddings, theta, scaling)
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
     def forward(
@@ -70,9 +73,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, qkv_bias: bool) -> None:
+    def __init__(self, hf_config: Any, qkv_bias: bool, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(hf_config, qkv_bias)
+        self.self_attn = LlamaAttention(hf_config, qkv_bias, rotary_emb)
         self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, getattr(hf_config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -95,11 +98,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config: Any, qkv_bias: bool) -> None:
+    def __init__(self, hf_config: Any, qkv_bias: bool, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        theta, scaling = rope_settings(hf_config)
+        # One cos/sin table for all layers, sized to the positions the engine can reach.
+        rotary_emb = RotaryEmbedding(head_dim(hf_config), max_positions, theta, scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, qkv_bias) for _ in range(hf_config.num_hidden_layers)
+            LlamaDecoderLayer(hf_config, qkv_bias, rotary_emb) for _ in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -133,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         hf_config = config.model_config.hf_config
         self.config = hf_config
-        self.model = LlamaModel(hf_config, self.qkv_bias)
+        self.model = LlamaModel(hf_config, self.qkv_bias, config.model_config.max_model_len)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", self.default_tie_word_embeddings))
         self.lm_head = ParallelLMHead(
             hf_config.vocab_size,

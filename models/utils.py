@@ -75,6 +75,8 @@ class AutoWeightsLoader:
         self, prefix: str, module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> set[str]:
         loaded: set[str] = set()
+        # A fused parameter counts as loaded only once every one of its parts arrived.
+        parts_seen: dict[str, set[str | int]] = {}
         params = dict(module.named_parameters(remove_duplicate=False))
         children = dict(module.named_modules(remove_duplicate=False))
         for ckpt_name, tensor in weights:
@@ -101,5 +103,15 @@ class AutoWeightsLoader:
                     weight_loader(param, tensor, shard_id)
             except WeightLoadError as e:
                 raise WeightLoadError(f"checkpoint tensor {full_name!r} -> parameter {param_name!r}: {e}") from None
-            loaded.add(param_name)
+            if shard_id is None:
+                loaded.add(param_name)
+                continue
+            seen = parts_seen.setdefault(param_name, set())
+            seen.add(shard_id)
+            fused_module = param_name.rsplit(".", 2)[-2]
+            if seen >= self._expected_parts(fused_module):
+                loaded.add(param_name)
         return loaded
+
+    def _expected_parts(self, fused_module: str) -> set[str | int]:
+        return {shard for fused, shard in self.packed_modules_mapping.values() if fused == fused_module}

@@ -1,0 +1,127 @@
+"""Functions that run inside the spawned tensor-parallel test processes.
+
+`tests.conftest.run_tp(fn, world_size, *args)` starts `world_size` processes with the
+"spawn" context and calls `fn(rank, world_size, port, *args)` in each. Spawn pickles
+`fn` by qualified name, so every such function lives here, in an importable module,
+never inside a test.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from typing import Any, Callable
+
+import torch
+
+
+def init_tp(rank: int, world_size: int, port: int) -> None:
+    """gloo process group over loopback + this process's TP group handle."""
+    import torch.distributed as dist
+
+    from worker.parallel_state import set_tensor_parallel_group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    set_tensor_parallel_group(rank, world_size, dist.group.WORLD)
+
+
+def shutdown_tp() -> None:
+    import torch.distributed as dist
+
+    from worker.parallel_state import reset_tensor_parallel_group
+
+    reset_tensor_parallel_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def worker_entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, queue: Any) -> None:
+    """Process target used by `run_tp`: report ("ok", rank, result) or ("error", rank, traceback)."""
+    _die_with_parent()
+    torch.set_num_threads(1)
+    try:
+        # Plain pickle copies tensors by value: no shared-memory handles that would
+        # need this process alive while the parent unpickles.
+        payload = pickle.dumps(fn(rank, world_size, port, *args))
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the test
+        queue.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    else:
+        queue.put(("ok", rank, payload))
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the test process dies, even by SIGKILL."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def compute_logits_on_rank(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(input_ids.numel())
+    with torch.no_grad():
+        return model.compute_logits(model(input_ids, positions))
+
+
+def tp_load_cases(rank: int, world_size: int, port: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Load each case's checkpoint at TP=`world_size` and return {case name: result}.
+
+    A case is {"name", "model", "input_ids", "kwargs" (extra EngineConfig keywords),
+    "expect_error" (optional: the result is then the error's type name and message)}.
+    Otherwise the result is this rank's full logits [T, vocab], plus a few shapes that
+    show the model really is sharded.
+    """
+    from engine.config import EngineConfig
+    from model_loader import get_model
+
+    init_tp(rank, world_size, port)
+    try:
+        results: dict[str, Any] = {}
+        for case in cases:
+            config = EngineConfig(
+                model=case["model"],
+                dtype="float32",
+                device="cpu",
+                tensor_parallel_size=world_size,
+                use_tqdm_on_load=False,
+                **case.get("kwargs", {}),
+            )
+            if case.get("expect_error"):
+                try:
+                    get_model(config)
+                except Exception as e:  # noqa: BLE001
+                    results[case["name"]] = (type(e).__name__, str(e))
+                else:
+                    results[case["name"]] = None
+                continue
+            model = get_model(config)
+            logits = compute_logits_on_rank(model, case["input_ids"])
+            attn = model.model.layers[0].self_attn
+            results[case["name"]] = {
+                "logits": logits,
+                "num_heads": attn.num_heads,
+                "num_kv_heads": attn.num_kv_heads,
+                "embed_rows": model.model.embed_tokens.weight.shape[0],
+            }
+            del model
+        return results
+    finally:
+        shutdown_tp()
+
+
+def tp_fail_on_rank(rank: int, world_size: int, port: int, bad_rank: int) -> int:
+    """For the run_tp self-test: `bad_rank` raises, the others wait in a collective."""
+    init_tp(rank, world_size, port)
+    try:
+        if rank == bad_rank:
+            raise RuntimeError(f"deliberate failure on rank {rank}")
+        import torch.distributed as dist
+
+        dist.barrier()
+        return rank
+    finally:
+        shutdown_tp()
