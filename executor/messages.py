@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 # `method` value that tells a worker's busy loop to return.
 SHUTDOWN = "__shutdown__"
 
 
-@dataclass(frozen=True)
-class RPCRequest:
+# The two per-call messages are NamedTuples: typed, but pickled as plain tuples, which
+# takes a measurable share of a no-op RPC's round trip off compared with dataclasses.
+class RPCRequest(NamedTuple):
     call_id: int
     method: str | bytes  # a Worker method name, or a cloudpickled fn(worker, *args, **kwargs)
     args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = {}
     reply_rank: int | None = None  # None: every rank replies
 
 
-@dataclass(frozen=True)
-class RPCReply:
+class RPCReply(NamedTuple):
     call_id: int
     rank: int
     ok: bool

@@ -11,6 +11,7 @@ a SHUTDOWN message or a signal ends the process.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import shutil
 import signal
@@ -84,6 +85,10 @@ class WorkerProc:
             os._exit(1)
         ready_conn.send(ReadyMessage(rank, True, os.getpid(), timings=proc.worker.get_timings()))
         ready_conn.close()
+        # Everything allocated so far lives as long as the worker; keeping it out of the
+        # collector's generations spares every later RPC a full-heap pass.
+        gc.collect()
+        gc.freeze()
         proc.busy_loop()
         proc.close()
 

@@ -81,7 +81,8 @@ class Worker:
     @torch.inference_mode()
     def determine_available_memory(self) -> int:
         """Bytes this rank can give the KV cache, after a profile forward pass at
-        max_num_batched_tokens. `kv_cache_memory_bytes`, when set, is returned as is.
+        max_num_batched_tokens. `kv_cache_memory_bytes`, when set, is returned as is,
+        with no profile run.
 
         CUDA: total × gpu_memory_utilization − (memory in use after the profile run,
         with the torch peak instead of the current allocation).
@@ -92,6 +93,10 @@ class Worker:
         cache_config = self.config.cache_config
         runner = self._runner()
         num_tokens = self.config.scheduler_config.max_num_batched_tokens
+        if cache_config.kv_cache_memory_bytes is not None:
+            # The user fixed the budget: a profile run would be measured and thrown away.
+            self.timings["profile"] = time.perf_counter() - start
+            return cache_config.kv_cache_memory_bytes
         if self.platform.device_type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -110,8 +115,6 @@ class Worker:
             budget = cache_config.gpu_memory_utilization * self._memory_at_init / self.world_size
             available = int(budget) - self.model_memory_usage - peak_growth
         self.timings["profile"] = time.perf_counter() - start
-        if cache_config.kv_cache_memory_bytes is not None:
-            return cache_config.kv_cache_memory_bytes
         return max(0, available)
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
