@@ -189,6 +189,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.model = os.fspath(self.model)
+        if self.load_format == "auto" and self.model.endswith(".gguf") and os.path.isfile(self.model):
+            self.load_format = "gguf"  # a single GGUF file can only be read one way
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _choice("device", self.device, DEVICES)
         _choice("dtype", self.dtype, ("auto", *_DTYPES))
@@ -227,6 +229,14 @@ class EngineConfig:
             use_tqdm_on_load=self.use_tqdm_on_load,
         )
         self.cache_config = CacheConfig(self.block_size, self.gpu_memory_utilization, self.kv_cache_memory_bytes)
+        # A Hub repo id is resolved here, once, in the engine process (download or cache
+        # lookup under a file lock, honouring revision / download_dir / ignore_patterns):
+        # workers receive the local snapshot directory. Local paths come back unchanged.
+        from engine.hub import resolve_model
+
+        self.model = resolve_model(
+            self.model, self.revision, self.download_dir, self.load_format, self.load_config.ignore_patterns
+        )
         self.model_config = self._build_model_config()
         max_len = self.model_config.max_model_len
         batched = self.max_num_batched_tokens if self.max_num_batched_tokens is not None else max(max_len, 2048)
@@ -236,9 +246,15 @@ class EngineConfig:
 
     def _build_model_config(self) -> ModelConfig:
         model_dir = Path(self.model)
-        if not model_dir.is_dir():
+        if self.load_format == "gguf":  # the config comes from the GGUF metadata, not config.json
+            from model_loader.gguf_utils import find_gguf_file, gguf_hf_config
+
+            model_dir = find_gguf_file(self.model)
+            hf_config = gguf_hf_config(model_dir)
+        elif not model_dir.is_dir():
             raise ConfigError(f"model={self.model!r} is not a local directory")
-        hf_config = read_hf_config(model_dir)
+        else:
+            hf_config = read_hf_config(model_dir)
         for key in ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             if getattr(hf_config, key, None) is None:
                 raise ConfigError(f"{model_dir / 'config.json'} lacks the required key {key!r}")

@@ -1,4 +1,13 @@
-"""DefaultModelLoader: local safetensors checkpoints (load_format auto / hf / safetensors)."""
+"""DefaultModelLoader: local checkpoints in safetensors or PyTorch `.bin`/`.pt` form.
+
+load_format -> files and iterator:
+  "auto" / "hf"   safetensors when the directory has any, else `.bin` (pt_weights)
+  "safetensors"   safetensors only (a `.bin`-only directory is an error)
+  "pt"            `*.pt`, else `*.bin`, read with torch.load(weights_only=True, mmap=True)
+  "npcache"       `*.bin`, converted once to a memory-mapped numpy cache (npcache.py)
+With `model_loader_extra_config={"enable_multithread_load": True, "num_threads": N}`
+safetensors and pt files are read by N parallel threads (multithread.py).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +18,12 @@ import torch
 from torch import nn
 
 from model_loader.base_loader import BaseModelLoader
+from model_loader.multithread import (
+    multi_thread_pt_weights_iterator,
+    multi_thread_safetensors_weights_iterator,
+    parse_multithread_config,
+)
+from model_loader.pt_weights import pt_weights_iterator
 from model_loader.safetensors_reader import safetensors_weights_iterator
 from model_loader.weight_files import prepare_weight_files
 from models.errors import WeightLoadError
@@ -20,9 +35,18 @@ class DefaultModelLoader(BaseModelLoader):
     """Streams (name, tensor) pairs from the model directory into `model.load_weights`.
 
     Memory: see `safetensors_reader` — parameters plus about one tensor on the default
-    "lazy" strategy. Raises `WeightLoadError` when files are missing or unreadable, and
-    when after the stream any parameter is still unloaded (all of them named).
+    "lazy" strategy; `.bin` files are memory-mapped one at a time (pt_weights). Raises
+    `WeightLoadError` when files are missing or unreadable, when a `.weight`/`.bias`
+    tensor is not floating point (see `check_float_weights`), and when after the stream
+    any parameter is still unloaded (all of them named). An unknown
+    `model_loader_extra_config` key is a ValueError listing the valid ones.
     """
+
+    def __init__(self, load_config: Any) -> None:
+        super().__init__(load_config)
+        self.multithread, self.num_threads = parse_multithread_config(
+            getattr(load_config, "model_loader_extra_config", None), load_config.load_format
+        )
 
     def download_model(self, model_config: Any) -> None:
         model_dir = Path(model_config.model)
@@ -30,25 +54,52 @@ class DefaultModelLoader(BaseModelLoader):
 
     def get_all_weights(self, model_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
         model_dir = Path(model_config.model)
-        files, use_safetensors = prepare_weight_files(
-            model_dir, self.load_config.load_format, self.load_config.ignore_patterns
-        )
-        if not use_safetensors:
-            raise WeightLoadError(
-                f"{model_dir} holds only .bin/.pt weights; load_format={self.load_config.load_format!r} "
-                "reads safetensors files"
-            )
-        return safetensors_weights_iterator(
-            files,
-            strategy=self.load_config.safetensors_load_strategy,
-            prefetch_num_threads=self.load_config.safetensors_prefetch_num_threads,
-            prefetch_block_size=self.load_config.safetensors_prefetch_block_size,
-            use_tqdm=self.load_config.use_tqdm_on_load and get_tensor_model_parallel_rank() == 0,
-        )
+        load_format = self.load_config.load_format
+        files, use_safetensors = prepare_weight_files(model_dir, load_format, self.load_config.ignore_patterns)
+        use_tqdm = self.load_config.use_tqdm_on_load and get_tensor_model_parallel_rank() == 0
+        if load_format == "npcache":
+            from model_loader.npcache import np_cache_weights_iterator
+
+            weights = np_cache_weights_iterator(model_dir, self.load_config.download_dir, files)
+        elif use_safetensors:
+            if self.multithread:
+                weights = multi_thread_safetensors_weights_iterator(files, self.num_threads, use_tqdm)
+            else:
+                weights = safetensors_weights_iterator(
+                    files,
+                    strategy=self.load_config.safetensors_load_strategy,
+                    prefetch_num_threads=self.load_config.safetensors_prefetch_num_threads,
+                    prefetch_block_size=self.load_config.safetensors_prefetch_block_size,
+                    use_tqdm=use_tqdm,
+                )
+        elif self.multithread:
+            weights = multi_thread_pt_weights_iterator(files, self.num_threads, use_tqdm)
+        else:
+            weights = pt_weights_iterator(files, use_tqdm)
+        return check_float_weights(weights, model_dir)
 
     def load_weights(self, model: nn.Module, model_config: Any) -> None:
         loaded = model.load_weights(self.get_all_weights(model_config))
         check_all_weights_loaded(model, loaded, model_config.model)
+
+
+def check_float_weights(
+    weights: Iterator[tuple[str, torch.Tensor]], source: Path | str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Refuse a `.weight` / `.bias` tensor that is not floating point.
+
+    Parameters are floating point (float32/16, bfloat16, or float8 for fp8 checkpoints),
+    and `copy_` would silently cast an integer or bool tensor into them, turning a
+    corrupt or foreign checkpoint into garbage logits. Other names (integer buffers such
+    as `position_ids`, which models skip) pass through untouched.
+    """
+    for name, tensor in weights:
+        if name.endswith((".weight", ".bias")) and not tensor.is_floating_point():
+            raise WeightLoadError(
+                f"checkpoint tensor {name!r} in {source} has dtype {tensor.dtype}, but weights must be floating "
+                "point: the checkpoint is corrupt or not for this model"
+            )
+        yield name, tensor
 
 
 def check_all_weights_loaded(model: nn.Module, loaded: set[str], source: str) -> None:

@@ -12,6 +12,11 @@ _BUILTIN_LOADERS: dict[str, str] = {
     "auto": "model_loader.default_loader:DefaultModelLoader",
     "hf": "model_loader.default_loader:DefaultModelLoader",
     "safetensors": "model_loader.default_loader:DefaultModelLoader",
+    "pt": "model_loader.default_loader:DefaultModelLoader",
+    "npcache": "model_loader.default_loader:DefaultModelLoader",
+    "dummy": "model_loader.dummy_loader:DummyModelLoader",
+    "sharded_state": "model_loader.sharded_state_loader:ShardedStateLoader",
+    "gguf": "model_loader.gguf_loader:GGUFModelLoader",
 }
 _USER_LOADERS: dict[str, type["BaseModelLoader"]] = {}
 

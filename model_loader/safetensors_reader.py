@@ -130,6 +130,16 @@ def _iterate_eager(path: Path, entries: list[TensorEntry]) -> Iterator[tuple[str
         yield entry.name, _tensor_from_buffer(buffer, entry, base)
 
 
+def read_safetensors_file(path: Path, entries: list[TensorEntry] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """Read one file's tensor bytes into a single private buffer (one `readinto`, which
+    releases the GIL, so threads can read files in parallel) and return (name, tensor)
+    views of it. `entries` from `read_safetensors_header` skips re-parsing the header.
+    Used by the multi-threaded iterator; peak memory is the file's size."""
+    if entries is None:
+        entries = read_safetensors_header(path)[0]
+    return list(_iterate_eager(path, entries))
+
+
 def _prefetch_file(path: Path, block_size: int, num_threads: int) -> None:
     """Read the file once in blocks, in parallel, so later page faults hit the page cache."""
     size = path.stat().st_size

@@ -21,7 +21,35 @@ ALLOW_PATTERNS: dict[str, list[str]] = {
     "safetensors": ["*.safetensors"],
     "pt": ["*.pt", "*.bin"],
     "npcache": ["*.bin"],
+    # Written by EngineCore.save_sharded_state (scripts/save_sharded_state.py); one set per TP rank.
+    "sharded_state": ["model-rank-*-part-*.safetensors"],
+    # Random weights: nothing to read or download but config.json.
+    "dummy": [],
 }
+
+# Non-weight files a model directory needs besides its weights: config, generation
+# config, tokenizer. `engine.hub` downloads these for every load format, and
+# `save_sharded_state` copies them next to the sharded weights.
+CONFIG_PATTERNS: list[str] = [
+    "*.json",
+    "tokenizer.model",
+    "*.tiktoken",
+    "merges.txt",
+    "vocab.txt",
+    "*.jinja",
+]
+
+# Files that hold weights in some format; never copied as "metadata".
+WEIGHT_FILE_PATTERNS: list[str] = [
+    "*.safetensors",
+    "*.bin",
+    "*.pt",
+    "*.pth",
+    "*.gguf",
+    "*.npy",
+    "*.safetensors.index.json",
+    "*.bin.index.json",
+]
 
 # Files that match the patterns but hold optimizer or trainer state, never weights.
 TRAINING_FILES = frozenset(
