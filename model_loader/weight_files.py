@@ -25,6 +25,7 @@ ALLOW_PATTERNS: dict[str, list[str]] = {
     "sharded_state": ["model-rank-*-part-*.safetensors"],
     # Random weights: nothing to read or download but config.json.
     "dummy": [],
+    "gguf": ["*.gguf"],
 }
 
 # Non-weight files a model directory needs besides its weights: config, generation

@@ -22,7 +22,7 @@ from models.layers.quantization import (
     UnquantizedLinearMethod,
     get_current_quant_config,
 )
-from models.layers.weight_utils import copy_checked, narrow_for_rank, set_weight_attrs
+from models.layers.weight_utils import copy_checked, load_whole, narrow_for_rank, set_weight_attrs
 from worker.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -82,7 +82,7 @@ class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight."""
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        copy_checked(param.data, loaded_weight)
+        load_whole(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
@@ -107,7 +107,7 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         _check_full_dim(loaded_weight, 0, self.total_output_size, "column-parallel output dim")
         shard = narrow_for_rank(loaded_weight, 0, param.shape[0], self.tp_rank, "column-parallel")
-        copy_checked(param.data, shard)
+        load_whole(param, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x, self.bias)
@@ -219,11 +219,11 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if param.dim() == 1:  # bias: replicated
-            copy_checked(param.data, loaded_weight)
+            load_whole(param, loaded_weight)
             return
         _check_full_dim(loaded_weight, 1, self.total_input_size, "row-parallel input dim")
         shard = narrow_for_rank(loaded_weight, 1, param.shape[1], self.tp_rank, "row-parallel")
-        copy_checked(param.data, shard)
+        load_whole(param, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x)  # the bias is added once, after the reduce

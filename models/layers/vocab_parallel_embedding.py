@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.errors import WeightLoadError
-from models.layers.weight_utils import set_weight_attrs
+from models.layers.weight_utils import load_whole, set_weight_attrs
 from worker.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -53,6 +53,9 @@ class VocabParallelEmbedding(nn.Module):
             )
         start = min(self.vocab_start_index, self.num_embeddings)
         end = min(self.vocab_end_index, self.num_embeddings)
+        if end - start == param.shape[0]:  # no padding rows on this rank
+            load_whole(param, loaded_weight[start:end])
+            return
         param.data[: end - start].copy_(loaded_weight[start:end])
         param.data[end - start :].zero_()
 

@@ -8,7 +8,9 @@ means only the bytes this rank keeps are ever read.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -33,12 +35,44 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str = "") -> None:
     dst.copy_(src)
 
 
+_ALIAS_CHECKPOINT_TENSORS: ContextVar[bool] = ContextVar("alias_checkpoint_tensors", default=False)
+
+
+@contextlib.contextmanager
+def alias_checkpoint_tensors() -> Iterator[None]:
+    """Inside this block, `load_whole` makes a parameter a view of its checkpoint tensor
+    instead of copying it, when the shapes, dtype and device match and the tensor is
+    contiguous. Only a loader whose tensors are backed by a read-only file mapping that
+    may outlive the load (the lazy safetensors reader) may enter it: the parameter then
+    costs no copy and no anonymous memory, only page-cache pages."""
+    token = _ALIAS_CHECKPOINT_TENSORS.set(True)
+    try:
+        yield
+    finally:
+        _ALIAS_CHECKPOINT_TENSORS.reset(token)
+
+
+def load_whole(param: torch.Tensor, src: torch.Tensor, what: str = "") -> None:
+    """Fill all of `param` from `src` (already this rank's slice): alias when allowed, else copy."""
+    if (
+        _ALIAS_CHECKPOINT_TENSORS.get()
+        and isinstance(param, torch.nn.Parameter)
+        and tuple(param.shape) == tuple(src.shape)
+        and src.dtype == param.dtype
+        and src.device == param.device
+        and src.is_contiguous()
+    ):
+        param.data = src
+        return
+    copy_checked(param.data, src, what)
+
+
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-    """Copy a replicated (unsharded) weight."""
+    """Load a replicated (unsharded) weight."""
     if param.numel() == 1 and loaded_weight.numel() == 1:
         param.data.fill_(loaded_weight.item())
         return
-    copy_checked(param.data, loaded_weight)
+    load_whole(param, loaded_weight)
 
 
 def narrow_for_rank(
