@@ -228,8 +228,8 @@ class MultiprocExecutor(Executor):
         return reply.result
 
     def shutdown(self) -> None:
-        """Ask the workers to stop, close the death pipes, then TERM and KILL whatever is
-        left after the grace period; release every queue, segment and socket file."""
+        """Ask the workers to stop, close the death pipes, then SIGKILL whatever is left
+        after the grace period; release every queue, segment and socket file."""
         if self._shutdown_started:
             return
         self._shutdown_started = True
@@ -243,14 +243,12 @@ class MultiprocExecutor(Executor):
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for proc in self.processes:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        # Workers ignore SIGTERM (see WorkerProc), so one still alive now gets SIGKILL.
         for proc in self.processes:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self.processes:
-            proc.join(timeout=2.0)
             if proc.is_alive():
                 proc.kill()
-                proc.join()
+        for proc in self.processes:
+            proc.join()
         for queue in self._queues:
             queue.shutdown()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)

@@ -69,8 +69,10 @@ class WorkerProc:
                     ready_conn: Connection, death_conn: Connection, ipc_dir: str) -> None:
         """Process entry point (the multiprocessing target)."""
         _set_parent_death_signal()
-        # Ctrl-C reaches the whole process group; the engine decides how to stop us.
+        # Ctrl-C, and a SIGTERM sent to the whole process group (systemd, `timeout`),
+        # reach us too; the engine owns our lifetime and stops us itself.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # tqdm's default lock is a multiprocessing semaphore that a worker ending in
         # os._exit would leak to the resource tracker; one process needs only a thread lock.
         tqdm.set_lock(threading.RLock())

@@ -62,12 +62,17 @@ class Sampler:
                 f"logits must be [num_requests={len(requests)}, vocab], got {tuple(logits.shape)}"
             )
         logits = logits.float()
+        # Greedy rows in one argmax (exact, so a row's result does not depend on its
+        # batch) and one host transfer, instead of one small op and sync per row.
+        greedy_rows = [i for i, request in enumerate(requests) if request.sampling_params.is_greedy]
+        greedy_logits = logits if len(greedy_rows) == len(requests) else logits[greedy_rows]
+        greedy = dict(zip(greedy_rows, greedy_logits.argmax(dim=-1).tolist())) if greedy_rows else {}
         tokens: list[int] = []
         all_logprobs: list[dict[int, float] | None] = []
-        # Row by row: per-request generators cannot be batched, and doing every
-        # row the same way keeps a request's result independent of its batch.
-        for row, request in zip(logits, requests):
-            token = self._sample_row(row, request, engine_seed)
+        # The others row by row: per-request generators cannot be batched, and doing
+        # every row the same way keeps a request's result independent of its batch.
+        for i, (row, request) in enumerate(zip(logits, requests)):
+            token = greedy[i] if i in greedy else self._sample_row(row, request, engine_seed)
             tokens.append(token)
             all_logprobs.append(self._logprobs(row, request, token))
         return tokens, all_logprobs

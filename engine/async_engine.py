@@ -1,0 +1,365 @@
+"""AsyncEngine: an EngineCore driven by one background thread, consumed from asyncio.
+
+The core is not thread-safe, so exactly one thread, the engine loop, ever touches it.
+Callers hand it work through a thread-safe command queue (add, abort, shutdown); the
+loop drains that queue, calls `core.step()` while any request is unfinished, and hands
+each `RequestOutput` to its request's `RequestStream` on the consumer's event loop with
+`loop.call_soon_threadsafe` (one call per step and loop, not per token). When idle the
+loop blocks on the queue, waking once per `health_check_interval_s` to check the workers.
+
+Every accepted request ends in exactly one of: a finished output, an error raised from
+its stream (`EngineDeadError` when a worker died, `EngineShutdownError` at shutdown), or
+an abort that its own consumer asked for. A request submitted after the loop stopped is
+refused at once. Outputs are cumulative, so a slow consumer simply skips to the newest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.core import EngineCore
+from engine.metrics import EngineMetrics
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from executor.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+HEALTH_CHECK_INTERVAL_S = 1.0
+
+
+class EngineShutdownError(EngineDeadError):
+    """The engine was shut down while the request was pending, or before it arrived."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted by someone other than its consumer."""
+
+
+_ACCEPTED = object()  # posted to a stream once the core took the request
+
+
+class RequestStream:
+    """The outputs of one request, consumed by `async for` on the loop that created it.
+
+    Each item is the newest cumulative `RequestOutput`; the last has `finished=True`.
+    An engine failure is raised from the iteration. `done` turns True once nothing more
+    will come; a consumer that stops earlier must abort the request (as `generate` does).
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.done = False
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._accepted: asyncio.Future[None] = loop.create_future()
+        # Owned by the engine-loop thread:
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+
+    def _receive(self, item: object) -> None:
+        """On the consumer's loop: take one item posted by the engine thread."""
+        if not self._accepted.done():
+            if item is _ACCEPTED:
+                self._accepted.set_result(None)
+            elif isinstance(item, BaseException):
+                self._accepted.set_exception(item)
+            return
+        if item is not _ACCEPTED:
+            self._queue.put_nowait(item)  # type: ignore[arg-type]
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        # Outputs are cumulative: skip straight to the newest one queued.
+        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        if item.finished:
+            self.done = True
+        return item
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    sampling_params: SamplingParams
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_SHUTDOWN = object()
+
+
+def _deliver(items: list[tuple[RequestStream, object]]) -> None:
+    for stream, item in items:
+        stream._receive(item)
+
+
+class AsyncEngine:
+    """Owns an EngineCore and the single thread that steps it."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        *,
+        metrics: EngineMetrics | None = None,
+        health_check_interval_s: float = HEALTH_CHECK_INTERVAL_S,
+    ) -> None:
+        self.core = core
+        self.metrics = metrics or EngineMetrics()
+        self.dead_event = threading.Event()  # set once the engine died (not at a clean shutdown)
+        self._health_check_interval_s = health_check_interval_s
+        self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders submissions against the loop's exit
+        self._accepting = True
+        self._dead_error: EngineDeadError | None = None
+        self._shutdown_called = False
+        # Engine-loop thread state:
+        self._streams: dict[str, RequestStream] = {}
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, object]]] = {}
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.core.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.config.scheduler_config.max_model_len
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead_error
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the engine loop failed or any worker is gone."""
+        if self._dead_error is not None:
+            raise EngineDeadError(str(self._dead_error))
+        if self._shutdown_called:
+            raise EngineShutdownError("the engine has been shut down")
+        self.core.check_health()
+
+    # -------------------------------------------------------------- requests
+
+    def _to_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"prompt is a string but {self.core.config.model} has no tokenizer.json; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    async def add_request(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Queue a request and wait until the core accepted it.
+
+        Raises ValueError when the core refuses it (the server turns that into a 400),
+        EngineDeadError when the engine is dead or shutting down.
+        """
+        stream = RequestStream(
+            request_id if request_id is not None else f"req-{uuid.uuid4().hex}",
+            self._to_token_ids(prompt),
+            asyncio.get_running_loop(),
+        )
+        self._submit(_Add(stream, sampling_params or SamplingParams()))
+        try:
+            await stream._accepted
+        except asyncio.CancelledError:
+            self.abort(stream.request_id)  # it may have been accepted meanwhile
+            raise
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request; the last has `finished=True`. Leaving the
+        loop early (break, cancellation, client disconnect) aborts the request."""
+        stream = await self.add_request(prompt, sampling_params, request_id)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.done:
+                self.abort(stream.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; unknown or finished ids are a no-op."""
+        with self._lock:
+            if self._accepting:
+                self._commands.put(_Abort(request_id))
+
+    def _submit(self, command: object) -> None:
+        with self._lock:
+            if self._dead_error is not None:
+                raise EngineDeadError(str(self._dead_error))
+            if not self._accepting:
+                raise EngineShutdownError("the engine is shutting down; request refused")
+            self._commands.put(command)
+
+    # ------------------------------------------------------------- shutdown
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Fail whatever is still pending with EngineShutdownError, stop the loop and
+        shut the core down. Idempotent; callable from any thread but the loop's."""
+        with self._lock:
+            if self._shutdown_called:
+                return
+            self._shutdown_called = True
+            self._commands.put(_SHUTDOWN)  # harmless if the loop has already exited
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("the engine loop did not stop within %.0fs; shutting the core down under it", timeout)
+        self.core.shutdown()
+
+    # --------------------------------------------------- the engine-loop thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._process_commands(block=not self.core.has_unfinished_requests()):
+                    self._stop_accepting(EngineShutdownError("the engine was shut down before the request finished"),
+                                         abort_in_core=True)
+                    return
+                if self.core.has_unfinished_requests():
+                    self._step()
+                self._flush()
+        except BaseException as e:  # noqa: BLE001 - any loop failure kills the engine
+            if isinstance(e, EngineDeadError):
+                error = e
+            else:
+                logger.exception("the engine loop failed")
+                error = EngineDeadError(f"the engine loop failed: {type(e).__name__}: {e}")
+                error.__cause__ = e
+            logger.error("engine is dead: %s", error)
+            with self._lock:
+                self._dead_error = error
+            self.metrics.set_healthy(False)
+            self._stop_accepting(error, abort_in_core=False)
+            self.dead_event.set()
+
+    def _process_commands(self, block: bool) -> bool:
+        """Handle every queued command; False once told to shut down."""
+        try:
+            if block:
+                command = self._commands.get(timeout=self._health_check_interval_s)
+            else:
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            if block:
+                self.core.check_health()  # raises EngineDeadError when a worker died while idle
+            return True
+        while True:
+            if command is _SHUTDOWN:
+                return False
+            self._handle(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                self._update_gauges()
+                return True
+
+    def _handle(self, command: object) -> None:
+        if isinstance(command, _Add):
+            stream = command.stream
+            try:
+                self.core.add_request(stream.prompt_token_ids, command.sampling_params, stream.request_id)
+            except Exception as e:  # noqa: BLE001 - refused (ValueError: invalid); the core is unchanged
+                if not isinstance(e, ValueError):
+                    logger.exception("add_request(%s) failed", stream.request_id)
+                self._post(stream, e)
+                return
+            self._streams[stream.request_id] = stream
+            self.metrics.on_request_added(len(stream.prompt_token_ids))
+            self._post(stream, _ACCEPTED)
+        elif isinstance(command, _Abort):
+            self.core.abort_request(command.request_id)
+            aborted = self._streams.pop(command.request_id, None)
+            if aborted is not None:
+                self.metrics.on_request_finished("abort", time.monotonic() - aborted.arrival_time)
+                self._post(aborted, RequestAbortedError(f"request {command.request_id} was aborted"))
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        outputs = self.core.step()
+        self.metrics.on_step(time.perf_counter() - start, len(outputs))
+        now = time.monotonic()
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if stream.first_token_time is None:
+                stream.first_token_time = now
+                self.metrics.on_first_token(now - stream.arrival_time)
+            if output.finished:
+                del self._streams[output.request_id]
+                self.metrics.on_request_finished(output.finish_reason, now - stream.arrival_time)
+            self._post(stream, output)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        scheduler = self.core.scheduler
+        self.metrics.set_scheduler_state(len(scheduler.running), len(scheduler.waiting),
+                                         scheduler.block_manager.usage)
+
+    def _stop_accepting(self, error: EngineDeadError, abort_in_core: bool) -> None:
+        """Refuse new work and fail every pending request (and queued add) with `error`."""
+        with self._lock:
+            self._accepting = False
+        for request_id, stream in self._streams.items():
+            if abort_in_core:
+                self.core.abort_request(request_id)
+            self.metrics.on_request_finished("error")
+            self._post(stream, type(error)(str(error)))
+        self._streams.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                self._post(command.stream, type(error)(str(error)))
+        self._flush()
+
+    def _post(self, stream: RequestStream, item: object) -> None:
+        self._outbox.setdefault(stream._loop, []).append((stream, item))
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:
+                pass  # that event loop is closed: its consumers are gone
