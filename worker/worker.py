@@ -104,6 +104,9 @@ class Worker:
             runner.profile_run(num_tokens)
             torch.cuda.synchronize()
             peak_activation = torch.cuda.max_memory_allocated() - baseline_allocated
+            # Hand the profile's cached blocks back first: mem_get_info counts reserved
+            # memory as used, and the peak is already accounted for above.
+            torch.cuda.empty_cache()
             total, free = self.platform.total_and_free_memory()
             used_now = total - free
             available = int(total * cache_config.gpu_memory_utilization) - used_now - peak_activation
