@@ -7,6 +7,7 @@ idempotent and also runs at garbage collection and at interpreter exit.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import math
@@ -41,6 +42,9 @@ class EngineCore:
             raise TypeError("pass either an EngineConfig or keywords, not both")
         self.config = config
         start = time.perf_counter()
+        # The heap holds torch and the whole stack by now; frozen, it is never rescanned,
+        # which otherwise costs the first RPCs a full collection (~0.15 s measured).
+        gc.freeze()
         self.model_executor: Executor = Executor.get_class(config)(config)
         # The finalizer holds the executor, not self, so the core can be collected.
         self._finalizer = weakref.finalize(self, self.model_executor.shutdown)
