@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight and activation dtype (default auto: the checkpoint's)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default auto: cuda if available")
     p.add_argument("--load-format", default="auto", help="weight loader (default auto)")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="online weight quantisation (default none)")
+    p.add_argument("--revision", default=None, help="Hub revision when MODEL is a repo id")
+    p.add_argument("--download-dir", default=None, help="Hub cache directory when MODEL is a repo id")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own (default 0)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + completion in tokens (default: the model's max_position_embeddings)")
@@ -193,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             kv_bytes = DEMO_KV_CACHE_BYTES if args.model is None else CPU_DEFAULT_KV_CACHE_BYTES
         core = EngineCore(
             model=model, tensor_parallel_size=args.tp, dtype=args.dtype, device=args.device,
-            load_format=args.load_format, seed=args.seed, max_model_len=args.max_model_len,
+            load_format=args.load_format, quantization=args.quantization, revision=args.revision,
+            download_dir=args.download_dir, seed=args.seed, max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
         )

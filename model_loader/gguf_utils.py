@@ -85,8 +85,10 @@ def find_gguf_file(model: str | Path) -> Path:
 
 def open_gguf(path: Path) -> Any:
     """A GGUFReader over a copy-on-write mapping (writable views, nothing copied unless written)."""
-    from gguf import GGUFReader
-
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise WeightLoadError("load_format='gguf' needs the `gguf` package: pip install 'tp-runtime[gguf]'") from None
     try:
         return GGUFReader(path, "c")
     except (OSError, ValueError, KeyError, IndexError) as e:
