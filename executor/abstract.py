@@ -7,6 +7,7 @@ or a user's Executor subclass. All methods are called from the engine's thread.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -15,6 +16,10 @@ if TYPE_CHECKING:
     from worker.kv_cache import KVCacheConfig
 
 RPCMethod = str | Callable[..., Any]
+
+# A step that takes longer than this is treated as a hung rank (TimeoutError naming it),
+# rather than blocking the engine forever.
+EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("TP_EXECUTE_MODEL_TIMEOUT", "300"))
 
 
 class Executor(ABC):
@@ -81,7 +86,12 @@ class Executor(ABC):
         self.collective_rpc("initialize_from_config", args=(kv_cache_config,))
 
     def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":
-        return self.collective_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank)
+        return self.collective_rpc(
+            "execute_model",
+            args=(scheduler_output,),
+            timeout=EXECUTE_MODEL_TIMEOUT_S,
+            unique_reply_rank=self.output_rank,
+        )
 
     def worker_timings(self) -> list[dict[str, float]]:
         return self.collective_rpc("get_timings")
