@@ -22,7 +22,7 @@ from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import load_tokenizer
 from executor.abstract import Executor, RPCMethod
 from worker.kv_cache import KVCacheConfig, KVCacheTooSmallError, kv_cache_config_for
 
@@ -52,7 +52,7 @@ class EngineCore:
             self.kv_cache_config = self._initialize_kv_caches()
             self.startup_timings = self._gather_startup_timings(time.perf_counter() - start)
             # Inside the try: a bad tokenizer.json must not leave the workers running.
-            self.tokenizer = Tokenizer.from_dir(config.model)
+            self.tokenizer = load_tokenizer(config.model, config.load_format)
             self.scheduler = Scheduler(
                 max_num_seqs=config.scheduler_config.max_num_seqs,
                 max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,

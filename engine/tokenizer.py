@@ -10,17 +10,29 @@ Special-token ids are resolved from, in order: ``tokenizer_config.json``
 (``eos_token``/``bos_token`` strings), ``generation_config.json``, then
 ``config.json`` (``eos_token_id``/``bos_token_id``; a list means "any of these",
 and the first is reported as the main id).
+
+GGUF files: :meth:`Tokenizer.from_gguf` rebuilds the tokenizer from the file's
+``tokenizer.ggml.*`` metadata (byte-level BPE, ``tokenizer.ggml.model == "gpt2"``);
+:func:`load_tokenizer` prefers a ``tokenizer.json`` beside the model and falls back to
+the GGUF one for ``load_format="gguf"``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import tokenizers
+
+logger = logging.getLogger(__name__)
+
+# gguf.TokenType values (llama.cpp's llama_token_type).
+_GGUF_TOKEN_CONTROL = 3
+_GGUF_TOKEN_USER_DEFINED = 4
 
 
 class Tokenizer:
@@ -72,6 +84,85 @@ class Tokenizer:
             generation_config=_read_json(root / "generation_config.json"),
             chat_template=chat_template,
         )
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer | None:
+        """The tokenizer stored in a GGUF file's metadata; None if it stores none (or one not supported).
+
+        Supported: ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE, as llama.cpp's
+        convert_hf_to_gguf.py writes Llama 3 / Qwen2 / GPT-2-style tokenizers). Control
+        tokens (type 3) become special tokens, user-defined ones (type 4) added tokens;
+        BOS is prepended by the post-processor when ``tokenizer.ggml.add_bos_token`` is true.
+        """
+        from gguf import GGUFReader  # lazily: only GGUF models need it
+
+        reader = GGUFReader(os.fspath(path), "r")
+
+        def get(key: str, default: Any = None) -> Any:
+            field = reader.fields.get(key)
+            if field is None:
+                return default
+            value = field.contents()
+            return value.item() if hasattr(value, "item") and not isinstance(value, (list, str)) else value
+
+        model = get("tokenizer.ggml.model")
+        if model is None or get("tokenizer.ggml.tokens") is None:
+            return None
+        if model != "gpt2":
+            logger.warning("%s: GGUF tokenizer type %r is not supported (only 'gpt2' byte-level BPE); "
+                           "no tokenizer loaded, pass token ids or put a tokenizer.json beside the file",
+                           path, model)
+            return None
+        tokens: list[str] = list(get("tokenizer.ggml.tokens"))
+        merges: list[str] = list(get("tokenizer.ggml.merges", []))
+        types: list[int] = [int(t) for t in get("tokenizer.ggml.token_type", [])] or [1] * len(tokens)
+        vocab = {tok: i for i, tok in reversed(list(enumerate(tokens)))}  # first id wins on duplicates
+        pairs = []
+        for merge in merges:
+            cut = merge.find(" ", 1)  # as llama.cpp: the first token itself may start with a space
+            pairs.append((merge[:cut], merge[cut + 1:]))
+        tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, pairs))
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = tokenizers.decoders.ByteLevel()
+        specials = [tokens[i] for i, t in enumerate(types) if t == _GGUF_TOKEN_CONTROL]
+        added = [tokens[i] for i, t in enumerate(types) if t == _GGUF_TOKEN_USER_DEFINED]
+        if added:
+            tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in added])
+        if specials:
+            tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in specials])
+
+        def token_id(key: str) -> int | None:
+            value = get(key)
+            return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
+
+        bos_id, eos_id = token_id("tokenizer.ggml.bos_token_id"), token_id("tokenizer.ggml.eos_token_id")
+        add_bos = bool(get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+        add_eos = bool(get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
+        if add_bos or add_eos:
+            single, pair, special_ids = "$A", "$A $B:1", {}
+            if add_bos:
+                bos = tokens[bos_id]
+                single, pair = f"{bos} {single}", f"{bos} $A {bos}:1 $B:1"
+                special_ids[bos] = bos_id
+            if add_eos:
+                eos = tokens[eos_id]
+                single, pair = f"{single} {eos}", f"{pair} {eos}:1"
+                special_ids[eos] = eos_id
+            tok.post_processor = tokenizers.processors.TemplateProcessing(
+                single=single, pair=pair, special_tokens=list(special_ids.items()))
+
+        tokenizer_config: dict[str, Any] = {}
+        model_config: dict[str, Any] = {}
+        if bos_id is not None:
+            tokenizer_config["bos_token"], model_config["bos_token_id"] = tokens[bos_id], bos_id
+        if eos_id is not None:
+            # End-of-turn ids (Llama 3's <|eot_id|>, <|eom_id|>) also end generation.
+            extra = [token_id(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+            tokenizer_config["eos_token"] = tokens[eos_id]
+            model_config["eos_token_id"] = [eos_id, *(i for i in extra if i is not None and i != eos_id)]
+        template = get("tokenizer.chat_template")
+        return cls(tok, tokenizer_config=tokenizer_config, model_config=model_config,
+                   chat_template=template if isinstance(template, str) else None)
 
     @property
     def vocab_size(self) -> int:
@@ -135,6 +226,17 @@ class Tokenizer:
             if ids:
                 return ids
         return []
+
+
+def load_tokenizer(model: str | os.PathLike[str], load_format: str = "auto") -> Tokenizer | None:
+    """The model's tokenizer: ``tokenizer.json`` in directory ``model`` (``Tokenizer.from_dir``), or,
+    for ``load_format="gguf"``, the ``tokenizer.json`` beside the GGUF file, else the GGUF's own."""
+    if load_format != "gguf":
+        return Tokenizer.from_dir(model)
+    from model_loader.gguf_utils import find_gguf_file
+
+    path = find_gguf_file(model)
+    return Tokenizer.from_dir(path.parent) or Tokenizer.from_gguf(path)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

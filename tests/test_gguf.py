@@ -88,7 +88,8 @@ def stored_value(data: np.ndarray, qtype: str) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(arr, raw))
 
 
-def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", arch: str | None = None) -> Path:
+def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", arch: str | None = None,
+               add_tokenizer: bool = False) -> Path:
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = arch or GGUF_ARCH[cfg["architectures"][0]]
     n_layers, n_head = cfg["num_hidden_layers"], cfg["num_attention_heads"]
@@ -109,6 +110,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", arch: str | None = N
     writer.add_file_type(FILE_TYPES[qtype])
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
+    if add_tokenizer:
+        add_bpe_tokenizer(writer, hf_dir, cfg["vocab_size"])
     for name, tensor in read_hf_tensors(hf_dir).items():
         gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
@@ -123,6 +126,33 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", arch: str | None = N
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def add_bpe_tokenizer(writer: Any, hf_dir: Path, vocab_size: int) -> None:
+    """The checkpoint's byte-level BPE tokenizer.json as llama.cpp's convert script stores it
+    (`get_vocab_base`): tokens in id order padded to vocab_size with `[PADi]` user-defined
+    tokens, added special tokens as CONTROL, merges as "a b" strings."""
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    by_id = {i: t for t, i in tok["model"]["vocab"].items()}
+    specials = {a["id"]: a["content"] for a in tok["added_tokens"] if a["special"]}
+    by_id.update(specials)
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i in by_id:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL)
+        else:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.USER_DEFINED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    assert merges, "the tiny tokenizer should have merges"
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types(types)
+    writer.add_add_bos_token(bool(tok_cfg.get("add_bos_token")))
+    writer.add_chat_template(tok_cfg["chat_template"])
 
 
 # ------------------------------------------------------------------ fixtures and helpers
@@ -318,3 +348,107 @@ def test_gguf_tp2(gguf_files, hf_logits):
             else:
                 tp1 = compute_logits_on_rank(load(case["model"]), case["input_ids"])
                 torch.testing.assert_close(got["logits"], tp1, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ tokenizer from GGUF metadata
+
+TOKENIZER_TEXTS = [
+    "Hello, world!",
+    "This is a test of the tokenizer: numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000.",
+    "  leading spaces\tand tabs\nand newlines  ",
+    "The quick brown fox jumps over the lazy dog's back; it's 42.",
+    "a",
+]
+
+
+@pytest.fixture(scope="module")
+def llama_with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama checkpoint WITH its byte-level BPE tokenizer.json (the session ones have none)."""
+    from scripts.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("hf_tok") / "llama", "llama", hidden_size=64,
+                           intermediate_size=128, num_hidden_layers=2, vocab_size=320, seed=11,
+                           with_tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def gguf_with_tokenizer(llama_with_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """That checkpoint as an F32 GGUF with the tokenizer embedded, alone in its directory."""
+    d = tmp_path_factory.mktemp("gguf_tok")
+    path = write_gguf(llama_with_tokenizer, d / "llama-tok.gguf", "F32", add_tokenizer=True)
+    assert not (d / "tokenizer.json").exists()
+    return path
+
+
+def test_tokenizer_from_gguf_matches_tokenizer_json(gguf_with_tokenizer, llama_with_tokenizer):
+    import tokenizers
+
+    from engine.tokenizer import Tokenizer, load_tokenizer
+
+    model_dir = llama_with_tokenizer
+    ref = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ref_wrapped = Tokenizer.from_dir(model_dir)
+    tok = Tokenizer.from_gguf(gguf_with_tokenizer)
+    assert tok is not None
+    for text in TOKENIZER_TEXTS:
+        for special in (True, False):
+            expected = ref.encode(text, add_special_tokens=special).ids
+            assert tok.encode(text, add_special_tokens=special) == expected, (text, special)
+        ids = tok.encode(text)
+        assert ids[0] == ref_wrapped.bos_token_id  # add_bos_token=True -> the post-processor adds BOS
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True) == text
+    assert (tok.bos_token_id, tok.eos_token_id) == (ref_wrapped.bos_token_id, ref_wrapped.eos_token_id)
+    assert (tok.bos_token, tok.eos_token) == (ref_wrapped.bos_token, ref_wrapped.eos_token)
+    assert tok.eos_token_ids == [ref_wrapped.eos_token_id]
+    assert tok.token_to_id("</s>") == ref.token_to_id("</s>")
+    assert tok.encode("</s>", add_special_tokens=False) == ref.encode("</s>", add_special_tokens=False).ids
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages) == ref_wrapped.apply_chat_template(messages)
+    # The directory form and the load_format="gguf" fallback find the same tokenizer.
+    for model in (gguf_with_tokenizer, gguf_with_tokenizer.parent):
+        fallback = load_tokenizer(model, "gguf")
+        assert fallback is not None and fallback.encode(TOKENIZER_TEXTS[0]) == ref.encode(TOKENIZER_TEXTS[0]).ids
+
+
+def test_tokenizer_from_gguf_absent_or_unsupported(gguf_files, llama_with_tokenizer, tmp_path, caplog):
+    from engine.tokenizer import Tokenizer, load_tokenizer
+
+    plain = gguf_files("llama", "F32")  # written without tokenizer metadata
+    assert Tokenizer.from_gguf(plain) is None
+    # A tokenizer.json beside the GGUF file wins over the GGUF's metadata.
+    d = tmp_path / "with_json"
+    d.mkdir()
+    (d / "model.gguf").write_bytes(plain.read_bytes())
+    (d / "tokenizer.json").write_text((llama_with_tokenizer / "tokenizer.json").read_text())
+    assert load_tokenizer(d / "model.gguf", "gguf") is not None
+    # SentencePiece ("llama") tokenizers are not rebuilt: None and a warning naming the type.
+    spm = tmp_path / "spm.gguf"
+    w = gguf.GGUFWriter(str(spm), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>", "\u2581a"])
+    w.add_token_scores([0.0, 0.0, 0.0, -1.0])
+    w.add_token_types([2, 3, 3, 1])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with caplog.at_level("WARNING", logger="engine.tokenizer"):
+        assert Tokenizer.from_gguf(spm) is None
+    assert "'llama'" in caplog.text and "not supported" in caplog.text
+
+
+def test_engine_core_uses_gguf_tokenizer(gguf_with_tokenizer):
+    from engine.core import EngineCore
+    from engine.sampling_params import SamplingParams
+
+    core = EngineCore(model=str(gguf_with_tokenizer), load_format="gguf", device="cpu", dtype="float32",
+                      kv_cache_memory_bytes=1 << 22, max_model_len=128, use_tqdm_on_load=False)
+    try:
+        assert core.tokenizer is not None
+        prompt = "Hello, world! This is a test"
+        (out,) = core.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        assert out.prompt_token_ids == core.tokenizer.encode(prompt)
+        assert len(out.token_ids) == 8
+        assert out.text == core.tokenizer.decode(out.token_ids)
+    finally:
+        core.shutdown()
