@@ -257,6 +257,13 @@ class AsyncEngine:
                     self._step()
                 self._flush()
         except BaseException as e:  # noqa: BLE001 - any loop failure kills the engine
+            with self._lock:
+                stopping = self._shutdown_called
+            if stopping:
+                # shutdown() gave up waiting and stopped the core under us: not a death.
+                self._stop_accepting(EngineShutdownError("the engine was shut down before the request finished"),
+                                     abort_in_core=False)
+                return
             if isinstance(e, EngineDeadError):
                 error = e
             else:

@@ -267,7 +267,8 @@ class EngineConfig:
             dtype = _DTYPES[self.dtype]
         max_positions = int(getattr(hf_config, "max_position_embeddings", 2048))
         max_len = self.max_model_len if self.max_model_len is not None else max_positions
-        _positive("max_model_len", max_len)
+        if max_len < 2:
+            raise ConfigError(f"max_model_len={max_len!r} must be >= 2 (one prompt token and one generated token)")
         if max_len > max_positions:
             raise ConfigError(
                 f"max_model_len={max_len} exceeds the model's max_position_embeddings={max_positions}"

@@ -7,7 +7,6 @@ idempotent and also runs at garbage collection and at interpreter exit.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import math
@@ -42,9 +41,6 @@ class EngineCore:
             raise TypeError("pass either an EngineConfig or keywords, not both")
         self.config = config
         start = time.perf_counter()
-        # The heap holds torch and the whole stack by now; frozen, it is never rescanned,
-        # which otherwise costs the first RPCs a full collection (~0.15 s measured).
-        gc.freeze()
         self.model_executor: Executor = Executor.get_class(config)(config)
         # The finalizer holds the executor, not self, so the core can be collected.
         self._finalizer = weakref.finalize(self, self.model_executor.shutdown)
@@ -58,13 +54,12 @@ class EngineCore:
                 max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
                 max_model_len=config.scheduler_config.max_model_len,
                 block_manager=KVBlockManager(self.kv_cache_config.num_blocks, self.kv_cache_config.block_size),
-                eos_token_id=self._eos_token_id(),
+                eos_token_id=self._eos_token_ids(),
             )
         except BaseException:
             self.shutdown()
             raise
         self._request_counter = itertools.count()
-        self._requests: dict[str, Request] = {}
 
     # ------------------------------------------------------------------ start-up
 
@@ -103,11 +98,11 @@ class EngineCore:
         )
         return timings
 
-    def _eos_token_id(self) -> int | None:
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            return self.tokenizer.eos_token_id
+    def _eos_token_ids(self) -> list[int]:
+        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
+            return list(self.tokenizer.eos_token_ids)
         eos = getattr(self.config.model_config.hf_config, "eos_token_id", None)
-        return eos[0] if isinstance(eos, list) and eos else eos
+        return [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
 
     # ------------------------------------------------------------------ RPC
 
@@ -167,12 +162,10 @@ class EngineCore:
         request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
         request = Request(request_id, self._to_token_ids(prompt), sampling_params or SamplingParams())
         self.scheduler.add_request(request)
-        self._requests[request_id] = request
         return request_id
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
-        self._requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -183,12 +176,7 @@ class EngineCore:
         if not scheduler_output.scheduled:
             return []
         runner_output = self.model_executor.execute_model(scheduler_output)
-        outputs = []
-        for request in self.scheduler.update_from_output(scheduler_output, runner_output):
-            outputs.append(self._make_output(request))
-            if request.is_finished():
-                self._requests.pop(request.request_id, None)
-        return outputs
+        return [self._make_output(r) for r in self.scheduler.update_from_output(scheduler_output, runner_output)]
 
     def _make_output(self, request: Request) -> RequestOutput:
         text = self.tokenizer.decode(request.output_token_ids) if self.tokenizer is not None else ""
@@ -218,12 +206,21 @@ class EngineCore:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids: list[str] = []
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
+        try:
+            for prompt, sp in zip(prompts, params):
+                ids.append(self.add_request(prompt, sp))
+            while len(final) < len(ids):
+                for out in self.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            # A refused prompt or an interrupted loop must not leave the others running.
+            for request_id in ids:
+                if request_id not in final:
+                    self.abort_request(request_id)
+            raise
         return [final[i] for i in ids]
 
     # ------------------------------------------------------------------ shutdown

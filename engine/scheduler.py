@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Collection
 
 from engine.block_manager import KVBlockManager
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -40,7 +41,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         block_manager: KVBlockManager,
-        eos_token_id: int | None,
+        eos_token_id: int | Collection[int] | None,
         long_prefill_token_threshold: int = 0,
     ) -> None:
         if max_num_seqs < 1:
@@ -57,7 +58,13 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_manager = block_manager
-        self.eos_token_id = eos_token_id
+        # Several ids can end generation (e.g. Llama 3's <|eot_id|> beside </s>).
+        if eos_token_id is None:
+            self.eos_token_ids: frozenset[int] = frozenset()
+        elif isinstance(eos_token_id, int):
+            self.eos_token_ids = frozenset({eos_token_id})
+        else:
+            self.eos_token_ids = frozenset(eos_token_id)
         self.long_prefill_token_threshold = long_prefill_token_threshold
 
         self.requests: dict[str, Request] = {}  # unfinished requests only
@@ -241,7 +248,7 @@ class Scheduler:
         """Stop conditions on the newest token; "stop" wins over "length"."""
         params = request.sampling_params
         last = request.output_token_ids[-1]
-        if not params.ignore_eos and self.eos_token_id is not None and last == self.eos_token_id:
+        if not params.ignore_eos and last in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED

@@ -71,12 +71,13 @@ class MultiprocExecutor(Executor):
         ws = self.world_size
         # A FileStore in our private directory: no port to pick, nothing on the network.
         init_method = f"file://{os.path.join(self._ipc_dir, 'dist_store')}"
-        self._broadcast_creator = MessageQueue(ws, ipc_dir=self._ipc_dir)
-        self._reply_creators = [MessageQueue(1, ipc_dir=self._ipc_dir) for _ in range(ws)]
-        self._queues += [self._broadcast_creator, *self._reply_creators]
-        self._broadcast = MessageQueue.attach(self._broadcast_creator.export_handle(), writer=True)
-        self._replies = [MessageQueue.attach(q.export_handle(), reader_rank=0) for q in self._reply_creators]
-        self._queues += [self._broadcast, *self._replies]
+        # Each queue is recorded as soon as it exists, so a failure part-way still releases it.
+        self._broadcast_creator = self._track(MessageQueue(ws, ipc_dir=self._ipc_dir))
+        self._reply_creators = [self._track(MessageQueue(1, ipc_dir=self._ipc_dir)) for _ in range(ws)]
+        self._broadcast = self._track(MessageQueue.attach(self._broadcast_creator.export_handle(), writer=True))
+        self._replies = [
+            self._track(MessageQueue.attach(q.export_handle(), reader_rank=0)) for q in self._reply_creators
+        ]
 
         ctx = _mp_context()
         ready_readers: list[Connection] = []
@@ -98,13 +99,17 @@ class MultiprocExecutor(Executor):
             ready_readers.append(ready_r)
             self._death_writers.append(death_w)
         self.startup_timings["spawn"] = time.perf_counter() - start
-        self.ready_timings = self._wait_for_ready(ready_readers)
+        self._wait_for_ready(ready_readers)
         self._broadcast.wait_until_ready(timeout=60)
         for queue in (self._broadcast_creator, *self._reply_creators):
             queue.unlink()
         self.startup_timings["startup_total"] = time.perf_counter() - start
         self._monitor = threading.Thread(target=self._monitor_workers, name="worker-monitor", daemon=True)
         self._monitor.start()
+
+    def _track(self, queue: MessageQueue) -> MessageQueue:
+        self._queues.append(queue)
+        return queue
 
     def _wait_for_ready(self, ready_readers: list[Connection]) -> list[dict[str, float]]:
         timings: list[dict[str, float]] = [{} for _ in ready_readers]
@@ -167,24 +172,23 @@ class MultiprocExecutor(Executor):
         for queue in self._replies:
             queue.shutdown()
 
-    @property
-    def is_failed(self) -> bool:
-        return self._failure is not None
-
     def check_health(self) -> None:
         if self._failure is not None:
             raise EngineDeadError(self._failure)
         if self._shutdown_started:
             raise EngineDeadError("the executor has been shut down")
 
-    def _enqueue(self, request: RPCRequest) -> None:
+    def _enqueue(self, request: RPCRequest, deadline: float | None, name: str) -> None:
         while True:
             self.check_health()
+            slice_s = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
             try:
-                self._broadcast.enqueue(request, timeout=1.0)
+                self._broadcast.enqueue(request, timeout=slice_s)
                 return
             except TimeoutError:
-                continue  # the ring is full: a rank is slow, or dead and about to be noticed
+                # The ring is full: a rank is slow, stuck, or dead and about to be noticed.
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"collective_rpc({name!r}) timed out: a rank stopped reading requests") from None
             except QueueClosedError:
                 self.check_health()
                 raise EngineDeadError("a worker closed the broadcast queue") from None
@@ -205,7 +209,7 @@ class MultiprocExecutor(Executor):
         with self._rpc_lock:
             self._call_id += 1
             call_id = self._call_id
-            self._enqueue(RPCRequest(call_id, payload, tuple(args), dict(kwargs or {}), unique_reply_rank))
+            self._enqueue(RPCRequest(call_id, payload, tuple(args), dict(kwargs or {}), unique_reply_rank), deadline, name)
             ranks = [unique_reply_rank] if unique_reply_rank is not None else range(self.world_size)
             results = [self._await_reply(rank, call_id, name, deadline, timeout) for rank in ranks]
         return results[0] if unique_reply_rank is not None else results

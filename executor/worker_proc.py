@@ -109,6 +109,10 @@ class WorkerProc:
             except Exception as e:
                 reply = RPCReply(request.call_id, self.rank, False, error=f"{type(e).__name__}: {e}",
                                  traceback=traceback.format_exc())
+                if not must_reply:
+                    # Nobody will read this rank's reply; its stderr is the only trace left.
+                    print(f"[rank {self.rank}] {request.method if isinstance(request.method, str) else 'callable'} "
+                          f"failed:\n{reply.traceback}", file=sys.stderr, flush=True)
             # Ranks that are not asked stay silent: nobody drains their reply ring for
             # this call, and unread replies would eventually block the writer.
             if must_reply:

@@ -136,6 +136,13 @@ def save_sharded_state_on_worker(worker: Any, path: str, max_size: int | None = 
     runner = worker.model_runner
     if runner is None or runner.model is None:
         raise RuntimeError(f"rank {worker.rank}: no model is loaded, nothing to save")
+    if worker.config.quantization is not None:
+        # The loader builds the unquantised module, so quantised tensors and their scales
+        # would not load back; save the original checkpoint's precision instead.
+        raise ValueError(
+            f"save_sharded_state does not support quantization={worker.config.quantization!r}; "
+            "save from an engine without online quantization"
+        )
     return save_sharded_model(runner.model, path, worker.rank, worker.world_size, max_size)
 
 

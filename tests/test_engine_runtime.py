@@ -315,3 +315,12 @@ def test_bad_multiproc_method_is_rejected(tiny_models, monkeypatch):
         EngineCore(engine_config(tiny_models["llama"], tp=2))
     assert shm_segments() == shm_before
     assert live_children() <= children_before
+
+
+def test_generate_refusing_a_prompt_leaves_no_request_behind(engine_tp2):
+    vocab = engine_tp2.config.model_config.vocab_size
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine_tp2.generate([[1, 2, 3], [vocab + 5]], SamplingParams(max_tokens=4, temperature=0))
+    assert not engine_tp2.has_unfinished_requests()
+    out = engine_tp2.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4

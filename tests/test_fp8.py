@@ -215,3 +215,15 @@ def test_fp8_tp2(tiny_models, hf_logits):
             assert 1e-4 < err < LOGITS_REL_TOL, (case["name"], err)  # quantised, and close
             assert rel_err(got["logits"], tp1) < LOGITS_REL_TOL
         torch.testing.assert_close(results[0][case["name"]]["logits"], results[1][case["name"]]["logits"])
+
+
+def test_save_sharded_state_refuses_a_quantized_model(tiny_models, tmp_path):
+    from engine.core import EngineCore
+    from executor.errors import RemoteWorkerError
+
+    with EngineCore(model=str(tiny_models["llama"]), device="cpu", dtype="float32", quantization="fp8",
+                    kv_cache_memory_bytes=1 << 20, max_model_len=64, use_tqdm_on_load=False) as core:
+        # In-process at TP=1 the worker's error reaches us as is; through processes, wrapped.
+        with pytest.raises((ValueError, RemoteWorkerError), match="quantization='fp8'"):
+            core.save_sharded_state(str(tmp_path / "out"))
+    assert not list((tmp_path / "out").glob("model-rank-*.safetensors"))

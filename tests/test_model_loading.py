@@ -338,6 +338,12 @@ def test_invalid_choice_names_field_and_allowed_values(
         assert repr(choice) in message, f"{choice!r} missing from {message!r}"
 
 
+@pytest.mark.parametrize("max_model_len", [0, 1, 100_000])
+def test_max_model_len_out_of_range_is_a_config_error(tiny_models: dict[str, Path], max_model_len: int) -> None:
+    with pytest.raises(ConfigError, match=rf"max_model_len={max_model_len}"):
+        EngineConfig(model=str(tiny_models["llama"]), max_model_len=max_model_len)
+
+
 # ----------------------------------------------------------------- loader framework
 
 

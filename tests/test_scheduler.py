@@ -469,3 +469,10 @@ def test_messages_are_picklable() -> None:
     out = sched.schedule()
     clone = pickle.loads(pickle.dumps(out))
     assert clone == out
+
+
+def test_any_of_several_eos_ids_stops() -> None:
+    # Llama 3 style: </s> and <|eot_id|> both end generation.
+    req = run_one(make_request("a", 3, max_tokens=10), [11, 12, 7, 13], eos_token_id=[EOS, 7])
+    assert req.output_token_ids == [11, 12, 7]
+    assert req.finish_reason == "stop"
