@@ -12,6 +12,7 @@ behind the same interface.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,16 @@ from torch import nn
 # Decode sequences are attended in groups whose padded K/V context (gathered from the
 # paged cache) stays under this many bytes; see Attention._decode_attention.
 DECODE_GROUP_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode sequences attended in one SDPA call, with their gather indices and mask."""
+
+    rows: torch.Tensor | None  # positions in the decode batch; None = all of it, in order
+    blocks: torch.Tensor  # [G * num_blocks] cache block ids to gather (padding clamped to 0)
+    mask: torch.Tensor  # [1, G, 1, ctx_len]: True where a key is real context
+    ctx_len: int
 
 
 @dataclass
@@ -36,6 +47,49 @@ class AttentionMetadata:
     seq_lens: list[int]
     query_start_loc: list[int]  # num_seqs + 1 entries
     block_size: int
+
+    # Derived once per step, on first use by the first layer, then shared by all layers.
+    @cached_property
+    def slot_blocks_and_offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.slot_mapping // self.block_size, self.slot_mapping % self.block_size
+
+    def decode_groups(self, bytes_per_token: int, device: torch.device) -> list[DecodeGroup]:
+        """The grouping of the decode sequences (see Attention._decode_attention), built
+        by the first layer and reused by the others (they share `bytes_per_token`)."""
+        cache: dict[int, list[DecodeGroup]] = self.__dict__.setdefault("_decode_groups", {})
+        if bytes_per_token not in cache:
+            cache[bytes_per_token] = self._build_decode_groups(bytes_per_token, device)
+        return cache[bytes_per_token]
+
+    def _build_decode_groups(self, bytes_per_token: int, device: torch.device) -> list[DecodeGroup]:
+        seqs, block_size = self.decode_seqs, self.block_size
+        order = sorted(range(len(seqs)), key=lambda t: self.seq_lens[seqs[t]])
+        members: list[list[int]] = [[]]
+        for t in order:
+            padded_len = -(-self.seq_lens[seqs[t]] // block_size) * block_size
+            if members[-1] and (len(members[-1]) + 1) * padded_len * bytes_per_token > DECODE_GROUP_BYTES:
+                members.append([])
+            members[-1].append(t)
+        identity = len(members) == 1 and order == list(range(len(seqs)))
+        groups = []
+        for member in members:
+            group_seqs = [seqs[t] for t in member]
+            seq_lens = torch.tensor([self.seq_lens[i] for i in group_seqs], dtype=torch.long, device=device)
+            num_blocks = -(-max(self.seq_lens[i] for i in group_seqs) // block_size)
+            ctx_len = num_blocks * block_size
+            table_rows = torch.tensor(group_seqs, dtype=torch.long, device=self.block_tables.device)
+            # Table padding is masked out below; clamp it so any fill value is a valid index.
+            blocks = self.block_tables[table_rows, :num_blocks].clamp(min=0).reshape(-1).to(device)
+            mask = (torch.arange(ctx_len, device=device) < seq_lens.unsqueeze(1)).view(1, len(member), 1, ctx_len)
+            rows = None if identity else torch.tensor(member, dtype=torch.long, device=device)
+            groups.append(DecodeGroup(rows, blocks, mask, ctx_len))
+        return groups
+
+    @cached_property
+    def decode_seqs(self) -> list[int]:
+        """Sequences whose chunk is a single query token."""
+        qsl = self.query_start_loc
+        return [i for i in range(len(self.seq_lens)) if qsl[i + 1] - qsl[i] == 1]
 
 
 class Attention(nn.Module):
@@ -90,19 +144,18 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("attention metadata was given but no KV cache is attached to this layer")
         cache = self.kv_cache
-        block_ids = md.slot_mapping // md.block_size
-        offsets = md.slot_mapping % md.block_size
+        block_ids, offsets = md.slot_blocks_and_offsets
         cache[block_ids, 0, offsets] = k.to(cache.dtype)
         cache[block_ids, 1, offsets] = v.to(cache.dtype)
         qsl = md.query_start_loc
         num_seqs = len(md.seq_lens)
-        decodes = [i for i in range(num_seqs) if qsl[i + 1] - qsl[i] == 1]
+        decodes = md.decode_seqs
         if len(decodes) == num_seqs:  # pure decode: token i belongs to sequence i
-            return self._decode_attention(q, md, decodes)
+            return self._decode_attention(q, md)
         out = torch.empty_like(q)
         if decodes:
             rows = torch.tensor([qsl[i] for i in decodes], dtype=torch.long, device=q.device)
-            out[rows] = self._decode_attention(q[rows], md, decodes)
+            out[rows] = self._decode_attention(q[rows], md)
         for i in range(num_seqs):
             start, end = qsl[i], qsl[i + 1]
             if end - start > 1:
@@ -123,50 +176,36 @@ class Attention(nn.Module):
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         return self._sdpa(q, k_ctx, v_ctx, mask=k_pos <= q_pos)
 
-    def _decode_attention(self, q: torch.Tensor, md: AttentionMetadata, seqs: list[int]) -> torch.Tensor:
-        """q [len(seqs), H, D]: the one (last) query token of each sequence in `seqs`.
+    def _decode_attention(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """q [len(md.decode_seqs), H, D]: the one (last) query token of each decode sequence.
 
         Sequences are sorted by length and split into groups whose padded context stays
         under DECODE_GROUP_BYTES: one big padded gather costs more than it saves (page
-        faults, padding), many tiny calls cost per-call overhead.
+        faults, padding), many tiny calls cost per-call overhead. The grouping and its
+        index tensors depend only on the step, so every layer reuses the first one's.
         """
         cache = self.kv_cache
         assert cache is not None
-        block_size = md.block_size
         bytes_per_token = 2 * self.num_kv_heads * self.head_size * cache.element_size()
-        order = sorted(range(len(seqs)), key=lambda t: md.seq_lens[seqs[t]])
-        groups: list[list[int]] = [[]]
-        for t in order:
-            padded_len = -(-md.seq_lens[seqs[t]] // block_size) * block_size
-            if groups[-1] and (len(groups[-1]) + 1) * padded_len * bytes_per_token > DECODE_GROUP_BYTES:
-                groups.append([])
-            groups[-1].append(t)
-        if len(groups) == 1 and order == list(range(len(seqs))):
-            return self._decode_group(q, md, seqs)
+        groups = md.decode_groups(bytes_per_token, cache.device)
+        if len(groups) == 1 and groups[0].rows is None:
+            return self._decode_group(q, groups[0])
         out = torch.empty_like(q)
         for group in groups:
-            rows = torch.tensor(group, dtype=torch.long, device=q.device)
-            out[rows] = self._decode_group(q[rows], md, [seqs[t] for t in group])
+            out[group.rows] = self._decode_group(q[group.rows], group)
         return out
 
-    def _decode_group(self, q: torch.Tensor, md: AttentionMetadata, seqs: list[int]) -> torch.Tensor:
-        """One SDPA call for the single query token of each of `seqs` (q [G, H, D])."""
+    def _decode_group(self, q: torch.Tensor, group: "DecodeGroup") -> torch.Tensor:
+        """One SDPA call for the single query token of each sequence in `group` (q [G, H, D])."""
         cache = self.kv_cache
         assert cache is not None
-        num_seqs, block_size, num_kv_heads, head_size = len(seqs), md.block_size, self.num_kv_heads, self.head_size
-        seq_lens = torch.tensor([md.seq_lens[i] for i in seqs], dtype=torch.long, device=q.device)
-        num_blocks = -(-max(md.seq_lens[i] for i in seqs) // block_size)
-        ctx_len = num_blocks * block_size
-        rows = torch.tensor(seqs, dtype=torch.long, device=md.block_tables.device)
-        # Table padding is masked out below; clamp it so any fill value is a valid index.
-        blocks = md.block_tables[rows, :num_blocks].clamp(min=0).reshape(-1).to(cache.device)
+        num_seqs, num_kv_heads, head_size = q.shape[0], self.num_kv_heads, self.head_size
         # cache [N, 2, bs, Hkv, D] viewed as [2, Hkv, N, bs, D]; index_select writes a
         # contiguous [2, Hkv, G * nb, bs, D], i.e. [2, Hkv, G, ctx_len, D] per head.
-        ctx = cache.permute(1, 3, 0, 2, 4).index_select(2, blocks)
-        ctx = ctx.view(2, num_kv_heads, num_seqs, ctx_len, head_size).to(q.dtype)
+        ctx = cache.permute(1, 3, 0, 2, 4).index_select(2, group.blocks)
+        ctx = ctx.view(2, num_kv_heads, num_seqs, group.ctx_len, head_size).to(q.dtype)
         # Query heads sharing a kv head become that head's query rows: q [Hkv, G, H/Hkv, D].
-        group = self.num_heads // num_kv_heads
-        q = q.view(num_seqs, num_kv_heads, group, head_size).transpose(0, 1)
-        mask = (torch.arange(ctx_len, device=q.device) < seq_lens.unsqueeze(1)).view(1, num_seqs, 1, ctx_len)
-        out = F.scaled_dot_product_attention(q, ctx[0], ctx[1], attn_mask=mask, scale=self.scale)
+        heads_per_kv = self.num_heads // num_kv_heads
+        q = q.view(num_seqs, num_kv_heads, heads_per_kv, head_size).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q, ctx[0], ctx[1], attn_mask=group.mask, scale=self.scale)
         return out.transpose(0, 1).reshape(num_seqs, self.num_heads, head_size)
