@@ -17,6 +17,7 @@ from typing import Any, Iterable, Sequence
 
 from engine.block_manager import KVBlockManager
 from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -60,6 +61,7 @@ class EngineCore:
             self.shutdown()
             raise
         self._request_counter = itertools.count()
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
 
     # ------------------------------------------------------------------ start-up
 
@@ -162,10 +164,13 @@ class EngineCore:
         request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
         request = Request(request_id, self._to_token_ids(prompt), sampling_params or SamplingParams())
         self.scheduler.add_request(request)
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
+        self._detokenizers.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -179,7 +184,11 @@ class EngineCore:
         return [self._make_output(r) for r in self.scheduler.update_from_output(scheduler_output, runner_output)]
 
     def _make_output(self, request: Request) -> RequestOutput:
-        text = self.tokenizer.decode(request.output_token_ids) if self.tokenizer is not None else ""
+        finished = request.is_finished()
+        detokenizer = self._detokenizers.get(request.request_id)
+        text = detokenizer.update(request.output_token_ids, finished) if detokenizer is not None else ""
+        if finished:
+            self._detokenizers.pop(request.request_id, None)
         wants_logprobs = request.sampling_params.logprobs is not None
         return RequestOutput(
             request_id=request.request_id,
@@ -187,7 +196,7 @@ class EngineCore:
             token_ids=list(request.output_token_ids),
             text=text,
             logprobs=list(request.output_logprobs) if wants_logprobs else None,
-            finished=request.is_finished(),
+            finished=finished,
             finish_reason=request.finish_reason,
         )
 
