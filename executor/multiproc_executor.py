@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = float(os.environ.get("TP_WORKER_STARTUP_TIMEOUT", "600"))
 SHUTDOWN_GRACE_S = 5.0
+# While one rank's reply is awaited, the other ranks' queues are checked for an early
+# failure this often.
+_ERROR_POLL_S = 0.1
 _FORKSERVER_PRELOAD = ["torch", "executor.worker_proc"]
 
 
@@ -210,25 +213,58 @@ class MultiprocExecutor(Executor):
             self._call_id += 1
             call_id = self._call_id
             self._enqueue(RPCRequest(call_id, payload, tuple(args), dict(kwargs or {}), unique_reply_rank), deadline, name)
-            ranks = [unique_reply_rank] if unique_reply_rank is not None else range(self.world_size)
-            results = [self._await_reply(rank, call_id, name, deadline, timeout) for rank in ranks]
-        return results[0] if unique_reply_rank is not None else results
+            ranks = [unique_reply_rank] if unique_reply_rank is not None else list(range(self.world_size))
+            results = self._collect_replies(ranks, call_id, name, deadline, timeout)
+        return results[unique_reply_rank] if unique_reply_rank is not None else [results[r] for r in ranks]
 
-    def _await_reply(self, rank: int, call_id: int, name: str, deadline: float | None, timeout: float | None) -> Any:
-        while True:
+    def _collect_replies(
+        self, ranks: list[int], call_id: int, name: str, deadline: float | None, timeout: float | None
+    ) -> dict[int, Any]:
+        """Wait for `ranks`' replies to `call_id`. While the awaited rank is silent, the
+        other queues are checked too: a rank that failed (and so left its peers blocked
+        in a collective) is reported at once, by name, instead of after the timeout."""
+        results: dict[int, Any] = {}
+        waiting = list(ranks)
+        while waiting:
+            rank = waiting[0]
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            slice_s = _ERROR_POLL_S if remaining is None else min(_ERROR_POLL_S, remaining)
+            reply = self._next_reply(rank, call_id, slice_s)
+            if reply is not None:
+                results[rank] = self._result_of(reply, name)
+                waiting.remove(rank)
+                continue
+            for other in range(self.world_size):
+                if other == rank or other in results:
+                    continue
+                early = self._next_reply(other, call_id, 0.0)
+                if early is not None:
+                    # Only a failure arrives from a rank that was not asked.
+                    results[other] = self._result_of(early, name)
+                    if other in waiting:
+                        waiting.remove(other)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"collective_rpc({name!r}) timed out after {timeout}s waiting for rank {rank}")
+        return results
+
+    def _next_reply(self, rank: int, call_id: int, timeout: float) -> RPCReply | None:
+        """Rank's reply to `call_id`, or None if none came within `timeout`; replies to
+        earlier calls that timed out are dropped."""
+        while True:
             try:
-                reply: RPCReply = self._replies[rank].dequeue(timeout=remaining)
+                reply: RPCReply = self._replies[rank].dequeue(timeout=timeout)
             except TimeoutError:
-                raise TimeoutError(f"collective_rpc({name!r}) timed out after {timeout}s waiting for rank {rank}") from None
+                return None
             except QueueClosedError:
                 self.check_health()
                 raise EngineDeadError(f"rank {rank}'s reply queue closed") from None
             if reply.call_id == call_id:
-                break
-            # A reply to an earlier call that timed out: drop it.
+                return reply
+
+    @staticmethod
+    def _result_of(reply: RPCReply, name: str) -> Any:
         if not reply.ok:
-            raise RemoteWorkerError(rank, name, reply.error or "", reply.traceback or "")
+            raise RemoteWorkerError(reply.rank, name, reply.error or "", reply.traceback or "")
         return reply.result
 
     def shutdown(self) -> None:

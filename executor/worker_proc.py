@@ -109,13 +109,10 @@ class WorkerProc:
             except Exception as e:
                 reply = RPCReply(request.call_id, self.rank, False, error=f"{type(e).__name__}: {e}",
                                  traceback=traceback.format_exc())
-                if not must_reply:
-                    # Nobody will read this rank's reply; its stderr is the only trace left.
-                    print(f"[rank {self.rank}] {request.method if isinstance(request.method, str) else 'callable'} "
-                          f"failed:\n{reply.traceback}", file=sys.stderr, flush=True)
-            # Ranks that are not asked stay silent: nobody drains their reply ring for
-            # this call, and unread replies would eventually block the writer.
-            if must_reply:
+            # A rank that is not asked stays silent unless it failed: the engine looks for
+            # such failures while it waits (the failed rank's peers may be stuck in a
+            # collective), and drains them. Results nobody asked for are never sent.
+            if must_reply or not reply.ok:
                 try:
                     self.reply.enqueue(reply)
                 except Exception as e:  # noqa: BLE001 - the result did not pickle; nothing was sent

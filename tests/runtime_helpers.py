@@ -140,3 +140,13 @@ def kv_layout(worker: Any) -> dict[str, Any]:
         "shapes": [tuple(t.shape) for t in runner.kv_caches],
         "dtypes": [str(t.dtype) for t in runner.kv_caches],
     }
+
+
+def fail_on_rank_1_while_rank_0_waits(worker: Any) -> str:
+    """RPC body: rank 1 raises, so rank 0 waits in a collective that can never complete."""
+    import torch.distributed as dist
+
+    if worker.rank == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()
+    return "unreachable"

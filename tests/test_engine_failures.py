@@ -357,3 +357,24 @@ def test_kv_cache_too_small(tiny_models, engine_ipc_dirs, tp):
         _assert_failed_start_left_nothing(children_before, shm_before, engine_ipc_dirs)
     else:
         assert live_children() <= children_before
+
+
+# ---------------------------------------------------------------- a failure on a silent rank
+
+
+def test_failure_on_a_rank_that_was_not_asked_is_reported_at_once(tiny_models):
+    from executor.errors import RemoteWorkerError
+    from tests.runtime_helpers import fail_on_rank_1_while_rank_0_waits
+
+    core = EngineCore(engine_config(tiny_models["llama"], tp=2))
+    try:
+        start = time.monotonic()
+        with pytest.raises(RemoteWorkerError, match="boom on rank 1") as info:
+            core.collective_rpc(fail_on_rank_1_while_rank_0_waits, unique_reply_rank=0, timeout=120)
+        assert info.value.rank == 1
+        assert "fail_on_rank_1_while_rank_0_waits" in info.value.remote_traceback
+        assert time.monotonic() - start < DEATH_BOUND_S
+    finally:
+        pids = worker_pids(core)
+        core.shutdown()  # rank 0 is stuck in the barrier: the death pipe ends it
+    assert not wait_pids_gone(pids, timeout=DEATH_BOUND_S)
