@@ -167,14 +167,6 @@ class AsyncEngine:
 
     # -------------------------------------------------------------- requests
 
-    def _to_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"prompt is a string but {self.core.config.model} has no tokenizer.json; pass token ids")
-            return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
-
     async def add_request(
         self,
         prompt: str | Sequence[int],
@@ -188,7 +180,7 @@ class AsyncEngine:
         """
         stream = RequestStream(
             request_id if request_id is not None else f"req-{uuid.uuid4().hex}",
-            self._to_token_ids(prompt),
+            self.core.to_token_ids(prompt),
             asyncio.get_running_loop(),
         )
         self._submit(_Add(stream, sampling_params or SamplingParams()))

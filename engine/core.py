@@ -145,10 +145,15 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
 
-    def _to_token_ids(self, prompt: Prompt) -> list[int]:
+    def to_token_ids(self, prompt: Prompt) -> list[int]:
+        """The prompt as validated token ids (strings through the tokenizer). Reads only
+        immutable state, so any thread may call it. Raises ValueError."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"prompt is a string but {self.config.model} has no tokenizer.json; pass token ids")
+                raise ValueError(
+                    f"prompt is a string but {self.config.model} has no tokenizer "
+                    "(a tokenizer.json, or one inside a GGUF); pass token ids"
+                )
             return self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt]
         vocab = self.config.model_config.vocab_size
@@ -162,7 +167,7 @@ class EngineCore:
     ) -> str:
         """Queue a request; returns its id. Raises ValueError for an invalid prompt."""
         request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
-        request = Request(request_id, self._to_token_ids(prompt), sampling_params or SamplingParams())
+        request = Request(request_id, self.to_token_ids(prompt), sampling_params or SamplingParams())
         self.scheduler.add_request(request)
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
