@@ -39,7 +39,8 @@ def initialize_model(config: Any, prefix: str = "") -> nn.Module:
 
 def process_weights_after_loading(model: nn.Module, config: Any, target_device: torch.device) -> None:
     """Give every module its chance to repack weights once all of them are in place
-    (quantisation, derived buffers). Runs after the strict all-loaded check."""
+    (quantisation, derived buffers), then, on the CPU, pack float32 linear weights for
+    small batches (models/layers/cpu_gemm.py). Runs after the strict all-loaded check."""
     for module in model.modules():
         quant_method = getattr(module, "quant_method", None)
         if quant_method is not None:
@@ -47,6 +48,11 @@ def process_weights_after_loading(model: nn.Module, config: Any, target_device: 
         hook = getattr(module, "process_weights_after_loading", None)
         if callable(hook) and module is not model:
             hook()
+    device_config = getattr(config, "device_config", None)
+    if target_device.type == "cpu" and getattr(device_config, "cpu_prepack_weights", False):
+        from models.layers.cpu_gemm import prepack_cpu_weights
+
+        prepack_cpu_weights(model)
 
 
 def get_load_device(config: Any) -> torch.device:

@@ -31,6 +31,7 @@ import torch
 
 from engine.config import ConfigError, EngineConfig
 from model_loader import get_model
+from models.layers.cpu_gemm import prepack_cpu_weights
 from models.layers.linear import LinearBase
 from models.layers.quantization import UnquantizedLinearMethod, get_quantization_config
 from models.layers.quantization.fp8 import FP8_DTYPE, Fp8LinearMethod, dequantize_fp8, quantize_fp8_per_channel
@@ -145,6 +146,7 @@ def test_fp8_weights_memory_and_exact_dequant_forward(name, tiny_models):
     # dequantised weights gives the same logits.
     for lname, layer in fp8_linears.items():
         ref_linears[lname].weight.data.copy_(dequantize_fp8(layer.weight, layer.weight_scale, torch.float32))
+    prepack_cpu_weights(ref)  # weights changed after loading: refresh the packed copies
     torch.testing.assert_close(fp8_logits, compute_logits_on_rank(ref, ids), atol=1e-5, rtol=1e-5)
     assert rel_err(fp8_logits, ref_logits) < LOGITS_REL_TOL
 

@@ -30,6 +30,11 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.kv_cache_config: KVCacheConfig | None = None
         self.sampler = Sampler()
+        # A serial number per live request (AttentionMetadata.seq_keys): a finished,
+        # aborted or preempted request loses its number, so a reused id or a recomputed
+        # sequence never matches K/V that a layer kept from before.
+        self._seq_keys: dict[str, int] = {}
+        self._next_seq_key = 0
 
     def load_model(self) -> None:
         self.model = get_model(self.config)
@@ -83,12 +88,28 @@ class ModelRunner:
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
             block_size=block_size,
+            seq_keys=self._update_seq_keys(scheduler_output),
         )
         # The last token of each chunk that samples is where its logits come from.
         sample_rows = [query_start_loc[i + 1] - 1 for i, r in enumerate(scheduler_output.scheduled) if r.sample]
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos_t, md, sample_rows
+
+    def _update_seq_keys(self, scheduler_output: "SchedulerOutput") -> tuple[int, ...]:
+        for req_id in scheduler_output.finished_req_ids:
+            self._seq_keys.pop(req_id, None)
+        if not self._seq_keys:  # nothing from before is still running
+            for attn in self._require_model().attention_layers():
+                attn.decode_context.release()
+        keys = []
+        for req in scheduler_output.scheduled:
+            key = self._seq_keys.get(req.req_id)
+            if key is None:
+                key = self._seq_keys[req.req_id] = self._next_seq_key
+                self._next_seq_key += 1
+            keys.append(key)
+        return tuple(keys)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":

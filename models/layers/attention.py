@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.layers.decode_context import DecodeContext
+
 # Decode sequences are attended in groups whose padded K/V context (gathered from the
 # paged cache) stays under this many bytes; see Attention._decode_attention.
 DECODE_GROUP_BYTES = 8 << 20
@@ -47,6 +49,10 @@ class AttentionMetadata:
     seq_lens: list[int]
     query_start_loc: list[int]  # num_seqs + 1 entries
     block_size: int
+    # One int per sequence, equal across steps for as long as the sequence's cached K/V
+    # stays the same (the runner's per-request serial numbers); lets decode steps reuse
+    # last step's gathered context (DecodeContext). None: gather every step.
+    seq_keys: tuple[int, ...] | None = None
 
     # Derived once per step, on first use by the first layer, then shared by all layers.
     @cached_property
@@ -91,6 +97,47 @@ class AttentionMetadata:
         qsl = self.query_start_loc
         return [i for i in range(len(self.seq_lens)) if qsl[i + 1] - qsl[i] == 1]
 
+    # The decode batch as DecodeContext sees it (shared by all layers of the step).
+    @cached_property
+    def decode_keys(self) -> tuple[int, ...] | None:
+        return None if self.seq_keys is None else tuple(self.seq_keys[i] for i in self.decode_seqs)
+
+    @cached_property
+    def decode_lens(self) -> tuple[int, ...]:
+        return tuple(self.seq_lens[i] for i in self.decode_seqs)
+
+    @cached_property
+    def decode_prev_lens(self) -> tuple[int, ...]:
+        return tuple(n - 1 for n in self.decode_lens)
+
+    @cached_property
+    def decode_append_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, position) of each decode sequence's new token."""
+        device = self.slot_mapping.device
+        lens = torch.tensor(self.decode_lens, dtype=torch.long, device=device)
+        return torch.arange(len(self.decode_lens), device=device), lens - 1
+
+    @cached_property
+    def decode_gather_blocks(self) -> tuple[torch.Tensor, int]:
+        """The decode sequences' block ids, each row padded to the longest (padding
+        clamped to block 0, masked later), flattened; and that padded length in tokens."""
+        num_blocks = -(-max(self.decode_lens) // self.block_size)
+        rows = torch.tensor(self.decode_seqs, dtype=torch.long, device=self.block_tables.device)
+        blocks = self.block_tables[rows, :num_blocks].clamp(min=0).reshape(-1).to(self.slot_mapping.device)
+        return blocks, num_blocks * self.block_size
+
+    def decode_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """[1, G, 1, max decode len] additive mask: 0 on each sequence's context, -inf past it."""
+        masks: dict[torch.dtype, torch.Tensor] = self.__dict__.setdefault("_decode_masks", {})
+        if dtype not in masks:
+            device = self.slot_mapping.device
+            ctx_len = max(self.decode_lens)
+            lens = torch.tensor(self.decode_lens, dtype=torch.long, device=device)
+            past = torch.arange(ctx_len, device=device) >= lens.unsqueeze(1)
+            mask = torch.zeros(past.shape, dtype=dtype, device=device).masked_fill_(past, float("-inf"))
+            masks[dtype] = mask.view(1, len(self.decode_lens), 1, ctx_len)
+        return masks[dtype]
+
 
 class Attention(nn.Module):
     """Holds no weights. `kv_cache` ([num_blocks, 2, block_size, num_kv_heads, head_size])
@@ -103,6 +150,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.kv_cache: torch.Tensor | None = None
+        self.decode_context = DecodeContext()
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata | None = None
@@ -151,22 +199,27 @@ class Attention(nn.Module):
         num_seqs = len(md.seq_lens)
         decodes = md.decode_seqs
         if len(decodes) == num_seqs:  # pure decode: token i belongs to sequence i
-            return self._decode_attention(q, md)
+            return self._decode_attention(q, k, v, md)
         out = torch.empty_like(q)
         if decodes:
             rows = torch.tensor([qsl[i] for i in decodes], dtype=torch.long, device=q.device)
-            out[rows] = self._decode_attention(q[rows], md)
+            out[rows] = self._decode_attention(q[rows], k[rows], v[rows], md)
         for i in range(num_seqs):
             start, end = qsl[i], qsl[i + 1]
             if end - start > 1:
-                out[start:end] = self._chunk_attention(q[start:end], md, i)
+                out[start:end] = self._chunk_attention(q[start:end], k[start:end], v[start:end], md, i)
         return out
 
-    def _chunk_attention(self, q: torch.Tensor, md: AttentionMetadata, i: int) -> torch.Tensor:
-        """Sequence i's query chunk q [n, H, D] against its whole cached context."""
+    def _chunk_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, i: int
+    ) -> torch.Tensor:
+        """Sequence i's query chunk q [n, H, D] (new keys and values k, v) against its
+        whole cached context."""
         seq_len, query_len = md.seq_lens[i], q.shape[0]
         cache = self.kv_cache
         assert cache is not None
+        if seq_len == query_len and cache.dtype == q.dtype:  # a whole prompt: the chunk is the context
+            return self._sdpa(q, k, v, mask=None)
         num_blocks = -(-seq_len // md.block_size)
         blocks = md.block_tables[i, :num_blocks]
         k_ctx = cache[blocks, 0].reshape(-1, self.num_kv_heads, self.head_size)[:seq_len].to(q.dtype)
@@ -176,16 +229,26 @@ class Attention(nn.Module):
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         return self._sdpa(q, k_ctx, v_ctx, mask=k_pos <= q_pos)
 
-    def _decode_attention(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """q [len(md.decode_seqs), H, D]: the one (last) query token of each decode sequence.
+    def _decode_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        """q [len(md.decode_seqs), H, D]: the one (last) query token of each decode
+        sequence; k, v its new key and value (already in the paged cache).
 
-        Sequences are sorted by length and split into groups whose padded context stays
-        under DECODE_GROUP_BYTES: one big padded gather costs more than it saves (page
-        faults, padding), many tiny calls cost per-call overhead. The grouping and its
-        index tensors depend only on the step, so every layer reuses the first one's.
+        When the batch continues the previous step's, `DecodeContext` holds the whole
+        context contiguously and one SDPA call covers the batch. Otherwise sequences are
+        sorted by length and split into groups whose padded context stays under
+        DECODE_GROUP_BYTES: one big padded gather costs more than it saves (page faults,
+        padding), many tiny calls cost per-call overhead. The grouping and its index
+        tensors depend only on the step, so every layer reuses the first one's.
         """
         cache = self.kv_cache
         assert cache is not None
+        context = self.decode_context.get(cache, md, k, v)
+        if context is not None:
+            ctx_len = max(md.decode_lens)
+            return self._attend_padded(q, context[0, :, :, :ctx_len], context[1, :, :, :ctx_len],
+                                       md.decode_mask(q.dtype))
         bytes_per_token = 2 * self.num_kv_heads * self.head_size * cache.element_size()
         groups = md.decode_groups(bytes_per_token, cache.device)
         if len(groups) == 1 and groups[0].rows is None:
@@ -203,9 +266,19 @@ class Attention(nn.Module):
         # cache [N, 2, bs, Hkv, D] viewed as [2, Hkv, N, bs, D]; index_select writes a
         # contiguous [2, Hkv, G * nb, bs, D], i.e. [2, Hkv, G, ctx_len, D] per head.
         ctx = cache.permute(1, 3, 0, 2, 4).index_select(2, group.blocks)
-        ctx = ctx.view(2, num_kv_heads, num_seqs, group.ctx_len, head_size).to(q.dtype)
+        ctx = ctx.view(2, num_kv_heads, num_seqs, group.ctx_len, head_size)
+        return self._attend_padded(q, ctx[0], ctx[1], group.mask)
+
+    def _attend_padded(
+        self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """q [G, H, D], one query per sequence; k_ctx, v_ctx [Hkv, G, ctx_len, D] padded
+        contexts; mask [1, G, 1, ctx_len] (bool: True = attend, or additive)."""
+        num_seqs, num_kv_heads, head_size = q.shape[0], self.num_kv_heads, self.head_size
         # Query heads sharing a kv head become that head's query rows: q [Hkv, G, H/Hkv, D].
         heads_per_kv = self.num_heads // num_kv_heads
         q = q.view(num_seqs, num_kv_heads, heads_per_kv, head_size).transpose(0, 1)
-        out = F.scaled_dot_product_attention(q, ctx[0], ctx[1], attn_mask=group.mask, scale=self.scale)
+        out = F.scaled_dot_product_attention(
+            q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), attn_mask=mask, scale=self.scale
+        )
         return out.transpose(0, 1).reshape(num_seqs, self.num_heads, head_size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from models.layers.weight_utils import default_weight_loader, set_weight_attrs
@@ -16,18 +17,20 @@ class RMSNorm(nn.Module):
         set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (x.shape[-1],)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, shape, self.weight, self.eps)
         # Normalise in float32 and cast back before the scale, as the HF reference does,
         # so half-precision results agree bit for bit in spirit, not just roughly.
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * F.rms_norm(x.to(torch.float32), shape, eps=self.eps).to(x.dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the
+        sum written into `x` (a layer output the caller no longer needs), as vLLM's fused
+        add-norm does."""
         if residual is None:
             return self._norm(x)
-        x = x + residual
+        x = x.add_(residual)
         return self._norm(x), x

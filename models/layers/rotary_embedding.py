@@ -47,20 +47,35 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cached", emb.cos(), persistent=False)
         self.register_buffer("sin_cached", emb.sin(), persistent=False)
+        self._cos_sin_cache: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, head_size / 2] cos and sin at `positions` (both halves of a head share
+        them). One model's layers all share this module and the positions tensor of a
+        step, so the lookup is kept for the next layer."""
+        cached = self._cos_sin_cache
+        if cached is None or cached[0] is not positions or cached[1] != dtype:
+            half = self.head_size // 2
+            cos = self.cos_cached[positions, :half].to(dtype).unsqueeze(1)
+            sin = self.sin_cached[positions, :half].to(dtype).unsqueeze(1)
+            cached = self._cos_sin_cache = (positions, dtype, cos, sin)
+        return cached[2], cached[3]
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, num_heads * head_size], k: [T, num_kv_heads * head_size]; same shapes out."""
-        cos = self.cos_cached[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin_cached[positions].to(q.dtype).unsqueeze(1)
-        qh = q.view(q.shape[0], -1, self.head_size)
-        kh = k.view(k.shape[0], -1, self.head_size)
-        q_out = qh * cos + self._rotate_half(qh) * sin
-        k_out = kh * cos + self._rotate_half(kh) * sin
-        return q_out.reshape(q.shape), k_out.reshape(k.shape)
+        """q: [T, num_heads * head_size], k: [T, num_kv_heads * head_size], rotated in
+        place (they are fresh projection outputs) and returned.
+
+        Per head, with halves x1, x2: (x1 cos - x2 sin, x2 cos + x1 sin), the HF
+        `x * cos + rotate_half(x) * sin` with the same roundings.
+        """
+        cos, sin = self._cos_sin(positions, q.dtype)
+        half = self.head_size // 2
+        for x in (q, k):
+            heads = x.view(x.shape[0], -1, self.head_size)
+            x1, x2 = heads[..., :half], heads[..., half:]
+            first = x1 * cos - x2 * sin
+            x2.mul_(cos).add_(x1 * sin)
+            x1.copy_(first)
+        return q, k

@@ -7,6 +7,8 @@ in [0, vocab_size), and `compute_logits` drops the padded columns.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +21,9 @@ from worker.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+
+if TYPE_CHECKING:
+    from models.layers.cpu_gemm import PackedWeight
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
 
@@ -76,10 +81,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim)
         if tie_to is not None:
             self.weight = tie_to.weight
+        # Set after loading by models.layers.cpu_gemm.prepack_cpu_weights (float32 on CPU).
+        self.packed_weight: PackedWeight | None = None
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[tokens, vocab] logits, identical on every rank (all-gathered)."""
-        logits = F.linear(hidden_states, self.weight)
+        if self.packed_weight is not None:
+            logits = self.packed_weight.linear(hidden_states, self.weight)
+        else:
+            logits = F.linear(hidden_states, self.weight)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]
 

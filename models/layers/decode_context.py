@@ -1,0 +1,78 @@
+"""A per-layer contiguous copy of the decoding sequences' keys and values (CPU path).
+
+Attending a decode step over the paged cache means gathering every sequence's blocks
+into one padded batch, in every layer, every step: on the CPU that copy costs about as
+much as the attention itself. Between two consecutive decode steps of the same batch,
+though, each sequence gains exactly one token. `DecodeContext` keeps the last gathered
+batch and, when the next step is that continuation, writes just the new token into it.
+Any other step (a sequence joined, left, was preempted, or the batch grew past the
+buffer) gathers afresh from the paged cache, which stays the only source of truth.
+
+Owned by one `Attention` layer, used on every rank, from `Attention._decode_attention`.
+Holds at most `MAX_BYTES` (else it declines and the caller gathers per step); that
+memory is outside the KV-cache budget, like any activation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from models.layers.attention import AttentionMetadata
+
+MAX_BYTES = 32 << 20
+# Spare positions per sequence, so that a batch decodes this many steps between gathers.
+_GROWTH = 64
+
+
+class DecodeContext:
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None  # [2, kv_heads, num_seqs, capacity, head_size]
+        self.keys: tuple[int, ...] = ()
+        self.lens: tuple[int, ...] = ()
+
+    def get(
+        self, cache: torch.Tensor, md: "AttentionMetadata", k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The decode sequences' context ([2, kv_heads, G, >= max len, head_size], rows
+        in `md.decode_seqs` order, valid up to each sequence's length) after this step's
+        `k`, `v` ([G, kv_heads, head_size], already written to the paged `cache`), or
+        None when the step carries no sequence keys or the batch would not fit."""
+        keys = md.decode_keys
+        if keys is None:
+            return None
+        lens = md.decode_lens
+        num_kv_heads, head_size = cache.shape[3], cache.shape[4]
+        buffer = self.buffer
+        if (
+            buffer is not None
+            and keys == self.keys
+            and md.decode_prev_lens == self.lens
+            and max(lens) <= buffer.shape[3]
+        ):
+            rows, positions = md.decode_append_index
+            buffer[0, :, rows, positions] = k.transpose(0, 1).to(buffer.dtype)
+            buffer[1, :, rows, positions] = v.transpose(0, 1).to(buffer.dtype)
+            self.lens = lens
+            return buffer
+        blocks, ctx_len = md.decode_gather_blocks
+        capacity = -(-ctx_len // _GROWTH) * _GROWTH + _GROWTH
+        nbytes = 2 * num_kv_heads * len(keys) * capacity * head_size * cache.element_size()
+        if nbytes > MAX_BYTES:
+            self.release()
+            return None
+        if buffer is None or tuple(buffer.shape) != (2, num_kv_heads, len(keys), capacity, head_size):
+            # Zeros, not empty: positions past a row's length are masked with -inf, which
+            # would not hide a NaN left in uninitialised memory.
+            buffer = torch.zeros(2, num_kv_heads, len(keys), capacity, head_size, dtype=cache.dtype, device=cache.device)
+        # cache [N, 2, bs, Hkv, D] viewed as [2, Hkv, N, bs, D]: the gather yields
+        # [2, Hkv, G * nb, bs, D], i.e. [2, Hkv, G, nb * bs, D].
+        gathered = cache.permute(1, 3, 0, 2, 4).index_select(2, blocks)
+        buffer[:, :, :, :ctx_len].copy_(gathered.view(2, num_kv_heads, len(keys), ctx_len, head_size))
+        self.buffer, self.keys, self.lens = buffer, keys, lens
+        return buffer
+
+    def release(self) -> None:
+        self.buffer, self.keys, self.lens = None, (), ()
