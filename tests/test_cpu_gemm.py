@@ -1,0 +1,114 @@
+"""MKL-packed float32 GEMM on the CPU (models/layers/cpu_gemm.py).
+
+The packed product must equal F.linear (to float32 reassociation) for every row count
+it serves, with and without bias and for 3-D input; above PACKED_MAX_ROWS it must be
+F.linear itself. Loading packs every unquantised float32 linear layer and the LM head
+(tied or not) and nothing else, leaves `state_dict()` unchanged, gives the logits of an
+unpacked model, and is switched off by `cpu_prepack_weights=False`. Weights changed
+after loading take effect once `prepack_cpu_weights` runs again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.config import EngineConfig
+from model_loader import get_model
+from models.layers.cpu_gemm import (
+    PACKED_MAX_ROWS,
+    PackedUnquantizedLinearMethod,
+    PackedWeight,
+    mkl_packing_available,
+    prepack_cpu_weights,
+)
+from models.layers.linear import LinearBase
+from models.layers.quantization.fp8 import Fp8LinearMethod
+from models.layers.vocab_parallel_embedding import ParallelLMHead
+
+def load(model_dir: Path, **kwargs: Any) -> torch.nn.Module:
+    kwargs.setdefault("dtype", "float32")
+    return get_model(EngineConfig(model=str(model_dir), device="cpu", use_tqdm_on_load=False, **kwargs))
+
+
+def logits_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, torch.arange(ids.numel())))
+
+
+def linears(model: torch.nn.Module) -> list[LinearBase]:
+    return [m for m in model.modules() if isinstance(m, LinearBase)]
+
+
+def test_mkl_packing_is_available():
+    # CI's torch (the x86 CPU wheel) has MKL; without it nothing is packed.
+    assert mkl_packing_available()
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (320, 128), (1280, 768)])
+def test_packed_linear_matches_f_linear_for_every_row_count(shape):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(*shape, generator=gen)
+    bias = torch.randn(shape[0], generator=gen)
+    packed = PackedWeight(weight)
+    assert packed.verify(weight)
+    for rows in [*range(1, 40), 63, 64, 65, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 300]:
+        x = torch.randn(rows, shape[1], generator=gen)
+        for b in (None, bias):
+            expected = F.linear(x, weight, b)
+            got = packed.linear(x, weight, b)
+            assert got.shape == expected.shape
+            if rows > PACKED_MAX_ROWS:
+                assert torch.equal(got, expected), rows  # the plain path itself
+            else:
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4 * shape[1] ** 0.5)
+    # Leading dimensions are flattened like F.linear does; a strided input is fine.
+    x = torch.randn(3, 5, shape[1] * 2, generator=gen)[..., : shape[1]]
+    torch.testing.assert_close(packed.linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-3)
+    empty = torch.empty(0, shape[1])
+    assert packed.linear(empty, weight).shape == (0, shape[0])
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_tied"])
+def test_loading_packs_linears_and_lm_head_and_keeps_logits(name, tiny_models):
+    plain = load(tiny_models[name], cpu_prepack_weights=False)
+    packed = load(tiny_models[name])
+    assert all(type(m.quant_method) is PackedUnquantizedLinearMethod for m in linears(packed))
+    assert not any(isinstance(m.quant_method, PackedUnquantizedLinearMethod) for m in linears(plain))
+    lm_head = packed.lm_head
+    assert isinstance(lm_head, ParallelLMHead) and lm_head.packed_weight is not None
+    assert plain.lm_head.packed_weight is None
+    if name == "qwen2_tied":  # the embedding still reads the shared weight
+        assert lm_head.weight is packed.model.embed_tokens.weight
+    # Packing adds no parameter or buffer: checkpoints saved from the model are unchanged.
+    assert packed.state_dict().keys() == plain.state_dict().keys()
+    for key, value in packed.state_dict().items():
+        assert torch.equal(value, plain.state_dict()[key]), key
+    # Decode-sized (packed) and prefill-sized (plain) batches both match.
+    for length in (5, PACKED_MAX_ROWS + 20):
+        ids = torch.randint(0, 320, (length,), generator=torch.Generator().manual_seed(length))
+        torch.testing.assert_close(logits_of(packed, ids), logits_of(plain, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_only_float32_unquantised_weights_are_packed(tiny_models):
+    bf16 = load(tiny_models["llama"], dtype="bfloat16")
+    assert not any(isinstance(m.quant_method, PackedUnquantizedLinearMethod) for m in linears(bf16))
+    assert bf16.lm_head.packed_weight is None
+    fp8 = load(tiny_models["llama"], quantization="fp8")
+    assert all(isinstance(m.quant_method, Fp8LinearMethod) for m in linears(fp8))
+    assert fp8.lm_head.packed_weight is not None  # the LM head stays float32
+
+
+def test_weights_changed_after_loading_need_a_repack(tiny_models):
+    model = load(tiny_models["llama"])
+    reference = load(tiny_models["llama"], cpu_prepack_weights=False)
+    ids = torch.arange(4, 12)
+    for m in (model, reference):
+        for linear in linears(m):
+            linear.weight.data.mul_(0.5)
+    assert prepack_cpu_weights(model) == len(linears(model)) + 1  # every linear and the LM head
+    torch.testing.assert_close(logits_of(model, ids), logits_of(reference, ids), rtol=1e-5, atol=1e-5)
