@@ -110,12 +110,15 @@ class AttentionMetadata:
     def decode_prev_lens(self) -> tuple[int, ...]:
         return tuple(n - 1 for n in self.decode_lens)
 
-    @cached_property
-    def decode_append_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row, position) of each decode sequence's new token."""
-        device = self.slot_mapping.device
-        lens = torch.tensor(self.decode_lens, dtype=torch.long, device=device)
-        return torch.arange(len(self.decode_lens), device=device), lens - 1
+    def decode_append_index(self, capacity: int) -> torch.Tensor:
+        """row * capacity + position of each decode sequence's new token, in a
+        [G, capacity] layout (one per capacity, shared by the layers)."""
+        cache: dict[int, torch.Tensor] = self.__dict__.setdefault("_decode_append_index", {})
+        if capacity not in cache:
+            device = self.slot_mapping.device
+            rows = torch.arange(len(self.decode_lens), device=device)
+            cache[capacity] = rows * capacity + torch.tensor(self.decode_prev_lens, dtype=torch.long, device=device)
+        return cache[capacity]
 
     @cached_property
     def decode_gather_blocks(self) -> tuple[torch.Tensor, int]:

@@ -52,9 +52,10 @@ class DecodeContext:
             and md.decode_prev_lens == self.lens
             and max(lens) <= buffer.shape[3]
         ):
-            rows, positions = md.decode_append_index
-            buffer[0, :, rows, positions] = k.transpose(0, 1).to(buffer.dtype)
-            buffer[1, :, rows, positions] = v.transpose(0, 1).to(buffer.dtype)
+            # One index_copy_ over [2 * Hkv, G * capacity, D] writes both K and V.
+            flat = buffer.view(2 * num_kv_heads, -1, head_size)
+            new = torch.stack((k, v)).to(buffer.dtype).permute(0, 2, 1, 3).reshape(2 * num_kv_heads, -1, head_size)
+            flat.index_copy_(1, md.decode_append_index(buffer.shape[3]), new)
             self.lens = lens
             return buffer
         blocks, ctx_len = md.decode_gather_blocks
