@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine, RequestAbortedError, RequestStream
+from engine.detokenizer import IncrementalDetokenizer
 from engine.metrics import CONTENT_TYPE
 from engine.outputs import RequestOutput
 from engine.protocol import (
@@ -219,9 +220,15 @@ class OpenAIServing:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def completion_logprobs(self, output: RequestOutput, start: int, end: int) -> CompletionLogProbs:
+    def text_offsets(self) -> "TextOffsets":
+        return TextOffsets(self.tokenizer)
+
+    def completion_logprobs(
+        self, output: RequestOutput, start: int, end: int, offsets: "TextOffsets"
+    ) -> CompletionLogProbs:
         """OpenAI completions logprobs of generated tokens [start, end); text_offset is each
-        token's start in the completion text."""
+        token's start in the completion text, from `offsets` (one per response, asked
+        for increasing token positions)."""
         result = CompletionLogProbs()
         ids = output.token_ids
         for i in range(start, end):
@@ -233,8 +240,7 @@ class OpenAIServing:
                 text = self.token_text(t)
                 top[text] = max(lp, top.get(text, lp))
             result.top_logprobs.append(top)
-            offset = len(self.tokenizer.decode(ids[:i])) if self.tokenizer is not None and i else 0
-            result.text_offset.append(offset)
+            result.text_offset.append(offsets.before(ids, i))
         return result
 
     def chat_logprobs(self, output: RequestOutput, start: int, end: int, top: int) -> ChatChoiceLogprobs:
@@ -272,6 +278,25 @@ class _StreamState:
     text: str = ""
     num_tokens: int = 0
     started: bool = False
+    text_offsets: TextOffsets | None = None
+
+
+class TextOffsets:
+    """Where each generated token starts in the completion text (OpenAI `text_offset`).
+
+    One per response, asked for increasing positions: an incremental detokenizer makes
+    that O(1) decodes per token, where decoding every prefix was quadratic in the
+    response length. Text held back for an unfinished multi-byte character does not
+    count yet, so no offset points inside a character.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+
+    def before(self, token_ids: list[int], i: int) -> int:
+        if self._detokenizer is None or i == 0:
+            return 0
+        return len(self._detokenizer.update(token_ids[:i]))
 
 
 async def _events(stream: RequestStream, serving: OpenAIServing, make_chunks: Any) -> AsyncIterator[str]:
@@ -368,7 +393,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
                 return PlainTextResponse("client disconnected", status_code=499)
             choice = CompletionChoice(
                 text=final.text, finish_reason=final.finish_reason,
-                logprobs=serving.completion_logprobs(final, 0, len(final.token_ids)) if want_logprobs else None)
+                logprobs=serving.completion_logprobs(final, 0, len(final.token_ids), serving.text_offsets())
+                if want_logprobs else None)
             response = CompletionResponse(id=request_id, created=created, model=served_model_name,
                                           choices=[choice], usage=_usage(final))
             return JSONResponse(dump(response))
@@ -380,10 +406,12 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             num_tokens = len(output.token_ids)
             payloads: list[Any] = []
             if delta or output.finished or (want_logprobs and num_tokens > state.num_tokens):
+                if want_logprobs and state.text_offsets is None:
+                    state.text_offsets = serving.text_offsets()
                 choice = CompletionChoice(
                     text=delta, finish_reason=output.finish_reason if output.finished else None,
-                    logprobs=serving.completion_logprobs(output, state.num_tokens, num_tokens) if want_logprobs
-                    else None)
+                    logprobs=serving.completion_logprobs(output, state.num_tokens, num_tokens, state.text_offsets)
+                    if state.text_offsets is not None else None)
                 payloads.append(dump(CompletionResponse(id=request_id, created=created, model=served_model_name,
                                                         choices=[choice])))
                 state.text, state.num_tokens = state.text + delta, num_tokens

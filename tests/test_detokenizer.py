@@ -45,3 +45,23 @@ def test_random_ids_including_specials_match_full_decode(tokenizer: Tokenizer) -
         for n in range(1, len(ids) + 1):
             detok.update(ids[:n], finished=n == len(ids))
         assert detok.text == tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_text_offsets_are_prefix_lengths(tokenizer: Tokenizer, text: str) -> None:
+    """The API's `text_offset`: each token's start in the completion text, computed
+    incrementally, equals the length of the decoded prefix wherever that prefix ends on a
+    whole character (inside a split character it is never past it)."""
+    from engine.api_server import TextOffsets
+
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    offsets = TextOffsets(tokenizer)
+    found = [offsets.before(ids, i) for i in range(len(ids))]
+    assert found[0] == 0 and found == sorted(found)
+    for i, offset in enumerate(found):
+        prefix = tokenizer.decode(ids[:i])
+        if prefix.endswith("\ufffd"):
+            assert offset <= len(prefix.rstrip("\ufffd"))
+        else:
+            assert offset == len(prefix), i
+    assert TextOffsets(None).before(ids, 3) == 0  # no tokenizer: offsets are 0

@@ -496,12 +496,14 @@ def test_help() -> None:
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     for flag in ("--tp", "--host", "--port", "--dtype", "--max-model-len", "--max-num-seqs", "--kv-cache-memory",
-                 "--api-key", "--device", "--load-format", "--seed", "MODEL"):
+                 "--api-key", "--device", "--load-format", "--seed", "--no-cpu-prepack-weights", "MODEL"):
         assert flag in out.stdout or flag.lower() in out.stdout
 
 
 def test_api_key_then_sigterm_stops_cleanly(serve_model: Path, start_server: Any) -> None:
-    server = start_server(_server_args(serve_model, "--api-key", "s3cret", "--shutdown-timeout", "5"))
+    # (also the plain-sgemm path: this server runs without packed CPU weights)
+    server = start_server(_server_args(serve_model, "--api-key", "s3cret", "--shutdown-timeout", "5",
+                                       "--no-cpu-prepack-weights"))
     url = f"{server.url}/v1"
     for key in (None, "wrong"):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
