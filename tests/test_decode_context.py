@@ -6,8 +6,8 @@ again and again, a sequence leaving, one joining in a mixed prefill + decode ste
 coming back under a new key (preempted and recomputed), and a budget too small for the
 buffer. At every step the output with sequence keys (buffer path) must equal the output
 without (the per-step gather), and the buffer must be reused exactly when the batch
-continues the previous step. The runner's keys must change when a request id is reused
-or preempted.
+continues the previous step. The runner must split the memory budget among the layers
+and change a request's key when its id is reused or it is preempted.
 """
 
 from __future__ import annotations
@@ -109,14 +109,14 @@ def test_buffer_path_equals_per_step_gather_through_a_serving_run(monkeypatch):
         run_step(attn, sim, {"a": 1, "b": 1, "d": 1})
     # A budget too small for the batch: at the next rebuild the layer drops the buffer
     # and gathers per step.
-    monkeypatch.setattr(decode_context, "MAX_BYTES", 1024)
+    attn.decode_context.max_bytes = 1024
     sim.new_key("a")
     run_step(attn, sim, {"a": 1, "b": 1, "d": 1})
     assert attn.decode_context.buffer is None
     run_step(attn, sim, {"a": 1, "b": 1, "d": 1})
 
 
-def test_runner_gives_a_new_key_to_a_reused_or_preempted_request(tiny_models):
+def test_runner_shares_the_budget_and_renews_keys_of_reused_or_preempted_requests(tiny_models):
     from engine.config import EngineConfig
     from worker.model_runner import ModelRunner
 
@@ -126,6 +126,12 @@ def test_runner_gives_a_new_key_to_a_reused_or_preempted_request(tiny_models):
 
     def scheduled(req_id: str) -> ScheduledRequest:
         return ScheduledRequest(req_id, [5], 3, [0], True, SamplingParams(), 0)
+
+    from worker.kv_cache import kv_cache_config_for
+
+    runner.initialize_kv_cache(kv_cache_config_for(config, 8))
+    layers = runner.model.attention_layers()
+    assert all(a.decode_context.max_bytes == decode_context.TOTAL_BYTES // len(layers) for a in layers)
 
     first = runner._update_seq_keys(SchedulerOutput([scheduled("x"), scheduled("y")], [], 2))
     again = runner._update_seq_keys(SchedulerOutput([scheduled("x"), scheduled("y")], [], 2))

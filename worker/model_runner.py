@@ -15,6 +15,7 @@ from torch import nn
 
 from model_loader import get_model
 from models.layers.attention import AttentionMetadata
+from models.layers.decode_context import TOTAL_BYTES as DECODE_CONTEXT_TOTAL_BYTES
 from worker.kv_cache import KVCacheConfig, allocate_kv_cache
 from worker.sampler import Sampler
 
@@ -58,8 +59,10 @@ class ModelRunner:
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         model = self._require_model()
         self.kv_caches = allocate_kv_cache(kv_cache_config, self.device)
-        for attn, cache in zip(model.attention_layers(), self.kv_caches, strict=True):
+        layers = model.attention_layers()
+        for attn, cache in zip(layers, self.kv_caches, strict=True):
             attn.kv_cache = cache
+            attn.decode_context.max_bytes = DECODE_CONTEXT_TOTAL_BYTES // max(len(layers), 1)
         self.kv_cache_config = kv_cache_config
 
     def _prepare_inputs(self, scheduler_output: "SchedulerOutput") -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:

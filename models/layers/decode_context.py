@@ -8,9 +8,12 @@ batch and, when the next step is that continuation, writes just the new token in
 Any other step (a sequence joined, left, was preempted, or the batch grew past the
 buffer) gathers afresh from the paged cache, which stays the only source of truth.
 
-Owned by one `Attention` layer, used on every rank, from `Attention._decode_attention`.
-Holds at most `MAX_BYTES` (else it declines and the caller gathers per step); that
-memory is outside the KV-cache budget, like any activation.
+Owned by one `Attention` layer, used on every rank, from `Attention._decode_attention`,
+for a CPU cache only (on CUDA the gather is cheap next to the rest of the step, and
+device memory is the KV cache's). A layer holds at most `max_bytes`, which the
+ModelRunner sets to an equal share of `TOTAL_BYTES`; a batch that needs more is
+gathered per step instead. That memory is outside the KV-cache budget, like any
+activation.
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ import torch
 if TYPE_CHECKING:
     from models.layers.attention import AttentionMetadata
 
-MAX_BYTES = 32 << 20
+# All layers' buffers together stay under this (the runner divides it among the layers).
+TOTAL_BYTES = 256 << 20
 # Spare positions per sequence, so that a batch decodes this many steps between gathers.
 _GROWTH = 64
 
 
 class DecodeContext:
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int = TOTAL_BYTES) -> None:
+        self.max_bytes = max_bytes
         self.buffer: torch.Tensor | None = None  # [2, kv_heads, num_seqs, capacity, head_size]
         self.keys: tuple[int, ...] = ()
         self.lens: tuple[int, ...] = ()
@@ -39,9 +44,10 @@ class DecodeContext:
         """The decode sequences' context ([2, kv_heads, G, >= max len, head_size], rows
         in `md.decode_seqs` order, valid up to each sequence's length) after this step's
         `k`, `v` ([G, kv_heads, head_size], already written to the paged `cache`), or
-        None when the step carries no sequence keys or the batch would not fit."""
+        None when the step carries no sequence keys, the cache is not on the CPU, or the
+        batch would not fit."""
         keys = md.decode_keys
-        if keys is None:
+        if keys is None or cache.device.type != "cpu":
             return None
         lens = md.decode_lens
         num_kv_heads, head_size = cache.shape[3], cache.shape[4]
@@ -61,7 +67,7 @@ class DecodeContext:
         blocks, ctx_len = md.decode_gather_blocks
         capacity = -(-ctx_len // _GROWTH) * _GROWTH + _GROWTH
         nbytes = 2 * num_kv_heads * len(keys) * capacity * head_size * cache.element_size()
-        if nbytes > MAX_BYTES:
+        if nbytes > self.max_bytes:
             self.release()
             return None
         if buffer is None or tuple(buffer.shape) != (2, num_kv_heads, len(keys), capacity, head_size):
