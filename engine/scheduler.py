@@ -168,7 +168,9 @@ class Scheduler:
         # `scheduled`), so the runner has dropped their state before they are
         # re-admitted from position 0 in a later step.
         finished_ids = self._finished_ids + [r.request_id for r in preempted]
-        self._finished_ids = []
+        # An output with nothing scheduled never reaches the workers (EngineCore.step
+        # skips it), so its ids are reported again with the next one.
+        self._finished_ids = [] if scheduled else list(finished_ids)
         return SchedulerOutput(
             scheduled=scheduled,
             finished_req_ids=finished_ids,

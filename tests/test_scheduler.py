@@ -343,8 +343,14 @@ def test_abort_waiting_running_unknown_and_in_flight() -> None:
     sched.abort_request("a")  # already finished: no-op
     assert not sched.has_unfinished_requests()
     assert sched.schedule().finished_req_ids == ["a"]
-    # The id can be reused after it finished.
+    # The id can be reused after it finished. That empty output never reached the
+    # runner, so the next one that does still says "a" finished (the runner drops the
+    # old "a"'s state before the new "a" runs), and only that one.
     sched.add_request(make_request("a", 4))
+    out = sched.schedule()
+    assert [r.req_id for r in out.scheduled] == ["a"] and out.finished_req_ids == ["a"]
+    runner.execute(out)
+    assert sched.schedule().finished_req_ids == []
 
 
 # ------------------------------------------------------------- stop conditions
