@@ -220,11 +220,11 @@ class OpenAIServing:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def text_offsets(self) -> "TextOffsets":
+    def text_offsets(self) -> TextOffsets:
         return TextOffsets(self.tokenizer)
 
     def completion_logprobs(
-        self, output: RequestOutput, start: int, end: int, offsets: "TextOffsets"
+        self, output: RequestOutput, start: int, end: int, offsets: TextOffsets
     ) -> CompletionLogProbs:
         """OpenAI completions logprobs of generated tokens [start, end); text_offset is each
         token's start in the completion text, from `offsets` (one per response, asked
@@ -271,16 +271,6 @@ def _text_delta(output: RequestOutput, sent: str) -> str:
     return text[len(sent):]
 
 
-@dataclass
-class _StreamState:
-    """What a stream has sent so far: text, number of tokens, and any chunk at all."""
-
-    text: str = ""
-    num_tokens: int = 0
-    started: bool = False
-    text_offsets: TextOffsets | None = None
-
-
 class TextOffsets:
     """Where each generated token starts in the completion text (OpenAI `text_offset`).
 
@@ -297,6 +287,16 @@ class TextOffsets:
         if self._detokenizer is None or i == 0:
             return 0
         return len(self._detokenizer.update(token_ids[:i]))
+
+
+@dataclass
+class _StreamState:
+    """What a stream has sent so far: text, number of tokens, and any chunk at all."""
+
+    text: str = ""
+    num_tokens: int = 0
+    started: bool = False
+    text_offsets: TextOffsets | None = None
 
 
 async def _events(stream: RequestStream, serving: OpenAIServing, make_chunks: Any) -> AsyncIterator[str]:

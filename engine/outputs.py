@@ -37,7 +37,9 @@ class SchedulerOutput:
     """Everything the runner needs for one step.
 
     ``finished_req_ids`` lists requests finished, aborted or preempted since
-    the previous step; the runner drops any per-request state it holds.
+    the previous step; the runner drops any per-request state it holds. An
+    output with nothing scheduled is never run, so its ids come again in the
+    next one.
     """
 
     scheduled: list[ScheduledRequest]
