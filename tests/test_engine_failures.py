@@ -206,15 +206,21 @@ def _read_until_ready(proc: subprocess.Popen, timeout: float) -> list[str]:
     return lines
 
 
+def _wait_ready(proc: subprocess.Popen, stderr_path: Path) -> tuple[list[int], str]:
+    """The engine script's worker pids and private dir once it printed READY; a test
+    failure with the script's stderr if it never did."""
+    try:
+        lines = _read_until_ready(proc, timeout=240)
+    except (TimeoutError, RuntimeError) as e:
+        pytest.fail(f"{e}\nstderr:\n{stderr_path.read_text()[-5000:]}")
+    return _parse_ready(lines)
+
+
 def test_sigkill_engine_process_kills_workers(tiny_models, tmp_path):
     proc, stderr_path = _start_engine_script(tmp_path, tiny_models["llama"], "sleep")
     ipc_dir = None
     try:
-        try:
-            lines = _read_until_ready(proc, timeout=240)
-        except (TimeoutError, RuntimeError) as e:
-            pytest.fail(f"{e}\nstderr:\n{stderr_path.read_text()[-5000:]}")
-        pids, ipc_dir = _parse_ready(lines)
+        pids, ipc_dir = _wait_ready(proc, stderr_path)
         assert len(pids) == 2 and all(pid_alive(p) for p in pids)
         # Everything the engine process started: the workers and multiprocessing's helpers.
         descendants = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
@@ -243,11 +249,7 @@ def test_sigkill_engine_process_kills_workers(tiny_models, tmp_path):
 def test_interpreter_exit_shuts_down(tiny_models, tmp_path):
     proc, stderr_path = _start_engine_script(tmp_path, tiny_models["llama"], "exit")
     try:
-        try:
-            lines = _read_until_ready(proc, timeout=240)
-        except (TimeoutError, RuntimeError) as e:
-            pytest.fail(f"{e}\nstderr:\n{stderr_path.read_text()[-5000:]}")
-        pids, ipc_dir = _parse_ready(lines)
+        pids, ipc_dir = _wait_ready(proc, stderr_path)
         assert proc.wait(timeout=120) == 0, stderr_path.read_text()[-5000:]
         stderr = stderr_path.read_text()
         assert "Traceback" not in stderr and "leaked" not in stderr, stderr[-5000:]
