@@ -1,21 +1,27 @@
 """The Executor interface: how the engine reaches its workers.
 
-`Executor.get_class(config)` maps `distributed_executor_backend`: "uni" ->
-UniProcExecutor (in-process, tp=1), "mp" -> MultiprocExecutor (default when tp > 1),
-or a user's Executor subclass. All methods are called from the engine's thread.
+`Executor.get_class(config)` maps `distributed_executor_backend` through
+executor.registry: "uni" -> UniProcExecutor (in-process, tp=1), "mp" ->
+MultiprocExecutor (default when tp > 1), any name given to `register_executor_backend`,
+or a user's Executor subclass passed directly. All methods are called from the
+engine's thread.
 """
 
 from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+
+from executor.registry import get_executor_backend_cls
+from executor.rpc import RPCMethod
 
 if TYPE_CHECKING:
-    from engine.outputs import ModelRunnerOutput, SchedulerOutput
-    from worker.kv_cache import KVCacheConfig
+    from engine.config import EngineConfig
+    from worker.outputs import ModelRunnerOutput, SchedulerOutput
+    from worker.kv_cache import KVCacheConfig, KVCacheSpec
 
-RPCMethod = str | Callable[..., Any]
+__all__ = ["EXECUTE_MODEL_TIMEOUT_S", "Executor", "RPCMethod"]
 
 # A step that takes longer than this is treated as a hung rank (TimeoutError naming it),
 # rather than blocking the engine forever.
@@ -23,7 +29,7 @@ EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("TP_EXECUTE_MODEL_TIMEOUT", "300"
 
 
 class Executor(ABC):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.world_size: int = config.parallel_config.world_size
         # Per-phase startup seconds: "spawn" here, worker phases gathered per rank.
@@ -31,7 +37,10 @@ class Executor(ABC):
         self._init_executor()
 
     @staticmethod
-    def get_class(config: Any) -> type["Executor"]:
+    def get_class(config: EngineConfig) -> type[Executor]:
+        """The class for `config.parallel_config.distributed_executor_backend`; imports
+        only the chosen backend. Raises TypeError for a class that is not an Executor,
+        ValueError (naming the registered backends) for an unknown name."""
         backend = config.parallel_config.distributed_executor_backend
         if isinstance(backend, type):
             if not issubclass(backend, Executor):
@@ -39,15 +48,7 @@ class Executor(ABC):
             return backend
         if backend is None:
             backend = "uni" if config.parallel_config.world_size == 1 else "mp"
-        if backend == "uni":
-            from executor.uniproc_executor import UniProcExecutor
-
-            return UniProcExecutor
-        if backend == "mp":
-            from executor.multiproc_executor import MultiprocExecutor
-
-            return MultiprocExecutor
-        raise ValueError(f"distributed_executor_backend={backend!r} is not valid; allowed: 'uni', 'mp' or an Executor subclass")
+        return get_executor_backend_cls(backend)
 
     @abstractmethod
     def _init_executor(self) -> None:
@@ -81,6 +82,13 @@ class Executor(ABC):
 
     def determine_available_memory(self) -> list[int]:
         return self.collective_rpc("determine_available_memory")
+
+    def get_kv_cache_spec(self) -> "KVCacheSpec":
+        """The KV block layout every rank's layers need; RuntimeError if ranks differ."""
+        specs = self.collective_rpc("get_kv_cache_spec")
+        if any(spec != specs[0] for spec in specs):
+            raise RuntimeError(f"ranks disagree on the KV cache layout: {specs}")
+        return specs[0]
 
     def initialize_from_config(self, kv_cache_config: "KVCacheConfig") -> None:
         self.collective_rpc("initialize_from_config", args=(kv_cache_config,))

@@ -22,14 +22,16 @@ import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, TypeVar
 
 import cloudpickle
 
-from executor.abstract import Executor, RPCMethod
+from executor.abstract import Executor
 from executor.errors import EngineDeadError, RemoteWorkerError, WorkerStartupError
-from executor.message_queue import MessageQueue, QueueClosedError
-from executor.messages import SHUTDOWN, ReadyMessage, RPCReply, RPCRequest
+from executor.message_queue import MessageQueueOwner, QueueClosedError, QueueEndpoint
+from executor.message_queue_reader import MessageQueueReader
+from executor.message_queue_writer import MessageQueueWriter
+from executor.rpc import SHUTDOWN, ReadyMessage, RPCMethod, RPCReply, RPCRequest
 from executor.worker_proc import WorkerProc
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,8 @@ SHUTDOWN_GRACE_S = 5.0
 # failure this often.
 _ERROR_POLL_S = 0.1
 _FORKSERVER_PRELOAD = ["torch", "executor.worker_proc"]
+
+_Q = TypeVar("_Q", bound="MessageQueueOwner | QueueEndpoint")
 
 
 def _mp_context() -> multiprocessing.context.BaseContext:
@@ -60,7 +64,7 @@ class MultiprocExecutor(Executor):
         self._call_id = 0
         self.processes: list[multiprocessing.process.BaseProcess] = []
         self._death_writers: list[Connection] = []
-        self._queues: list[MessageQueue] = []
+        self._queues: list[MessageQueueOwner | QueueEndpoint] = []
         self._monitor: threading.Thread | None = None
         self._ipc_dir = tempfile.mkdtemp(prefix="tp-engine-")
         try:
@@ -75,12 +79,10 @@ class MultiprocExecutor(Executor):
         # A FileStore in our private directory: no port to pick, nothing on the network.
         init_method = f"file://{os.path.join(self._ipc_dir, 'dist_store')}"
         # Each queue is recorded as soon as it exists, so a failure part-way still releases it.
-        self._broadcast_creator = self._track(MessageQueue(ws, ipc_dir=self._ipc_dir))
-        self._reply_creators = [self._track(MessageQueue(1, ipc_dir=self._ipc_dir)) for _ in range(ws)]
-        self._broadcast = self._track(MessageQueue.attach(self._broadcast_creator.export_handle(), writer=True))
-        self._replies = [
-            self._track(MessageQueue.attach(q.export_handle(), reader_rank=0)) for q in self._reply_creators
-        ]
+        self._broadcast_owner = self._track(MessageQueueOwner(ws, ipc_dir=self._ipc_dir))
+        self._reply_owners = [self._track(MessageQueueOwner(1, ipc_dir=self._ipc_dir)) for _ in range(ws)]
+        self._broadcast = self._track(MessageQueueWriter(self._broadcast_owner.export_handle()))
+        self._replies = [self._track(MessageQueueReader(q.export_handle(), 0)) for q in self._reply_owners]
 
         ctx = _mp_context()
         ready_readers: list[Connection] = []
@@ -90,8 +92,8 @@ class MultiprocExecutor(Executor):
             proc = ctx.Process(
                 target=WorkerProc.worker_main,
                 name=f"WorkerProc-TP{rank}",
-                args=(self.config, rank, rank, init_method, self._broadcast_creator.export_handle(),
-                      self._reply_creators[rank].export_handle(), ready_w, death_r, self._ipc_dir),
+                args=(self.config, rank, rank, init_method, self._broadcast_owner.export_handle(),
+                      self._reply_owners[rank].export_handle(), ready_w, death_r, self._ipc_dir),
                 daemon=True,
             )
             proc.start()
@@ -104,13 +106,13 @@ class MultiprocExecutor(Executor):
         self.startup_timings["spawn"] = time.perf_counter() - start
         self._wait_for_ready(ready_readers)
         self._broadcast.wait_until_ready(timeout=60)
-        for queue in (self._broadcast_creator, *self._reply_creators):
+        for queue in (self._broadcast_owner, *self._reply_owners):
             queue.unlink()
         self.startup_timings["startup_total"] = time.perf_counter() - start
         self._monitor = threading.Thread(target=self._monitor_workers, name="worker-monitor", daemon=True)
         self._monitor.start()
 
-    def _track(self, queue: MessageQueue) -> MessageQueue:
+    def _track(self, queue: _Q) -> _Q:
         self._queues.append(queue)
         return queue
 

@@ -5,20 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from executor.abstract import Executor, RPCMethod
+from executor.abstract import Executor
 from executor.errors import EngineDeadError
+from executor.rpc import RPCMethod, run_method
 from worker.worker import Worker
-
-
-def run_method(worker: Any, method: RPCMethod | bytes, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Dispatch one RPC on a worker: by name, or a (cloud)pickled / plain callable."""
-    if isinstance(method, str):
-        return getattr(worker, method)(*args, **kwargs)
-    if isinstance(method, bytes):
-        import cloudpickle
-
-        method = cloudpickle.loads(method)
-    return method(worker, *args, **kwargs)
 
 
 class UniProcExecutor(Executor):

@@ -19,14 +19,18 @@ import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from executor.message_queue import MessageQueue, MessageQueueHandle, QueueClosedError
-from executor.messages import SHUTDOWN, ReadyMessage, RPCReply, RPCRequest
-from executor.uniproc_executor import run_method
+from executor.message_queue import MessageQueueHandle, QueueClosedError
+from executor.message_queue_reader import MessageQueueReader
+from executor.message_queue_writer import MessageQueueWriter
+from executor.rpc import SHUTDOWN, ReadyMessage, RPCReply, RPCRequest, run_method
 from worker.worker import Worker
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 _PR_SET_PDEATHSIG = 1
 
@@ -54,17 +58,17 @@ def _watch_death_pipe(death_conn: Connection, ipc_dir: str) -> None:
 
 
 class WorkerProc:
-    def __init__(self, config: Any, rank: int, local_rank: int, distributed_init_method: str | None,
+    def __init__(self, config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str | None,
                  broadcast_handle: MessageQueueHandle, reply_handle: MessageQueueHandle) -> None:
         self.rank = rank
-        self.broadcast = MessageQueue.attach(broadcast_handle, reader_rank=rank)
-        self.reply = MessageQueue.attach(reply_handle, writer=True)
+        self.broadcast = MessageQueueReader(broadcast_handle, rank)
+        self.reply = MessageQueueWriter(reply_handle)
         self.worker = Worker(config, local_rank=local_rank, rank=rank, distributed_init_method=distributed_init_method)
         self.worker.init_device()
         self.worker.load_model()
 
     @staticmethod
-    def worker_main(config: Any, rank: int, local_rank: int, distributed_init_method: str | None,
+    def worker_main(config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str | None,
                     broadcast_handle: MessageQueueHandle, reply_handle: MessageQueueHandle,
                     ready_conn: Connection, death_conn: Connection, ipc_dir: str) -> None:
         """Process entry point (the multiprocessing target)."""

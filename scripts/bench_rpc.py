@@ -181,8 +181,8 @@ def main() -> None:
 
     from engine.config import EngineConfig
     from engine.core import EngineCore
-    from executor.messages import RPCReply, RPCRequest
-    from scripts.bench_startup import tiny_model_dir
+    from executor.rpc import RPCReply, RPCRequest
+    from bench_startup import tiny_model_dir
 
     wall = time.perf_counter()
     model = args.model or tiny_model_dir()

@@ -1,4 +1,4 @@
-"""Tests for executor.message_queue: real spawned processes, real shm, real sockets."""
+"""Tests for the message queue (owner, writer, reader): real spawned processes, real shm, real sockets."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from typing import Any
 import psutil
 import pytest
 
-from executor.message_queue import MessageQueue, MessageQueueHandle, QueueClosedError
+from executor.message_queue import MessageQueueHandle, MessageQueueOwner, QueueClosedError
+from executor.message_queue_reader import MessageQueueReader
+from executor.message_queue_writer import MessageQueueWriter
 
 SPAWN = mp.get_context("spawn")
 SMALL_CHUNK = 64 * 1024
@@ -51,7 +53,7 @@ def _plan(seed: int, n: int) -> list[tuple[int, int]]:
 
 
 def _stress_reader(handle: MessageQueueHandle, rank: int, seed: int, n: int, results: Any) -> None:
-    mq = MessageQueue.attach(handle, reader_rank=rank)
+    mq = MessageQueueReader(handle, rank)
     try:
         pool = _pool(seed)
         for seq, (off, size) in enumerate(_plan(seed, n)):
@@ -69,7 +71,7 @@ def _stress_reader(handle: MessageQueueHandle, rank: int, seed: int, n: int, res
 @pytest.mark.timeout(180)
 def test_four_readers_random_sizes_in_order() -> None:
     n_reader, n_msgs, seed = 4, 10_000, 1234
-    creator = MessageQueue(n_reader, max_chunk_bytes=SMALL_CHUNK, max_chunks=8)
+    creator = MessageQueueOwner(n_reader, max_chunk_bytes=SMALL_CHUNK, max_chunks=8)
     handle = creator.export_handle()
     results = SPAWN.Queue()
     procs = [
@@ -78,7 +80,7 @@ def test_four_readers_random_sizes_in_order() -> None:
     ]
     for p in procs:
         p.start()
-    writer = MessageQueue.attach(handle, writer=True)
+    writer = MessageQueueWriter(handle)
     try:
         writer.wait_until_ready(timeout=60)
         creator.unlink()  # like the executor: everyone attached, so drop the name now
@@ -100,7 +102,7 @@ def test_four_readers_random_sizes_in_order() -> None:
 
 
 def _digest_reader(handle: MessageQueueHandle, results: Any) -> None:
-    mq = MessageQueue.attach(handle, reader_rank=0)
+    mq = MessageQueueReader(handle, 0)
     try:
         msg = mq.dequeue(timeout=60)
         results.put((msg["tag"], len(msg["blob"]), hashlib.sha256(msg["blob"]).hexdigest()))
@@ -110,12 +112,12 @@ def _digest_reader(handle: MessageQueueHandle, results: Any) -> None:
 
 @pytest.mark.timeout(120)
 def test_message_larger_than_64_mib_round_trips() -> None:
-    creator = MessageQueue(1, max_chunk_bytes=1024 * 1024, max_chunks=4)
+    creator = MessageQueueOwner(1, max_chunk_bytes=1024 * 1024, max_chunks=4)
     handle = creator.export_handle()
     results = SPAWN.Queue()
     proc = SPAWN.Process(target=_digest_reader, args=(handle, results), daemon=True)
     proc.start()
-    writer = MessageQueue.attach(handle, writer=True)
+    writer = MessageQueueWriter(handle)
     try:
         blob = random.Random(7).randbytes(65 * 1024 * 1024 + 3)
         writer.enqueue({"tag": "big", "blob": blob}, timeout=60)
@@ -132,10 +134,10 @@ def test_message_larger_than_64_mib_round_trips() -> None:
 @pytest.mark.timeout(60)
 def test_torch_tensors_inline_and_overflow() -> None:
     torch = pytest.importorskip("torch")
-    with MessageQueue(1, max_chunk_bytes=64 * 1024) as creator:
+    with MessageQueueOwner(1, max_chunk_bytes=64 * 1024) as creator:
         handle = creator.export_handle()
-        reader = MessageQueue.attach(handle, reader_rank=0)
-        writer = MessageQueue.attach(handle, writer=True)
+        reader = MessageQueueReader(handle, 0)
+        writer = MessageQueueWriter(handle)
         small = torch.arange(100, dtype=torch.float32)
         big = torch.randn(1024, 1024)  # 4 MiB: goes over zmq
         writer.enqueue({"small": small, "big": big}, timeout=10)
@@ -147,8 +149,8 @@ def test_torch_tensors_inline_and_overflow() -> None:
 
 @pytest.mark.timeout(60)
 def test_timeout_and_cancel_from_another_thread() -> None:
-    with MessageQueue(1) as creator:
-        reader = MessageQueue.attach(creator.export_handle(), reader_rank=0)
+    with MessageQueueOwner(1) as creator:
+        reader = MessageQueueReader(creator.export_handle(), 0)
         start = time.monotonic()
         with pytest.raises(TimeoutError):
             reader.dequeue(timeout=0.2)
@@ -177,17 +179,17 @@ def test_timeout_and_cancel_from_another_thread() -> None:
 
 @pytest.mark.timeout(60)
 def test_writer_shutdown_drains_then_closes_readers() -> None:
-    with MessageQueue(2, max_chunk_bytes=1024) as creator:
+    with MessageQueueOwner(2, max_chunk_bytes=1024) as creator:
         handle = creator.export_handle()
-        readers = [MessageQueue.attach(handle, reader_rank=r) for r in range(2)]
-        writer = MessageQueue.attach(handle, writer=True)
+        readers = [MessageQueueReader(handle, r) for r in range(2)]
+        writer = MessageQueueWriter(handle)
         writer.wait_until_ready(timeout=10)
         for i in range(3):
             writer.enqueue((i, b"x" * (i * 1000)))  # 2000 B overflows the 1 KiB chunk
-        with pytest.raises(RuntimeError):
-            writer.dequeue()
+        # Roles are types: the writer cannot read, nor a reader write.
+        assert not hasattr(writer, "dequeue") and not hasattr(readers[0], "enqueue")
         with pytest.raises(ValueError):
-            MessageQueue.attach(handle, reader_rank=2)
+            MessageQueueReader(handle, 2)
         for reader in readers:
             assert [reader.dequeue(timeout=5)[0] for _ in range(3)] == [0, 1, 2]
         writer.shutdown()
@@ -201,10 +203,10 @@ def test_writer_shutdown_drains_then_closes_readers() -> None:
 
 @pytest.mark.timeout(60)
 def test_full_ring_times_out_and_detects_a_reader_that_shut_down() -> None:
-    with MessageQueue(2, max_chunk_bytes=1024, max_chunks=2) as creator:
+    with MessageQueueOwner(2, max_chunk_bytes=1024, max_chunks=2) as creator:
         handle = creator.export_handle()
-        live, leaving = (MessageQueue.attach(handle, reader_rank=r) for r in range(2))
-        writer = MessageQueue.attach(handle, writer=True)
+        live, leaving = (MessageQueueReader(handle, r) for r in range(2))
+        writer = MessageQueueWriter(handle)
         writer.enqueue(0, timeout=10)
         writer.enqueue(1, timeout=10)
         with pytest.raises(TimeoutError):
@@ -220,7 +222,7 @@ def test_full_ring_times_out_and_detects_a_reader_that_shut_down() -> None:
 
 @pytest.mark.timeout(60)
 def test_unlink_shutdown_remove_segment_and_ipc_dir(tmp_path: Any) -> None:
-    a, b = MessageQueue(1), MessageQueue(1)
+    a, b = MessageQueueOwner(1), MessageQueueOwner(1)
     ha, hb = a.export_handle(), b.export_handle()
     assert ha.shm_name != hb.shm_name and _ipc_dir(ha) != _ipc_dir(hb)
     assert _shm_exists(ha) and os.path.isdir(_ipc_dir(ha))
@@ -230,8 +232,8 @@ def test_unlink_shutdown_remove_segment_and_ipc_dir(tmp_path: Any) -> None:
     a.unlink()  # idempotent
     assert not _shm_exists(ha)
     # Same-process attach still works after unlink; existing mappings stay valid.
-    writer = MessageQueue.attach(ha, writer=True)
-    reader = MessageQueue.attach(ha, reader_rank=0)
+    writer = MessageQueueWriter(ha)
+    reader = MessageQueueReader(ha, 0)
     writer.enqueue({"after": "unlink"}, timeout=10)
     assert reader.dequeue(timeout=10) == {"after": "unlink"}
     a.shutdown()
@@ -244,9 +246,9 @@ def test_unlink_shutdown_remove_segment_and_ipc_dir(tmp_path: Any) -> None:
     assert not _shm_exists(hb) and not os.path.exists(_ipc_dir(hb))
 
     # A caller-provided ipc dir is kept; only our socket files go.
-    c = MessageQueue(1, ipc_dir=str(tmp_path))
+    c = MessageQueueOwner(1, ipc_dir=str(tmp_path))
     hc = c.export_handle()
-    w = MessageQueue.attach(hc, writer=True)
+    w = MessageQueueWriter(hc)
     c.shutdown()
     w.shutdown()
     assert tmp_path.is_dir() and list(tmp_path.iterdir()) == []
@@ -254,7 +256,7 @@ def test_unlink_shutdown_remove_segment_and_ipc_dir(tmp_path: Any) -> None:
 
 
 def _idle_reader(handle: MessageQueueHandle, attached: Any, results: Any) -> None:
-    mq = MessageQueue.attach(handle, reader_rank=0)
+    mq = MessageQueueReader(handle, 0)
     attached.set()
     results.put(mq.dequeue(timeout=60))
     mq.shutdown()
@@ -262,12 +264,12 @@ def _idle_reader(handle: MessageQueueHandle, attached: Any, results: Any) -> Non
 
 @pytest.mark.timeout(60)
 def test_idle_reader_uses_little_cpu() -> None:
-    with MessageQueue(1) as creator:
+    with MessageQueueOwner(1) as creator:
         handle = creator.export_handle()
         attached, results = SPAWN.Event(), SPAWN.Queue()
         proc = SPAWN.Process(target=_idle_reader, args=(handle, attached, results), daemon=True)
         proc.start()
-        writer = MessageQueue.attach(handle, writer=True)
+        writer = MessageQueueWriter(handle)
         try:
             writer.wait_until_ready(timeout=30)
             assert attached.wait(timeout=30)
@@ -289,7 +291,7 @@ def test_idle_reader_uses_little_cpu() -> None:
 
 
 def _child_writer(handle: MessageQueueHandle, n: int) -> None:
-    mq = MessageQueue.attach(handle, writer=True)
+    mq = MessageQueueWriter(handle)
     mq.wait_until_ready(timeout=30)
     for i in range(n):
         mq.enqueue((i, os.getpid(), b"z" * (5000 if i % 10 == 0 else i)), timeout=30)
@@ -299,9 +301,9 @@ def _child_writer(handle: MessageQueueHandle, n: int) -> None:
 @pytest.mark.timeout(60)
 def test_writer_in_a_child_process() -> None:
     n = 200
-    creator = MessageQueue(1, max_chunk_bytes=4096, max_chunks=4)
+    creator = MessageQueueOwner(1, max_chunk_bytes=4096, max_chunks=4)
     handle = creator.export_handle()
-    reader = MessageQueue.attach(handle, reader_rank=0)
+    reader = MessageQueueReader(handle, 0)
     proc = SPAWN.Process(target=_child_writer, args=(handle, n), daemon=True)
     proc.start()
     try:
@@ -326,19 +328,21 @@ def test_writer_in_a_child_process() -> None:
 _TRACKER_SCRIPT = textwrap.dedent(
     """
     import multiprocessing as mp, os, signal, sys
-    from executor.message_queue import MessageQueue
+    from executor.message_queue import MessageQueueOwner
+    from executor.message_queue_reader import MessageQueueReader
+    from executor.message_queue_writer import MessageQueueWriter
 
     def child(handle):
-        mq = MessageQueue.attach(handle, reader_rank=0)
+        mq = MessageQueueReader(handle, 0)
         assert mq.dequeue(timeout=30) == "hi"
         mq.shutdown()
 
     if __name__ == "__main__":
-        creator = MessageQueue(1)
+        creator = MessageQueueOwner(1)
         handle = creator.export_handle()
         proc = mp.get_context("spawn").Process(target=child, args=(handle,))
         proc.start()
-        writer = MessageQueue.attach(handle, writer=True)
+        writer = MessageQueueWriter(handle)
         writer.enqueue("hi", timeout=30)
         proc.join(30)
         assert proc.exitcode == 0
