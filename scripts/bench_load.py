@@ -2,7 +2,7 @@
 """Benchmark: how fast and how lean is `model_loader.get_model()` on CPU?
 
 Generates (once, cached under --dir) a ~1.3 GB bfloat16 llama checkpoint with
-scripts/make_tiny_model.py, warms the page cache, then measures each case in a fresh
+engine/tiny_model.py, warms the page cache, then measures each case in a fresh
 Python process, one after the other:
 
   plain-read        os.readinto of every file into one reusable buffer (the ceiling)
@@ -30,25 +30,15 @@ Usage: python scripts/bench_load.py [--quick] [--dir .bench/load_model] [--repea
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import os
-import resource
-import socket
-import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-GB = 1e9
-PAGE = 4096
+from bench_common import (
+    GB, REPO, Meter, child_env, ensure_checkpoint, free_port, join_tp_group, leave_tp_group, median_run,
+    param_bytes, plain_read, print_result, run_children, touch_all, warm_page_cache, weight_bytes, weight_files)
 
 FULL_SPEC: dict[str, Any] = dict(  # ~1.34 GB of bf16 weights
     arch="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=12, num_attention_heads=16,
@@ -69,146 +59,7 @@ TARGET_FRACTION_OF_PLAIN_READ = 0.5
 TARGET_PEAK_RATIO = 1.2
 
 
-# --------------------------------------------------------------------------- checkpoint
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    return sorted(model_dir.glob("*.safetensors"))
-
-
-def weight_bytes(model_dir: Path) -> int:
-    """Sum of tensor byte sizes from the safetensors headers (not the file sizes)."""
-    total = 0
-    for path in weight_files(model_dir):
-        with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        header.pop("__metadata__", None)
-        total += sum(end - begin for begin, end in (v["data_offsets"] for v in header.values()))
-    return total
-
-
-def ensure_checkpoint(root: Path, spec: dict[str, Any]) -> Path:
-    """Generate the checkpoint unless an identical one is already cached."""
-    tag = "llama-h{hidden_size}-l{num_hidden_layers}-v{vocab_size}-s{num_shards}-{dtype}".format(**spec)
-    model_dir = root / tag
-    marker = model_dir / "bench_spec.json"
-    if marker.is_file() and json.loads(marker.read_text()) == spec and weight_files(model_dir):
-        return model_dir
-    from scripts.make_tiny_model import make_tiny_model
-
-    print(f"generating {model_dir} ...", flush=True)
-    t0 = time.perf_counter()
-    kwargs = dict(spec)
-    make_tiny_model(model_dir, kwargs.pop("arch"), with_tokenizer=False, seed=0, **kwargs)
-    marker.write_text(json.dumps(spec))
-    print(f"  done in {time.perf_counter() - t0:.1f}s", flush=True)
-    return model_dir
-
-
-def plain_read(files: list[Path], buffer: bytearray) -> int:
-    view = memoryview(buffer)
-    total = 0
-    for path in files:
-        with open(path, "rb", buffering=0) as f:
-            while True:
-                n = f.readinto(view)
-                if not n:
-                    break
-                total += n
-    return total
-
-
-# --------------------------------------------------------------------------- measuring (child side)
-
-
-def _vm_hwm_bytes() -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_vm_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-class Meter:
-    """Wall time, peak RSS growth, bytes read (rchar) and page faults of one region."""
-
-    def __init__(self) -> None:
-        import psutil
-
-        self.proc = psutil.Process()
-        self._stop = threading.Event()
-        self.sampled_peak = 0
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            rss = self.proc.memory_info().rss
-            if rss > self.sampled_peak:
-                self.sampled_peak = rss
-            time.sleep(0.001)
-
-    def __enter__(self) -> "Meter":
-        gc.collect()
-        self.hwm_reset = _reset_vm_hwm()
-        self.rss0 = self.proc.memory_info().rss
-        self.sampled_peak = self.rss0
-        io = self.proc.io_counters()
-        self.rchar0, self.read_bytes0 = io.read_chars, io.read_bytes
-        ru = resource.getrusage(resource.RUSAGE_SELF)
-        self.minflt0, self.majflt0 = ru.ru_minflt, ru.ru_majflt
-        self.sampler = threading.Thread(target=self._sample, daemon=True)
-        self.sampler.start()
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.seconds = time.perf_counter() - self.t0
-        self._stop.set()
-        self.sampler.join()
-        ru = resource.getrusage(resource.RUSAGE_SELF)
-        io = self.proc.io_counters()
-        hwm = _vm_hwm_bytes() if self.hwm_reset else None
-        ru_maxrss = ru.ru_maxrss * 1024
-        self.peak = hwm if hwm is not None else max(self.sampled_peak, ru_maxrss)
-        self.result = {
-            "seconds": self.seconds,
-            "rss_before": self.rss0,
-            "peak_growth": self.peak - self.rss0,
-            "sampled_peak_growth": self.sampled_peak - self.rss0,
-            "peak_source": "VmHWM" if hwm is not None else "sampler/ru_maxrss",
-            "rchar": io.read_chars - self.rchar0,
-            "read_bytes": io.read_bytes - self.read_bytes0,
-            "minflt": ru.ru_minflt - self.minflt0,
-            "majflt": ru.ru_majflt - self.majflt0,
-        }
-
-
-def touch_all(tensors: Any) -> int:
-    """Read one byte of every page of every tensor, so that all of them are resident."""
-    import torch
-
-    total = 0
-    for t in tensors:
-        flat = t.detach().reshape(-1)
-        if flat.numel() == 0:
-            continue
-        raw = flat.view(torch.uint8)
-        total += int(raw[:: PAGE].sum())
-    return total
-
-
-def _param_bytes(tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+# --------------------------------------------------------------------------- child
 
 
 def run_child(args: argparse.Namespace) -> dict[str, Any]:
@@ -252,15 +103,8 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         strategy = {"ours-lazy": "lazy", "ours-eager": "eager", "ours-prefetch": "prefetch"}.get(case)
         tp = 1
         if case == "ours-tp2":
-            import torch.distributed as dist
-
-            from worker.parallel_state import set_tensor_parallel_group
-
             tp = args.world
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
-                                    world_size=tp)
-            set_tensor_parallel_group(args.rank, tp, dist.group.WORLD)
-            dist.barrier()
+            join_tp_group(args.rank, tp, args.port)
         config = EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=tp,
                               safetensors_load_strategy=strategy)
 
@@ -282,7 +126,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         touch_all(tensors)
         if profiler is not None:
             profiler.disable()
-    result = dict(meter.result, case=case, rank=args.rank, param_bytes=_param_bytes(tensors),
+    result = dict(meter.result, case=case, rank=args.rank, param_bytes=param_bytes(tensors),
                   threads=torch.get_num_threads())
     if profiler is not None:
         import io
@@ -295,20 +139,11 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
         result["profile_tottime"] = out.getvalue()
     if case == "ours-tp2":
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
+        leave_tp_group()
     return result
 
 
 # --------------------------------------------------------------------------- orchestration (parent side)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child_cmd(case: str, model_dir: Path, profile: bool, rank: int = 0, world: int = 1, port: int = 0) -> list[str]:
@@ -317,43 +152,17 @@ def _child_cmd(case: str, model_dir: Path, profile: bool, rank: int = 0, world: 
     return cmd + (["--profile"] if profile else [])
 
 
-def _parse(proc: subprocess.CompletedProcess, what: str) -> dict[str, Any]:
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-
-
 def run_case(case: str, model_dir: Path, profile: bool, timeout: float = 600) -> list[dict[str, Any]]:
     """One fresh process (two for TP=2); returns one result per rank."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = child_env()
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if case == "ours-thp":
         env["THP_MEM_ALLOC_ENABLE"] = "1"
     if case != "ours-tp2":
-        proc = subprocess.run(_child_cmd(case, model_dir, profile), capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=REPO)
-        return [_parse(proc, case)]
-    port = _free_port()
-    procs = [subprocess.Popen(_child_cmd(case, model_dir, profile, rank, 2, port), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=REPO) for rank in range(2)]
-    results = []
-    try:
-        for rank, p in enumerate(procs):
-            out, err = p.communicate(timeout=timeout)
-            results.append(_parse(subprocess.CompletedProcess(p.args, p.returncode, out, err), f"{case} rank {rank}"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return results
-
-
-def _median_run(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The repeat whose (slowest-rank) time is the median."""
-    ordered = sorted(runs, key=lambda r: max(x["seconds"] for x in r))
-    return ordered[(len(ordered) - 1) // 2]
+        return run_children([_child_cmd(case, model_dir, profile)], case, env, timeout)
+    port = free_port()
+    return run_children([_child_cmd(case, model_dir, profile, rank, 2, port) for rank in range(2)], case, env,
+                        timeout)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -373,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     if args.child:
-        print("RESULT " + json.dumps(run_child(args)), flush=True)
+        print_result(run_child(args))
         return
 
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -385,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     files = weight_files(model_dir)
     wbytes = weight_bytes(model_dir)
     t0 = time.perf_counter()
-    plain_read(files, bytearray(64 << 20))  # warm the page cache
+    warm_page_cache(files)
     print(f"model: {model_dir}  ({len(files)} shards, {wbytes / GB:.3f} GB of weights; "
           f"page cache warmed in {time.perf_counter() - t0:.2f}s)")
     print(f"host: {os.cpu_count()} CPUs; each case runs in a fresh process; repeats per case: {args.repeat}\n",
@@ -397,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         runs = []
         for _ in range(args.repeat):
             runs.append(run_case(case, model_dir, args.profile and case.startswith("ours")))
-        results[case] = _median_run(runs)
+        results[case] = median_run(runs)
         all_runs[case] = runs
         for r in results[case]:
             if "profile" in r:

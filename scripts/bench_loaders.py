@@ -2,7 +2,7 @@
 """Benchmark: every load format / strategy against the default `lazy` safetensors load.
 
 Generates (once, cached under --dir) a ~0.5 GB bfloat16 llama checkpoint with
-scripts/bench_load.py's `ensure_checkpoint`, plus a `.bin` copy, its npcache, and a
+scripts/bench_common.py's `ensure_checkpoint`, plus a `.bin` copy, its npcache, and a
 TP=2 `sharded_state` copy. Each case then loads the model with `get_model()` in a fresh
 process (two processes for the TP=2 cases) and is timed exactly like bench_load.py:
 from just before the load until one byte of every page of every parameter is resident.
@@ -36,26 +36,14 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from scripts.bench_load import (  # noqa: E402  (path set up above)
-    GB,
-    Meter,
-    _free_port,
-    _median_run,
-    _param_bytes,
-    ensure_checkpoint,
-    touch_all,
-    weight_bytes,
-)
+from bench_common import (
+    GB, REPO, Meter, child_env, ensure_checkpoint, free_port, join_tp_group, leave_tp_group, median_run,
+    param_bytes, print_result, run_children, touch_all, warm_page_cache, weight_bytes)
 
 SPEC: dict[str, Any] = dict(  # ~0.49 GB of bf16 weights
     arch="llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
@@ -109,7 +97,7 @@ def ensure_sharded_copy(model_dir: Path) -> Path:
     if (out / "bench_done").is_file():
         return out
     print(f"writing {out} (scripts/save_sharded_state.py --tp 2) ...", flush=True)
-    from scripts.save_sharded_state import main as save_main
+    from save_sharded_state import main as save_main
 
     save_main([str(model_dir), str(out), "--tp", "2", "--device", "cpu", "--max-model-len", "64"])
     (out / "bench_done").write_text("ok")
@@ -127,15 +115,6 @@ def case_files(case: str, dirs: dict[str, Path]) -> list[Path]:
     if case == "dummy":
         return []
     return sorted(dirs["model"].glob("*.safetensors"))
-
-
-def warm(files: list[Path]) -> None:
-    buf = bytearray(64 << 20)
-    view = memoryview(buf)
-    for path in files:
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(view):
-                pass
 
 
 def evict(files: list[Path], drop_caches: bool) -> str:
@@ -189,25 +168,16 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     kwargs["model"] = str(kwargs["model"])
     tp = 1
     if "-tp2" in case:
-        import torch.distributed as dist
-
-        from worker.parallel_state import set_tensor_parallel_group
-
         torch.set_num_threads(1)
         tp = 2
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=tp)
-        set_tensor_parallel_group(args.rank, tp, dist.group.WORLD)
-        dist.barrier()
+        join_tp_group(args.rank, tp, args.port)
     config = EngineConfig(device="cpu", tensor_parallel_size=tp, use_tqdm_on_load=False, **kwargs)
     with Meter() as meter:
         tensors = list(get_model(config).parameters())
         touch_all(tensors)
-    result = dict(meter.result, case=case, rank=args.rank, param_bytes=_param_bytes(tensors))
+    result = dict(meter.result, case=case, rank=args.rank, param_bytes=param_bytes(tensors))
     if tp > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
+        leave_tp_group()
     return result
 
 
@@ -217,33 +187,12 @@ def _child_cmd(case: str, dirs: dict[str, Path], threads: int, rank: int = 0, po
             "--rank", str(rank), "--port", str(port)]
 
 
-def _parse(out: str, err: str, code: int, what: str) -> dict[str, Any]:
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"{what} failed (exit {code}):\n{out[-3000:]}\n{err[-5000:]}")
-
-
 def run_case(case: str, dirs: dict[str, Path], threads: int, timeout: float = 900) -> list[dict[str, Any]]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = child_env()
     if "-tp2" not in case:
-        proc = subprocess.run(_child_cmd(case, dirs, threads), capture_output=True, text=True, timeout=timeout,
-                              env=env, cwd=REPO)
-        return [_parse(proc.stdout, proc.stderr, proc.returncode, case)]
-    port = _free_port()
-    procs = [subprocess.Popen(_child_cmd(case, dirs, threads, rank, port), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=REPO) for rank in range(2)]
-    results = []
-    try:
-        for rank, p in enumerate(procs):
-            out, err = p.communicate(timeout=timeout)
-            results.append(_parse(out, err, p.returncode, f"{case} rank {rank}"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return results
+        return run_children([_child_cmd(case, dirs, threads)], case, env, timeout)
+    port = free_port()
+    return run_children([_child_cmd(case, dirs, threads, rank, port) for rank in range(2)], case, env, timeout)
 
 
 # --------------------------------------------------------------------------- main
@@ -265,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     if args.child:
-        print("RESULT " + json.dumps(run_child(args)), flush=True)
+        print_result(run_child(args))
         return
 
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -298,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(args.repeat):
                 files = case_files(case, dirs)
                 if mode == "warm":
-                    warm(files)
+                    warm_page_cache(files)
                 else:
                     try:
                         cold_method = evict(files, args.drop_caches)
@@ -307,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
                         break
                 runs.append(run_case(case, dirs, args.threads))
             if runs:
-                results[(mode, case)] = _median_run(runs)
+                results[(mode, case)] = median_run(runs)
                 r = results[(mode, case)]
                 print(f"  {mode:<5} {case:<18} " + ", ".join(f"{x['seconds']:.3f}s" for x in r)
                       + f"  (read from disk: {sum(x['read_bytes'] for x in r) / GB:.2f} GB, "

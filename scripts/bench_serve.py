@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.make_tiny_model import make_tiny_model  # noqa: E402
+from engine.tiny_model import make_tiny_model  # noqa: E402
 
 MODEL_SPEC = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,

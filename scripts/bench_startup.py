@@ -59,7 +59,7 @@ def tiny_model_dir() -> str:
     key = hashlib.sha1(json.dumps(TINY_SPEC, sort_keys=True).encode()).hexdigest()[:10]
     out = os.path.join(tempfile.gettempdir(), f"tp-bench-tiny-llama-{key}")
     if not os.path.exists(os.path.join(out, "config.json")):
-        from scripts.make_tiny_model import make_tiny_model
+        from engine.tiny_model import make_tiny_model
 
         spec = dict(TINY_SPEC)
         tmp = tempfile.mkdtemp(prefix=os.path.basename(out) + ".tmp-", dir=os.path.dirname(out))

@@ -56,16 +56,14 @@ def main(argv: list[str] | None = None) -> None:
 
     from engine.config import EngineConfig
     from engine.core import EngineCore
-    from worker.kv_cache import kv_cache_config_for
 
     common = dict(tensor_parallel_size=args.tp, dtype=args.dtype, load_format=args.load_format,
                   revision=args.revision, download_dir=args.download_dir, device=args.device)
     probe = EngineConfig(model=args.model, **common)  # resolves a Hub id once
     max_len = min(args.max_model_len, probe.model_config.max_model_len)
+    # Just the blocks of one max_model_len sequence, with no profile run.
     config = EngineConfig(model=probe.model, max_model_len=max_len, max_num_batched_tokens=max_len,
-                          max_num_seqs=1, **common)
-    blocks = math.ceil(max_len / config.cache_config.block_size)
-    config.cache_config.kv_cache_memory_bytes = kv_cache_config_for(config, blocks).block_bytes * blocks
+                          max_num_seqs=1, num_gpu_blocks_override=math.ceil(max_len / probe.block_size), **common)
     start = time.perf_counter()
     with EngineCore(config) as core:
         loaded = time.perf_counter()

@@ -17,11 +17,15 @@ from pathlib import Path
 import psutil
 import torch
 
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
 
 def main() -> int:
     from engine.core import EngineCore
     from engine.sampling_params import SamplingParams
-    from scripts.make_tiny_model import make_tiny_model
+    from engine.tiny_model import make_tiny_model
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", help="checkpoint dir; default: a generated tiny llama")

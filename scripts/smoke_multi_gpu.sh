@@ -3,4 +3,4 @@
 # clean shutdown. On a host without CUDA the same flow runs on CPU with gloo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python3 -m scripts.smoke_multi_gpu "$@"
+exec python3 scripts/smoke_multi_gpu.py "$@"

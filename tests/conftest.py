@@ -1,7 +1,7 @@
 """Shared fixtures: tiny checkpoints, a transformers oracle, and a TP process launcher.
 
 - `tiny_models`: session-scoped {name: checkpoint dir} of small random models, written
-  once by scripts/make_tiny_model.py (hidden 64, 2 layers; see `TINY_MODEL_SPECS`).
+  once by engine/tiny_model.py (hidden 64, 2 layers; see `TINY_MODEL_SPECS`).
 - `copy_model(name)`: a private copy of one of them under tmp_path, for tests that
   damage a checkpoint.
 - `hf_logits(name)`: (input_ids [T], transformers float32 logits [T, vocab]) per model,
@@ -25,7 +25,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from scripts.make_tiny_model import make_tiny_model
+from engine.tiny_model import make_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -64,6 +64,14 @@ TINY_MODEL_SPECS: dict[str, dict[str, Any]] = {
                          num_shards=1),
 }
 NUM_TOKENS = 24
+
+
+def tiny_llama_with_tokenizer(out_dir: Path, **overrides: Any) -> Path:
+    """A tiny random llama (hidden 64, 2 layers, seed 11) WITH its byte-level BPE
+    tokenizer.json and chat template, which the session's `tiny_models` lack."""
+    spec: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, seed=11,
+                                with_tokenizer=True)
+    return make_tiny_model(out_dir, "llama", **{**spec, **overrides})
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import pytest
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
-from scripts.make_tiny_model import make_tiny_model
+from engine.tiny_model import make_tiny_model
 
 TEXTS = [
     "Hello world, this is a test of incremental decoding.",
@@ -52,7 +52,7 @@ def test_text_offsets_are_prefix_lengths(tokenizer: Tokenizer, text: str) -> Non
     """The API's `text_offset`: each token's start in the completion text, computed
     incrementally, equals the length of the decoded prefix wherever that prefix ends on a
     whole character (inside a split character it is never past it)."""
-    from engine.api_server import TextOffsets
+    from engine.entrypoints.openai.logprobs import TextOffsets
 
     ids = tokenizer.encode(text, add_special_tokens=False)
     offsets = TextOffsets(tokenizer)

@@ -39,7 +39,7 @@ from model_loader.gguf_utils import (
     find_gguf_file,
     gguf_hf_config,
 )
-from tests.conftest import run_tp
+from tests.conftest import run_tp, tiny_llama_with_tokenizer
 from tests.tp_helpers import compute_logits_on_rank, tp_load_cases
 
 Q = gguf.GGMLQuantizationType
@@ -364,11 +364,7 @@ TOKENIZER_TEXTS = [
 @pytest.fixture(scope="module")
 def llama_with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny llama checkpoint WITH its byte-level BPE tokenizer.json (the session ones have none)."""
-    from scripts.make_tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("hf_tok") / "llama", "llama", hidden_size=64,
-                           intermediate_size=128, num_hidden_layers=2, vocab_size=320, seed=11,
-                           with_tokenizer=True)
+    return tiny_llama_with_tokenizer(tmp_path_factory.mktemp("hf_tok") / "llama", vocab_size=320)
 
 
 @pytest.fixture(scope="module")

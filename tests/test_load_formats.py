@@ -20,6 +20,8 @@ import os
 import pickle
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import ConfigError, EngineConfig
 from model_loader import WeightLoadError, get_model, get_model_loader, get_supported_load_formats
-from tests.conftest import input_ids_for, run_tp
+from tests.conftest import REPO, input_ids_for, run_tp
 
 NEW_FORMATS = ("pt", "npcache", "dummy", "sharded_state")
 INDEX = "model.safetensors.index.json"
@@ -103,12 +105,11 @@ def formats_root(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPath
         "bin_tied": write_bin_checkpoint(tiny_models["qwen2_tied"], root / "bin_tied", shards=False),
         "bin_tp2": write_bin_checkpoint(tiny_models["llama"], root / "bin_tp2"),
     }
-    from scripts.save_sharded_state import main as save_main
-
     save_with_engine(tiny_models["llama"], root / "sharded1", max_size=100_000)
     dirs["sharded1"] = root / "sharded1"
-    save_main([str(tiny_models["llama"]), str(root / "sharded2"), "--tp", "2", "--max-size", "60KB",
-               "--device", "cpu", "--dtype", "float32"])
+    subprocess.run([sys.executable, str(REPO / "scripts" / "save_sharded_state.py"), str(tiny_models["llama"]),
+                    str(root / "sharded2"), "--tp", "2", "--max-size", "60KB", "--device", "cpu",
+                    "--dtype", "float32"], cwd=REPO, check=True)
     dirs["sharded2"] = root / "sharded2"
     return dirs
 
@@ -289,7 +290,7 @@ def test_dummy_is_deterministic_and_small(tiny_models: dict[str, Path]) -> None:
 
 
 def test_npcache_bfloat16_is_bit_exact(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    from scripts.make_tiny_model import make_tiny_model
+    from engine.tiny_model import make_tiny_model
 
     src = make_tiny_model(tmp_path / "bf16", "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                           num_attention_heads=4, num_key_value_heads=2, vocab_size=128, seed=3, dtype="bfloat16",

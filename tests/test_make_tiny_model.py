@@ -1,4 +1,4 @@
-"""Tests for scripts/make_tiny_model.py (transformers is used only as an oracle here)."""
+"""Tests for engine/tiny_model.py and its CLI (transformers is used only as an oracle here)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from scripts.make_tiny_model import _plan_shards, make_tiny_model
+from engine.tiny_model import _plan_shards, make_tiny_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "make_tiny_model.py"

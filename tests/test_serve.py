@@ -25,8 +25,7 @@ import psutil
 import pytest
 from tokenizers import Tokenizer
 
-from scripts.make_tiny_model import make_tiny_model
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, tiny_llama_with_tokenizer
 
 MODEL_NAME = "tiny-serve"
 MAX_MODEL_LEN = 256
@@ -54,10 +53,9 @@ PROMPTS = [
 @pytest.fixture(scope="session")
 def serve_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny llama with a tokenizer and chat template (vocab 512, 4 heads / 2 kv heads)."""
-    return make_tiny_model(
-        tmp_path_factory.mktemp("serve_model") / "tiny", "llama", hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-        max_position_embeddings=512, init_std=0.1, seed=11,
+    return tiny_llama_with_tokenizer(
+        tmp_path_factory.mktemp("serve_model") / "tiny", num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512, max_position_embeddings=512, init_std=0.1,
     )
 
 

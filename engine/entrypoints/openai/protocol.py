@@ -10,7 +10,7 @@ Integer fields are strict (`true` is not 1); float fields accept JSON integers.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, Generic, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -159,22 +159,6 @@ class CompletionLogProbs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: Optional[CompletionLogProbs] = None
-    finish_reason: Optional[str] = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
-
-
 class ChatTopLogprob(BaseModel):
     token: str
     logprob: float
@@ -189,25 +173,50 @@ class ChatChoiceLogprobs(BaseModel):
     content: Optional[list[ChatTokenLogprob]] = None
 
 
+LogprobsT = TypeVar("LogprobsT", bound=BaseModel)
+ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
+
+
+class _Choice(BaseModel, Generic[LogprobsT]):
+    """What every choice carries; each kind adds its output (`text`, `message` or `delta`)."""
+
+    index: int = 0
+    logprobs: Optional[LogprobsT] = None
+    finish_reason: Optional[str] = None
+
+
+class _Response(BaseModel, Generic[ChoiceT]):
+    """What every response and stream chunk carries; each kind fixes `object` (a
+    redeclared field keeps its place, so the JSON key order stays OpenAI's)."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChoiceT]
+    usage: Optional[UsageInfo] = None
+
+
+class CompletionChoice(_Choice[CompletionLogProbs]):
+    text: str
+
+
+class CompletionResponse(_Response[CompletionChoice]):
+    object: Literal["text_completion"] = "text_completion"
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
 
 
-class ChatCompletionChoice(BaseModel):
-    index: int = 0
+class ChatCompletionChoice(_Choice[ChatChoiceLogprobs]):
     message: ChatResponseMessage
-    logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[str] = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response[ChatCompletionChoice]):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
+    usage: UsageInfo  # a whole (not streamed) chat response always reports it
 
 
 class DeltaMessage(BaseModel):
@@ -215,21 +224,14 @@ class DeltaMessage(BaseModel):
     content: Optional[str] = None
 
 
-class ChatCompletionStreamChoice(BaseModel):
-    index: int = 0
+class ChatCompletionStreamChoice(_Choice[ChatChoiceLogprobs]):
     delta: DeltaMessage
-    logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[str] = None
 
 
-class ChatCompletionStreamResponse(BaseModel):
-    id: str
+class ChatCompletionStreamResponse(_Response[ChatCompletionStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: Optional[UsageInfo] = None
 
 
 def dump(model: BaseModel) -> dict[str, Any]:
+    """`model` as a JSON-ready dict (the body of every response and SSE event)."""
     return model.model_dump(mode="json")

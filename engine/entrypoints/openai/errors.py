@@ -1,0 +1,75 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`.
+
+Handlers raise `APIError`; `install_error_handlers` renders it, and every other failure
+(pydantic validation, HTTP errors from routing, unexpected exceptions), in that shape.
+Invalid requests are 400s and count as rejected in the metrics; the server stays up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, dump
+from engine.metrics import EngineMetrics
+from executor.errors import EngineDeadError
+
+
+class APIError(Exception):
+    """Raised by handlers; rendered as an OpenAI-style error body with `status_code`."""
+
+    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code, self.message, self.type, self.param, self.code = status_code, message, type, param, code
+
+
+def error_response(status_code: int, message: str, type: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> JSONResponse:
+    """An OpenAI-style error body with `status_code`."""
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
+    return JSONResponse(dump(body), status_code=status_code)
+
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    """The error body for a failure in the middle of a stream (sent as its last event):
+    a dead engine is a service_unavailable_error, anything else an internal one."""
+    if isinstance(exc, EngineDeadError):
+        info = ErrorInfo(message=str(exc), type="service_unavailable_error")
+    else:
+        info = ErrorInfo(message=f"{type(exc).__name__}: {exc}", type="internal_server_error")
+    return dump(ErrorResponse(error=info))
+
+
+def install_error_handlers(app: FastAPI, metrics: EngineMetrics) -> None:
+    """Render every error `app` raises OpenAI-style; 400s count in `metrics` as rejected."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        if exc.status_code == 400:
+            metrics.on_request_rejected()
+        return error_response(exc.status_code, exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.on_request_rejected()
+        errors = exc.errors()
+        parts, param = [], None
+        for error in errors:
+            loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+            param = param or (loc[0] if loc else None)
+            parts.append(f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}")
+        return error_response(400, "; ".join(parts) or "invalid request", param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
+        return error_response(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(500, f"{type(exc).__name__}: {exc}", "internal_server_error")

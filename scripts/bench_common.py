@@ -1,0 +1,247 @@
+"""What the load benchmarks (bench_load.py, bench_loaders.py) share: the cached
+checkpoint, the measurement of one load region, the TP=2 gloo world of a child, and
+running children that each print one `RESULT {json}` line.
+
+Imported by bare name from its sibling scripts (`python scripts/bench_x.py` puts
+scripts/ first on sys.path); this module puts the repository root there too.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+GB = 1e9
+PAGE = 4096
+RESULT_PREFIX = "RESULT "
+
+
+# --------------------------------------------------------------------------- checkpoint
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def weight_bytes(model_dir: Path) -> int:
+    """Sum of tensor byte sizes from the safetensors headers (not the file sizes)."""
+    total = 0
+    for path in weight_files(model_dir):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        header.pop("__metadata__", None)
+        total += sum(end - begin for begin, end in (v["data_offsets"] for v in header.values()))
+    return total
+
+
+def ensure_checkpoint(root: Path, spec: dict[str, Any]) -> Path:
+    """Generate the checkpoint unless an identical one is already cached."""
+    tag = "llama-h{hidden_size}-l{num_hidden_layers}-v{vocab_size}-s{num_shards}-{dtype}".format(**spec)
+    model_dir = root / tag
+    marker = model_dir / "bench_spec.json"
+    if marker.is_file() and json.loads(marker.read_text()) == spec and weight_files(model_dir):
+        return model_dir
+    from engine.tiny_model import make_tiny_model
+
+    print(f"generating {model_dir} ...", flush=True)
+    t0 = time.perf_counter()
+    kwargs = dict(spec)
+    make_tiny_model(model_dir, kwargs.pop("arch"), with_tokenizer=False, seed=0, **kwargs)
+    marker.write_text(json.dumps(spec))
+    print(f"  done in {time.perf_counter() - t0:.1f}s", flush=True)
+    return model_dir
+
+
+def plain_read(files: list[Path], buffer: bytearray) -> int:
+    """Read every file through one reused `buffer` (the read-rate ceiling); returns the bytes read."""
+    view = memoryview(buffer)
+    total = 0
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while True:
+                n = f.readinto(view)
+                if not n:
+                    break
+                total += n
+    return total
+
+
+def warm_page_cache(files: list[Path]) -> None:
+    plain_read(files, bytearray(64 << 20))
+
+
+# --------------------------------------------------------------------------- measuring (child side)
+
+
+def _vm_hwm_bytes() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_vm_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class Meter:
+    """Wall time, peak RSS growth, bytes read (rchar) and page faults of one region."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.proc = psutil.Process()
+        self._stop = threading.Event()
+        self.sampled_peak = 0
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            rss = self.proc.memory_info().rss
+            if rss > self.sampled_peak:
+                self.sampled_peak = rss
+            time.sleep(0.001)
+
+    def __enter__(self) -> "Meter":
+        gc.collect()
+        self.hwm_reset = _reset_vm_hwm()
+        self.rss0 = self.proc.memory_info().rss
+        self.sampled_peak = self.rss0
+        io = self.proc.io_counters()
+        self.rchar0, self.read_bytes0 = io.read_chars, io.read_bytes
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        self.minflt0, self.majflt0 = ru.ru_minflt, ru.ru_majflt
+        self.sampler = threading.Thread(target=self._sample, daemon=True)
+        self.sampler.start()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds = time.perf_counter() - self.t0
+        self._stop.set()
+        self.sampler.join()
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        io = self.proc.io_counters()
+        hwm = _vm_hwm_bytes() if self.hwm_reset else None
+        ru_maxrss = ru.ru_maxrss * 1024
+        self.peak = hwm if hwm is not None else max(self.sampled_peak, ru_maxrss)
+        self.result = {
+            "seconds": self.seconds,
+            "rss_before": self.rss0,
+            "peak_growth": self.peak - self.rss0,
+            "sampled_peak_growth": self.sampled_peak - self.rss0,
+            "peak_source": "VmHWM" if hwm is not None else "sampler/ru_maxrss",
+            "rchar": io.read_chars - self.rchar0,
+            "read_bytes": io.read_bytes - self.read_bytes0,
+            "minflt": ru.ru_minflt - self.minflt0,
+            "majflt": ru.ru_majflt - self.majflt0,
+        }
+
+
+def touch_all(tensors: Any) -> int:
+    """Read one byte of every page of every tensor, so that all of them are resident."""
+    import torch
+
+    total = 0
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        if flat.numel() == 0:
+            continue
+        raw = flat.view(torch.uint8)
+        total += int(raw[:: PAGE].sum())
+    return total
+
+
+def param_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def join_tp_group(rank: int, world_size: int, port: int) -> None:
+    """Join the children's gloo world on 127.0.0.1:`port` as TP rank `rank` (before the clock)."""
+    import torch
+
+    from distributed import init_distributed_environment
+
+    init_distributed_environment(world_size, rank, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
+
+
+def leave_tp_group() -> None:
+    import torch.distributed as dist
+
+    from distributed import destroy_distributed_environment
+
+    dist.barrier()
+    destroy_distributed_environment()
+
+
+# --------------------------------------------------------------------------- orchestration (parent side)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment with the repository on PYTHONPATH, plus `extra`."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env.update(extra)
+    return env
+
+
+def _parse(out: str, err: str, code: int, what: str) -> dict[str, Any]:
+    for line in out.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    raise RuntimeError(f"{what} failed (exit {code}):\n{out[-3000:]}\n{err[-5000:]}")
+
+
+def run_children(cmds: list[list[str]], what: str, env: dict[str, str], timeout: float) -> list[dict[str, Any]]:
+    """Run `cmds` at once (one per rank) and return each one's RESULT, in order. Raises
+    RuntimeError, with the child's output, for one that printed none; every child is
+    killed before this returns."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+             for cmd in cmds]
+    results = []
+    try:
+        for rank, p in enumerate(procs):
+            out, err = p.communicate(timeout=timeout)
+            results.append(_parse(out, err, p.returncode, what if len(procs) == 1 else f"{what} rank {rank}"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def print_result(result: dict[str, Any]) -> None:
+    """A child's one line for `run_children`."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def median_run(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The repeat whose (slowest-rank) time is the median."""
+    ordered = sorted(runs, key=lambda r: max(x["seconds"] for x in r))
+    return ordered[(len(ordered) - 1) // 2]
