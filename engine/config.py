@@ -91,24 +91,14 @@ class ModelConfig:
         return getattr(self.hf_config, "num_key_value_heads", None) or self.num_attention_heads
 
     @property
-    def head_dim(self) -> int:
-        return getattr(self.hf_config, "head_dim", None) or self.hidden_size // self.num_attention_heads
-
-    @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
-
-    def num_kv_heads_per_rank(self, tp_size: int) -> int:
-        """KV heads held by one rank: at least one, since heads replicate when tp > kv heads."""
-        return max(1, self.num_kv_heads // tp_size)
 
 
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | type | None = None  # None -> "uni" at tp=1, else "mp"
-    # The torch.distributed rendezvous; filled in by the executor before workers start.
-    distributed_init_method: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -132,7 +122,7 @@ class CacheConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # set: skip profiling and use this many bytes per rank
-    cache_dtype: str = "auto"
+    num_gpu_blocks_override: int | None = None  # set: exactly this many blocks, no profiling (vLLM's knob)
 
 
 @dataclass
@@ -173,6 +163,7 @@ class EngineConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
     download_dir: str | None = None
     revision: str | None = None
     quantization: str | None = None
@@ -211,9 +202,13 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if self.kv_cache_memory_bytes is not None:
             _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.num_gpu_blocks_override is not None:
+            _positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
         backend = self.distributed_executor_backend
         if backend is not None and not isinstance(backend, type):
-            _choice("distributed_executor_backend", backend, ("uni", "mp"))
+            from executor.registry import get_supported_executor_backends
+
+            _choice("distributed_executor_backend", backend, tuple(get_supported_executor_backends()))
         if backend == "uni" and self.tensor_parallel_size > 1:
             raise ConfigError(
                 f"distributed_executor_backend='uni' runs one in-process worker; "
@@ -232,7 +227,9 @@ class EngineConfig:
             ignore_patterns=list(self.ignore_patterns) if self.ignore_patterns is not None else ["original/**/*"],
             use_tqdm_on_load=self.use_tqdm_on_load,
         )
-        self.cache_config = CacheConfig(self.block_size, self.gpu_memory_utilization, self.kv_cache_memory_bytes)
+        self.cache_config = CacheConfig(
+            self.block_size, self.gpu_memory_utilization, self.kv_cache_memory_bytes, self.num_gpu_blocks_override
+        )
         # A Hub repo id is resolved here, once, in the engine process (download or cache
         # lookup under a file lock, honouring revision / download_dir / ignore_patterns):
         # workers receive the local snapshot directory. Local paths come back unchanged.
@@ -286,19 +283,23 @@ class EngineConfig:
         return ModelConfig(self.model, dtype, hf_config, max_len, self.seed, self.revision, self.quantization)
 
     def _check_parallel_fits_model(self) -> None:
+        """The layers' own splitting rules (distributed.utils), applied before any worker
+        starts so that a bad TP size is a ConfigError here, not a failure on every rank."""
+        from distributed.utils import divide, kv_heads_per_rank
+
         tp = self.tensor_parallel_size
         heads = self.model_config.num_attention_heads
         kv_heads = self.model_config.num_kv_heads
-        if heads % tp:
+        try:
+            divide(heads, tp, "num_attention_heads")
+        except ValueError:
             raise ConfigError(
                 f"tensor_parallel_size={tp} does not divide num_attention_heads={heads} of {self.model}"
-            )
-        if (kv_heads % tp) if tp <= kv_heads else (tp % kv_heads):
+            ) from None
+        try:
+            kv_heads_per_rank(kv_heads, tp)
+        except ValueError:
             raise ConfigError(
                 f"tensor_parallel_size={tp} and num_key_value_heads={kv_heads} of {self.model} are incompatible: "
                 "one must be a multiple of the other"
-            )
-
-    @property
-    def quant_config(self) -> str | None:
-        return self.quantization
+            ) from None

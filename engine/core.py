@@ -24,7 +24,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import load_tokenizer
 from executor.abstract import Executor, RPCMethod
-from worker.kv_cache import KVCacheConfig, KVCacheTooSmallError, kv_cache_config_for
+from worker.kv_cache import KVCacheConfig, KVCacheTooSmallError
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +66,13 @@ class EngineCore:
     # ------------------------------------------------------------------ start-up
 
     def _initialize_kv_caches(self) -> KVCacheConfig:
-        available = self.model_executor.determine_available_memory()
-        block_bytes = kv_cache_config_for(self.config, 1).block_bytes
+        spec = self.model_executor.get_kv_cache_spec()
+        block_bytes = spec.block_bytes
+        override = self.config.cache_config.num_gpu_blocks_override
+        if override is not None:  # the caller knows the block count it wants: no profile run
+            available = [override * block_bytes] * self.config.parallel_config.world_size
+        else:
+            available = self.model_executor.determine_available_memory()
         num_blocks = min(available) // block_bytes
         max_len = self.config.model_config.max_model_len
         needed = math.ceil(max_len / self.config.cache_config.block_size)
@@ -80,7 +85,7 @@ class EngineCore:
                 f"kv_cache_memory_bytes (now {self.config.cache_config.kv_cache_memory_bytes}), or lower "
                 f"max_model_len or max_num_batched_tokens (now {self.config.scheduler_config.max_num_batched_tokens})."
             )
-        kv_cache_config = kv_cache_config_for(self.config, num_blocks)
+        kv_cache_config = KVCacheConfig.from_spec(spec, num_blocks)
         self.model_executor.initialize_from_config(kv_cache_config)
         return kv_cache_config
 

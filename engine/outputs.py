@@ -1,67 +1,9 @@
-"""Plain, picklable messages exchanged between scheduler, runner and client.
-
-These cross process boundaries, so they hold only builtins and
-:class:`SamplingParams` (itself a plain dataclass) — no tensors, no locks.
-"""
+"""What the client sees of a request. The per-step messages between the scheduler and
+the workers are in `worker/outputs.py`, low enough for every layer to import them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from engine.sampling_params import SamplingParams
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's work for one step.
-
-    ``token_ids`` are the tokens whose KV this step computes, starting at
-    absolute position ``start_pos``. ``block_ids`` is the whole block table
-    after allocation. ``sample`` is True iff the chunk reaches the last known
-    token, i.e. the runner must sample exactly one new token for it.
-    ``num_output_tokens`` (outputs so far) keys the per-step random stream so
-    sampling is independent of batching, preemption and rank.
-    """
-
-    req_id: str
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[int]
-    sample: bool
-    sampling_params: SamplingParams
-    num_output_tokens: int
-
-
-@dataclass
-class SchedulerOutput:
-    """Everything the runner needs for one step.
-
-    ``finished_req_ids`` lists requests finished, aborted or preempted since
-    the previous step; the runner drops any per-request state it holds. An
-    output with nothing scheduled is never run, so its ids come again in the
-    next one.
-    """
-
-    scheduled: list[ScheduledRequest]
-    finished_req_ids: list[str]
-    num_batched_tokens: int
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class ModelRunnerOutput:
-    """Result of one step: one sampled token per ``sample=True`` request.
-
-    Lists are parallel and in scheduled order. ``logprobs[i]`` maps token id to
-    logprob for the top-k plus the sampled token, or is None if not requested.
-    """
-
-    req_ids: list[str]
-    sampled_token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
 
 
 @dataclass

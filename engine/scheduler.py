@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Collection
 
 from engine.block_manager import KVBlockManager
-from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
 
 

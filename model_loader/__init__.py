@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -13,13 +13,16 @@ from model_loader.base_loader import BaseModelLoader
 from model_loader.registry import get_model_loader_cls, get_supported_load_formats, register_model_loader
 from models.errors import UnsupportedArchitectureError, WeightLoadError
 
+if TYPE_CHECKING:
+    from engine.config import EngineConfig, LoadConfig
 
-def get_model_loader(load_config: Any) -> BaseModelLoader:
+
+def get_model_loader(load_config: LoadConfig) -> BaseModelLoader:
     """The loader instance for `load_config.load_format`; ValueError lists the valid formats."""
     return get_model_loader_cls(load_config.load_format)(load_config)
 
 
-def get_model(config: Any) -> nn.Module:
+def get_model(config: EngineConfig) -> nn.Module:
     """Build and load the model for the calling process's TP rank (no process group needed at TP=1)."""
     return get_model_loader(config.load_config).load_model(config)
 

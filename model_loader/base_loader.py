@@ -1,9 +1,9 @@
-"""BaseModelLoader: the fixed order of a load, with two steps left to subclasses."""
+"""BaseModelLoader: the fixed order of a load, with one step left to subclasses."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,29 +15,29 @@ from model_loader.utils import (
     set_default_torch_dtype,
 )
 
+if TYPE_CHECKING:
+    from engine.config import EngineConfig, LoadConfig, ModelConfig
+
 
 class BaseModelLoader(ABC):
     """A template method. `load_model()` always runs, in this order:
     load device -> default dtype -> initialize_model() -> load_weights() ->
     process_weights_after_loading() -> eval().
 
-    Subclasses implement `download_model()` (make the files local; called once by the
-    engine before workers start) and `load_weights()` (fill every parameter of the model
-    on this rank, or raise `WeightLoadError`).
+    Subclasses implement `load_weights()`: fill every parameter of the model on this
+    rank from local files (the engine has already resolved a Hub id to a directory), or
+    raise `WeightLoadError`. One instance per process and load; it is built from the
+    validated `LoadConfig` and may reject its `model_loader_extra_config` there.
     """
 
-    def __init__(self, load_config: Any) -> None:
+    def __init__(self, load_config: LoadConfig) -> None:
         self.load_config = load_config
 
     @abstractmethod
-    def download_model(self, model_config: Any) -> None:
-        """Fetch whatever the load needs so that `load_weights` reads local files only."""
-
-    @abstractmethod
-    def load_weights(self, model: nn.Module, model_config: Any) -> None:
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         """Fill every parameter of `model` with this rank's slice."""
 
-    def load_model(self, config: Any) -> nn.Module:
+    def load_model(self, config: EngineConfig) -> nn.Module:
         """Build and load the model for the calling process's TP rank. At TP=1 no
         process group is needed."""
         device = get_load_device(config)
@@ -45,5 +45,5 @@ class BaseModelLoader(ABC):
             model = initialize_model(config)
         with torch.no_grad():
             self.load_weights(model, config.model_config)
-            process_weights_after_loading(model, config, device)
+            process_weights_after_loading(model)
         return model.eval()

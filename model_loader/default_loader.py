@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
 
+from distributed import get_tensor_model_parallel_rank
 from model_loader.base_loader import BaseModelLoader
 from model_loader.multithread import (
     multi_thread_pt_weights_iterator,
@@ -30,7 +31,9 @@ from model_loader.weight_files import prepare_weight_files
 from models.errors import WeightLoadError
 from models.layers.weight_utils import alias_checkpoint_tensors
 from models.utils import format_names
-from worker.parallel_state import get_tensor_model_parallel_rank
+
+if TYPE_CHECKING:
+    from engine.config import LoadConfig, ModelConfig
 
 
 class DefaultModelLoader(BaseModelLoader):
@@ -44,20 +47,13 @@ class DefaultModelLoader(BaseModelLoader):
     `model_loader_extra_config` key is a ValueError listing the valid ones.
     """
 
-    def __init__(self, load_config: Any) -> None:
+    def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
         self.multithread, self.num_threads = parse_multithread_config(
-            getattr(load_config, "model_loader_extra_config", None), load_config.load_format
+            load_config.model_loader_extra_config, load_config.load_format
         )
 
-    def download_model(self, model_config: Any) -> None:
-        model_dir = Path(model_config.model)
-        prepare_weight_files(model_dir, self.load_config.load_format, self.load_config.ignore_patterns)
-
-    def get_all_weights(self, model_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        return self._weights_iterator(model_config)[0]
-
-    def _weights_iterator(self, model_config: Any) -> tuple[Iterator[tuple[str, torch.Tensor]], bool]:
+    def _weights_iterator(self, model_config: ModelConfig) -> tuple[Iterator[tuple[str, torch.Tensor]], bool]:
         """The (name, tensor) stream, and whether its tensors are views of read-only file
         mappings that parameters may alias (the lazy and prefetch safetensors reader)."""
         model_dir = Path(model_config.model)
@@ -91,7 +87,7 @@ class DefaultModelLoader(BaseModelLoader):
         )
         return check_float_weights(weights, model_dir), file_mapped
 
-    def load_weights(self, model: nn.Module, model_config: Any) -> None:
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         """Whole, unsliced weights become views of the mapped file rather than copies
         (`alias_checkpoint_tensors`): no second copy, no anonymous memory, and on CPU at
         TP=1 about half the bytes of a Llama are never copied at all."""

@@ -23,7 +23,7 @@ the embedding; tp_size times its shard).
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ from models.layers.linear import (
 )
 from models.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from models.layers.weight_utils import default_weight_loader
+
+if TYPE_CHECKING:
+    from engine.config import LoadConfig, ModelConfig
 
 DUMMY_LOW, DUMMY_HIGH = -1e-3, 1e-3
 _GENERATABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -136,15 +139,12 @@ def plan_dummy_weights(model: nn.Module) -> tuple[LoaderPlan, list[tuple[str, nn
 class DummyModelLoader(BaseModelLoader):
     """Random but reproducible weights; see the module docstring."""
 
-    def __init__(self, load_config: Any) -> None:
+    def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
-        check_extra_config_keys(getattr(load_config, "model_loader_extra_config", None), {}, load_config.load_format)
+        check_extra_config_keys(load_config.model_loader_extra_config, {}, load_config.load_format)
 
-    def download_model(self, model_config: Any) -> None:
-        pass  # nothing to fetch but config.json, which the engine already has
-
-    def load_weights(self, model: nn.Module, model_config: Any) -> None:
-        seed = int(getattr(model_config, "seed", 0) or 0)
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        seed = model_config.seed
         via_loader, direct = plan_dummy_weights(model)
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:

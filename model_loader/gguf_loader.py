@@ -9,7 +9,7 @@ the model's normal `load_weights`, so each rank keeps only its TP slice.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -17,12 +17,12 @@ from model_loader.base_loader import BaseModelLoader
 from model_loader.default_loader import check_all_weights_loaded
 from model_loader.gguf_utils import find_gguf_file, gguf_weights_iterator
 
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
+
 
 class GGUFModelLoader(BaseModelLoader):
-    def download_model(self, model_config: Any) -> None:
-        find_gguf_file(model_config.model)  # local files only: fail early when there is none
-
-    def load_weights(self, model: nn.Module, model_config: Any) -> None:
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         path = find_gguf_file(model_config.model)
         loaded = model.load_weights(gguf_weights_iterator(path, model_config.hf_config))
         check_all_weights_loaded(model, loaded, str(path))

@@ -285,7 +285,7 @@ def tensor_to_torch(tensor: Any) -> torch.Tensor:
         ) from None
 
 
-def gguf_weights_iterator(path: Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights_iterator(path: Path, hf_config: SimpleNamespace) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every tensor of the file, in file order, q/k un-permuted for llama."""
     reader = open_gguf(path)
     arch = getattr(hf_config, "gguf_metadata", {}).get("general.architecture")

@@ -30,18 +30,22 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch import nn
 
+from distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from model_loader.base_loader import BaseModelLoader
 from model_loader.multithread import check_extra_config_keys
 from model_loader.safetensors_reader import SAFETENSORS_DTYPES, read_safetensors_header, safetensors_weights_iterator
 from model_loader.weight_files import CONFIG_PATTERNS, WEIGHT_FILE_PATTERNS
 from models.errors import WeightLoadError
 from models.utils import format_names
-from worker.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+if TYPE_CHECKING:
+    from engine.config import LoadConfig, ModelConfig
+    from worker.worker import Worker
 
 DEFAULT_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 _FILE_RE = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
@@ -131,7 +135,7 @@ def save_sharded_model(
     return names
 
 
-def save_sharded_state_on_worker(worker: Any, path: str, max_size: int | None = None) -> list[str]:
+def save_sharded_state_on_worker(worker: Worker, path: str, max_size: int | None = None) -> list[str]:
     """`collective_rpc` target: each Worker saves its own rank's shard."""
     runner = worker.model_runner
     if runner is None or runner.model is None:
@@ -240,18 +244,11 @@ def sharded_state_files(model_dir: Path, rank: int, tp_size: int, ignore_pattern
 class ShardedStateLoader(BaseModelLoader):
     """Loads `model-rank-{rank}-part-*.safetensors` by key; see the module docstring."""
 
-    def __init__(self, load_config: Any) -> None:
+    def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
-        check_extra_config_keys(getattr(load_config, "model_loader_extra_config", None), {}, load_config.load_format)
+        check_extra_config_keys(load_config.model_loader_extra_config, {}, load_config.load_format)
 
-    def download_model(self, model_config: Any) -> None:
-        """Nothing to fetch (the engine resolves Hub models); fails early when the
-        directory holds no sharded_state files at all."""
-        model_dir = Path(model_config.model)
-        if not _rank_files(model_dir, self.load_config.ignore_patterns):
-            raise WeightLoadError(f"no sharded_state files (model-rank-<rank>-part-<part>.safetensors) in {model_dir}")
-
-    def load_weights(self, model: nn.Module, model_config: Any) -> None:
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         model_dir = Path(model_config.model)
         rank = get_tensor_model_parallel_rank()
         tp_size = get_tensor_model_parallel_world_size()

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
 
-from models.layers.quantization import set_current_quant_config
+from models.layers.build_config import LayerBuildConfig, set_layer_build_config
+from models.layers.quantization import get_quantization_config
 from models.registry import ModelRegistry
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 
 @contextlib.contextmanager
@@ -23,24 +27,29 @@ def set_default_torch_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def get_model_architecture(config: Any) -> tuple[type[nn.Module], str]:
+def get_model_architecture(config: EngineConfig) -> tuple[type[nn.Module], str]:
     """The model class for config.json's `architectures`; raises UnsupportedArchitectureError."""
     return ModelRegistry.resolve_model_cls(config.model_config.architectures)
 
 
-def initialize_model(config: Any, prefix: str = "") -> nn.Module:
+def initialize_model(config: EngineConfig, prefix: str = "") -> nn.Module:
     """Construct the architecture on the current default device and dtype. Parameters are
-    allocated but uninitialised: a loader must fill every one of them."""
+    allocated but uninitialised: a loader must fill every one of them. The layers pick
+    their linear methods (quantisation, platform) from the LayerBuildConfig set here."""
     model_cls, _ = get_model_architecture(config)
-    # Linear layers built inside pick their quant_method from the current config.
-    with set_current_quant_config(getattr(config, "quant_config", None)):
+    build_config = LayerBuildConfig(
+        quant_config=get_quantization_config(config.model_config.quantization),
+        device_type=config.device_config.device_type,
+        cpu_prepack_weights=config.device_config.cpu_prepack_weights,
+    )
+    with set_layer_build_config(build_config):
         return model_cls(config, prefix=prefix)
 
 
-def process_weights_after_loading(model: nn.Module, config: Any, target_device: torch.device) -> None:
-    """Give every module its chance to repack weights once all of them are in place
-    (quantisation, derived buffers), then, on the CPU, pack float32 linear weights for
-    small batches (models/layers/cpu_gemm.py). Runs after the strict all-loaded check."""
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Give every module's method, then every module, its chance to repack weights once
+    all of them are in place (quantisation, CPU packing, derived buffers). Runs after
+    the strict all-loaded check, on every rank."""
     for module in model.modules():
         quant_method = getattr(module, "quant_method", None)
         if quant_method is not None:
@@ -48,14 +57,9 @@ def process_weights_after_loading(model: nn.Module, config: Any, target_device: 
         hook = getattr(module, "process_weights_after_loading", None)
         if callable(hook) and module is not model:
             hook()
-    device_config = getattr(config, "device_config", None)
-    if target_device.type == "cpu" and getattr(device_config, "cpu_prepack_weights", False):
-        from models.layers.cpu_gemm import prepack_cpu_weights
-
-        prepack_cpu_weights(model)
 
 
-def get_load_device(config: Any) -> torch.device:
+def get_load_device(config: EngineConfig) -> torch.device:
     """Where parameters are created: this rank's CUDA device, or the CPU."""
     if config.device_config.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())

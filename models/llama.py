@@ -1,13 +1,15 @@
 """Llama (and the architectures that share its layout) with tensor parallelism.
 
-Built by `model_loader.initialize_model()` as `LlamaForCausalLM(config)`, where `config`
-is an EngineConfig: only `config.model_config.hf_config` (the parsed config.json) and
-`config.quant_config` are read. On each rank the module holds that rank's shard.
+Built by `model_loader.initialize_model()` as `LlamaForCausalLM(config)`: only
+`config.model_config.hf_config` (the parsed config.json) and `max_model_len` are read;
+quantisation and platform choices reach the layers through `LayerBuildConfig`. On each
+rank the module holds that rank's shard.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch import nn
@@ -19,10 +21,12 @@ from models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from models.layers.rotary_embedding import RotaryEmbedding
 from models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from models.utils import AutoWeightsLoader
-from worker.parallel_state import get_tensor_model_parallel_world_size
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 
-def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+def rope_settings(hf_config: SimpleNamespace) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from either the classic keys or transformers v5's `rope_parameters`."""
     params = getattr(hf_config, "rope_parameters", None) or {}
     theta = getattr(hf_config, "rope_theta", None) or params.get("rope_theta", 10000.0)
@@ -30,7 +34,7 @@ def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
-def head_dim(hf_config: Any) -> int:
+def head_dim(hf_config: SimpleNamespace) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
@@ -46,7 +50,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf_config: Any, qkv_bias: bool, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, hf_config: SimpleNamespace, qkv_bias: bool, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         hidden_size = hf_config.hidden_size
         total_heads = hf_config.num_attention_heads
@@ -73,7 +77,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, qkv_bias: bool, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, hf_config: SimpleNamespace, qkv_bias: bool, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(hf_config, qkv_bias, rotary_emb)
         self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, getattr(hf_config, "mlp_bias", False))
@@ -98,7 +102,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config: Any, qkv_bias: bool, max_positions: int) -> None:
+    def __init__(self, hf_config: SimpleNamespace, qkv_bias: bool, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         theta, scaling = rope_settings(hf_config)
@@ -135,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: Any, prefix: str = "") -> None:
+    def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         super().__init__()
         hf_config = config.model_config.hf_config
         self.config = hf_config
@@ -146,7 +150,6 @@ class LlamaForCausalLM(nn.Module):
             hf_config.hidden_size,
             tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
         )
-        self.tp_size = get_tensor_model_parallel_world_size()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata | None = None
@@ -155,10 +158,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)
-
-    def attention_layers(self) -> list[Attention]:
-        """The Attention modules in layer order: the worker attaches one KV cache to each."""
-        return [layer.self_attn.attn for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(

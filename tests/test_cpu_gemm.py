@@ -19,15 +19,10 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from model_loader import get_model
-from models.layers.cpu_gemm import (
-    PACKED_MAX_ROWS,
-    PackedUnquantizedLinearMethod,
-    PackedWeight,
-    mkl_packing_available,
-    prepack_cpu_weights,
-)
+from models.layers.cpu_gemm import PACKED_MAX_ROWS, PackedWeight, mkl_packing_available
 from models.layers.linear import LinearBase
 from models.layers.quantization.fp8 import Fp8LinearMethod
+from models.layers.unquantized import CPUUnquantizedLinearMethod, prepack_cpu_weights
 from models.layers.vocab_parallel_embedding import ParallelLMHead
 
 def load(model_dir: Path, **kwargs: Any) -> torch.nn.Module:
@@ -42,6 +37,12 @@ def logits_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def linears(model: torch.nn.Module) -> list[LinearBase]:
     return [m for m in model.modules() if isinstance(m, LinearBase)]
+
+
+def is_packed(layer: torch.nn.Module) -> bool:
+    """Whether the layer's method holds a packed copy of its weight."""
+    method = layer.quant_method
+    return isinstance(method, CPUUnquantizedLinearMethod) and method.packed is not None
 
 
 def test_mkl_packing_is_available():
@@ -77,11 +78,11 @@ def test_packed_linear_matches_f_linear_for_every_row_count(shape):
 def test_loading_packs_linears_and_lm_head_and_keeps_logits(name, tiny_models):
     plain = load(tiny_models[name], cpu_prepack_weights=False)
     packed = load(tiny_models[name])
-    assert all(type(m.quant_method) is PackedUnquantizedLinearMethod for m in linears(packed))
-    assert not any(isinstance(m.quant_method, PackedUnquantizedLinearMethod) for m in linears(plain))
+    assert all(is_packed(m) for m in linears(packed))
+    assert not any(is_packed(m) for m in linears(plain))
     lm_head = packed.lm_head
-    assert isinstance(lm_head, ParallelLMHead) and lm_head.packed_weight is not None
-    assert plain.lm_head.packed_weight is None
+    assert isinstance(lm_head, ParallelLMHead) and is_packed(lm_head)
+    assert not is_packed(plain.lm_head)
     if name == "qwen2_tied":  # the embedding still reads the shared weight
         assert lm_head.weight is packed.model.embed_tokens.weight
     # Packing adds no parameter or buffer: checkpoints saved from the model are unchanged.
@@ -96,11 +97,11 @@ def test_loading_packs_linears_and_lm_head_and_keeps_logits(name, tiny_models):
 
 def test_only_float32_unquantised_weights_are_packed(tiny_models):
     bf16 = load(tiny_models["llama"], dtype="bfloat16")
-    assert not any(isinstance(m.quant_method, PackedUnquantizedLinearMethod) for m in linears(bf16))
-    assert bf16.lm_head.packed_weight is None
+    assert not any(is_packed(m) for m in linears(bf16))
+    assert not is_packed(bf16.lm_head)
     fp8 = load(tiny_models["llama"], quantization="fp8")
     assert all(isinstance(m.quant_method, Fp8LinearMethod) for m in linears(fp8))
-    assert fp8.lm_head.packed_weight is not None  # the LM head stays float32
+    assert is_packed(fp8.lm_head)  # the LM head stays float32
 
 
 def test_weights_changed_after_loading_need_a_repack(tiny_models):

@@ -76,7 +76,8 @@ def test_engine_starts_with_equal_kv_cache_on_every_rank(tiny_models, model_name
 
         layouts = core.collective_rpc(kv_layout)
         assert [lay["rank"] for lay in layouts] == list(range(tp))
-        expected_shape = (kv.num_blocks, 2, config.cache_config.block_size, kv_heads_per_rank, mc.head_dim)
+        head_dim = getattr(mc.hf_config, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        expected_shape = (kv.num_blocks, 2, config.cache_config.block_size, kv_heads_per_rank, head_dim)
         for lay in layouts:
             assert lay["num_blocks"] == kv.num_blocks
             assert lay["num_kv_heads_per_rank"] == kv_heads_per_rank

@@ -148,12 +148,6 @@ def tp1_engines(tiny_models: dict[str, Path]) -> Any:
         core.shutdown()
 
 
-def kv_block_bytes(cfg: EngineConfig) -> int:
-    from worker.kv_cache import kv_cache_config_for
-
-    return kv_cache_config_for(cfg, 1).block_bytes
-
-
 def vocab_of(model_dir: Path) -> int:
     return json.loads((model_dir / "config.json").read_text())["vocab_size"]
 
@@ -220,11 +214,9 @@ def test_seeded_sampling_is_reproducible(engine: Engine, tp1_engines: Callable) 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_preemption_keeps_greedy_tokens(tp: int, tiny_models: dict[str, Path], hf_reference: Callable) -> None:
     name, block_size, max_len = "llama", 4, 80
-    cfg = engine_config(tiny_models[name], tp, block_size, max_model_len=max_len, max_num_seqs=8)
-    per_block = kv_block_bytes(cfg)
     # Just enough blocks for one max-length sequence, for five concurrent requests.
     cfg = engine_config(tiny_models[name], tp, block_size, max_model_len=max_len, max_num_seqs=8,
-                        kv_cache_memory_bytes=per_block * (max_len // block_size))
+                        num_gpu_blocks_override=max_len // block_size)
     prompts = make_prompts(vocab_of(tiny_models[name]))
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
     with EngineCore(cfg) as core:
@@ -251,11 +243,10 @@ def test_preemption_keeps_greedy_tokens(tp: int, tiny_models: dict[str, Path], h
 def test_string_prompts(tmp_path_factory: pytest.TempPathFactory) -> None:
     import tokenizers
 
-    from scripts.make_tiny_model import make_tiny_model
+    from tests.conftest import tiny_llama_with_tokenizer
 
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("tok_model") / "llama", "llama", hidden_size=64,
-                                intermediate_size=128, num_hidden_layers=2, init_std=0.1, vocab_size=320,
-                                seed=11, with_tokenizer=True)
+    model_dir = tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tok_model") / "llama", init_std=0.1,
+                                          vocab_size=320)
     tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     prompts = [
         "Hello, world!",
@@ -279,20 +270,26 @@ def test_string_prompts(tmp_path_factory: pytest.TempPathFactory) -> None:
         assert isinstance(out.text, str)
 
 
+@pytest.mark.parametrize("backend_name", ["torch_sdpa", "cpu"])
 @pytest.mark.parametrize("group_bytes", [None, 1], ids=["one-group", "group-per-seq"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (2, 1), (4, 4)])
 def test_paged_attention_matches_dense(num_heads: int, num_kv_heads: int, group_bytes: int | None,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                       backend_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Mixed batches (decodes, a chunk mid-prompt, a whole prompt) on a scattered block
-    table against dense causal attention of each sequence's full history."""
-    from models.layers import attention as attn_mod
+    table against dense causal attention of each sequence's full history, through each
+    attention backend."""
+    from models.layers.attention import Attention, AttentionMetadata
+    from models.layers.attention.backends import torch_sdpa
+    from models.layers.attention.backends.cpu_attn import CPUAttentionBackend
 
     if group_bytes is not None:
-        monkeypatch.setattr(attn_mod, "DECODE_GROUP_BYTES", group_bytes)
+        monkeypatch.setattr(torch_sdpa, "DECODE_GROUP_BYTES", group_bytes)
     gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
     head, block_size, num_blocks = 8, 4, 64
-    layer = attn_mod.Attention(num_heads, head, head**-0.5, num_kv_heads)
-    layer.kv_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head, generator=gen)  # stale junk
+    backend = torch_sdpa.TorchSDPABackend() if backend_name == "torch_sdpa" else CPUAttentionBackend(num_layers=1)
+    layer = Attention(num_heads, head, head**-0.5, num_kv_heads)
+    stale = torch.randn(num_blocks, 2, block_size, num_kv_heads, head, generator=gen)  # stale junk
+    layer.bind_kv_cache(stale, backend.make_impl(layer))
     free = torch.randperm(num_blocks, generator=gen).tolist()
     # (context length after this step, tokens computed this step)
     for batch in ([(9, 1), (1, 1), (17, 1), (33, 1)], [(12, 12), (30, 1), (21, 5), (5, 1), (40, 8)]):
@@ -324,7 +321,8 @@ def test_paged_attention_matches_dense(num_heads: int, num_kv_heads: int, group_
         block_tables = torch.zeros(len(tables), width, dtype=torch.long)
         for i, t in enumerate(tables):
             block_tables[i, :len(t)] = torch.tensor(t)
-        md = attn_mod.AttentionMetadata(torch.tensor(slots), block_tables, [s for s, _ in batch], qsl, block_size)
+        md = backend.build_metadata(AttentionMetadata(torch.tensor(slots), block_tables, [s for s, _ in batch], qsl,
+                                                      block_size, req_ids=tuple(str(i) for i in range(len(batch)))))
         out = layer(torch.cat(qs).flatten(1), torch.cat(ks).flatten(1), torch.cat(vs).flatten(1), md)
         torch.testing.assert_close(out.view(-1, num_heads, head), torch.cat(refs), rtol=1e-5, atol=1e-5)
         for blocks in tables:

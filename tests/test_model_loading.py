@@ -370,18 +370,15 @@ def test_user_loader_and_load_model_order(
         calls.append(("initialize_model", torch.get_default_dtype()))
         return real_initialize(config, prefix)
 
-    def process(model: torch.nn.Module, config: Any, device: torch.device) -> None:
-        calls.append(("process_weights_after_loading", model.training, device))
-        real_process(model, config, device)
+    def process(model: torch.nn.Module) -> None:
+        calls.append(("process_weights_after_loading", model.training, next(model.parameters()).device))
+        real_process(model)
 
     monkeypatch.setattr(base_loader, "initialize_model", initialize)
     monkeypatch.setattr(base_loader, "process_weights_after_loading", process)
 
     @register_model_loader("mine")
     class RecordingLoader(BaseModelLoader):
-        def download_model(self, model_config: Any) -> None:
-            calls.append("download_model")
-
         def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
             calls.append(("load_weights", model.training, torch.is_grad_enabled(), next(model.parameters()).dtype))
             # A layer hook runs after every weight is in place.

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from engine.block_manager import KVBlockManager
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from worker.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler

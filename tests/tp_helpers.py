@@ -17,22 +17,15 @@ import torch
 
 def init_tp(rank: int, world_size: int, port: int) -> None:
     """gloo process group over loopback + this process's TP group handle."""
-    import torch.distributed as dist
+    from distributed import init_distributed_environment
 
-    from worker.parallel_state import set_tensor_parallel_group
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    set_tensor_parallel_group(rank, world_size, dist.group.WORLD)
+    init_distributed_environment(world_size, rank, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
 
 
 def shutdown_tp() -> None:
-    import torch.distributed as dist
+    from distributed import destroy_distributed_environment
 
-    from worker.parallel_state import reset_tensor_parallel_group
-
-    reset_tensor_parallel_group()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_distributed_environment()
 
 
 def worker_entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, queue: Any) -> None:
@@ -123,5 +116,26 @@ def tp_fail_on_rank(rank: int, world_size: int, port: int, bad_rank: int) -> int
 
         dist.barrier()
         return rank
+    finally:
+        shutdown_tp()
+
+
+def tp_collectives(rank: int, world_size: int, port: int) -> dict[str, Any]:
+    """The TP collectives through the installed communicator: which class it is, and the
+    all-reduce / all-gather results of rank-dependent inputs (for tests/test_distributed.py)."""
+    from distributed import get_tp_group, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
+
+    init_tp(rank, world_size, port)
+    try:
+        x = torch.arange(6, dtype=torch.float32).view(2, 3) + 10 * rank
+        reduced = tensor_model_parallel_all_reduce(x.clone())
+        gathered_last = tensor_model_parallel_all_gather(x, dim=-1)
+        gathered_first = tensor_model_parallel_all_gather(x, dim=0)
+        return {
+            "communicator": type(get_tp_group().communicator).__name__,
+            "reduced": reduced,
+            "gathered_last": gathered_last,
+            "gathered_first": gathered_first,
+        }
     finally:
         shutdown_tp()

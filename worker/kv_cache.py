@@ -1,14 +1,15 @@
 """KV cache sizing and allocation.
 
-The engine computes `KVCacheConfig` from the smallest per-rank memory report; every rank
-then allocates the same number of blocks, one tensor per layer shaped
-[num_blocks, 2, block_size, num_kv_heads_per_rank, head_dim].
+Each rank reports the `KVCacheSpec` of its model, derived from its attention layers (so
+no other code computes heads per rank or the head size); the engine checks the ranks
+agree, computes `KVCacheConfig` from the smallest per-rank memory report, and every
+rank then allocates the same number of blocks, one tensor per layer in the layout of
+its attention backend.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -18,10 +19,11 @@ class KVCacheTooSmallError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class KVCacheConfig:
-    num_blocks: int
-    block_size: int
+class KVCacheSpec:
+    """What one block of the cache holds on one rank, for every layer."""
+
     num_layers: int
+    block_size: int
     num_kv_heads_per_rank: int
     head_dim: int
     dtype: torch.dtype
@@ -31,27 +33,24 @@ class KVCacheConfig:
         """Bytes one block takes across all layers on one rank (K and V)."""
         return self.num_layers * 2 * self.block_size * self.num_kv_heads_per_rank * self.head_dim * self.dtype.itemsize
 
+
+@dataclass(frozen=True)
+class KVCacheConfig(KVCacheSpec):
+    """The spec plus the block count the engine chose; identical on every rank."""
+
+    num_blocks: int
+
+    @classmethod
+    def from_spec(cls, spec: KVCacheSpec, num_blocks: int) -> KVCacheConfig:
+        return cls(spec.num_layers, spec.block_size, spec.num_kv_heads_per_rank, spec.head_dim, spec.dtype,
+                   num_blocks)
+
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
 
-def kv_cache_config_for(config: Any, num_blocks: int) -> KVCacheConfig:
-    """The cache layout for `config` (an EngineConfig) with `num_blocks` blocks per rank."""
-    mc = config.model_config
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        block_size=config.cache_config.block_size,
-        num_layers=mc.num_layers,
-        num_kv_heads_per_rank=mc.num_kv_heads_per_rank(config.parallel_config.tensor_parallel_size),
-        head_dim=mc.head_dim,
-        dtype=mc.dtype,
-    )
-
-
-def allocate_kv_cache(kv_cache_config: KVCacheConfig, device: torch.device) -> list[torch.Tensor]:
-    """One zeroed tensor per layer. Zeroing touches every page, so the memory is really
-    committed now rather than at the first long request."""
-    c = kv_cache_config
-    shape = (c.num_blocks, 2, c.block_size, c.num_kv_heads_per_rank, c.head_dim)
-    return [torch.zeros(shape, dtype=c.dtype, device=device) for _ in range(c.num_layers)]
+def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, num_layers: int, device: torch.device) -> list[torch.Tensor]:
+    """One zeroed tensor of `shape` per layer. Zeroing touches every page, so the memory
+    is really committed now rather than at the first long request."""
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -1,9 +1,10 @@
 """Memory accounting for the worker: pool contexts and peak measurement.
 
-`memory_pool(tag)` wraps the allocations of one phase ("weights", "kv_cache"). On CUDA
-it routes them to a dedicated `torch.cuda.MemPool`, which is what sleep/wake-style
-offloading builds on; on CPU it is an accounting context that records how much the
-process grew. Either way the result is a `PoolUsage` the worker keeps per tag.
+A memory pool wraps the allocations of one phase ("weights", "kv_cache"); the platform
+picks which (`Platform.memory_pool`). On CUDA it routes them to a dedicated
+`torch.cuda.MemPool`, which is what sleep/wake-style offloading builds on; on CPU it is
+an accounting context that records how much the process grew. Either way the result is
+a `PoolUsage` with the bytes and seconds of the phase.
 """
 
 from __future__ import annotations
@@ -59,20 +60,27 @@ class PeakRSSSampler:
 
 
 @contextlib.contextmanager
-def memory_pool(tag: str, device_type: str) -> Iterator[PoolUsage]:
-    """Account (and on CUDA, pool) every allocation made inside the block under `tag`."""
+def cuda_memory_pool(tag: str) -> Iterator[PoolUsage]:
+    """Route every CUDA allocation made inside the block to a dedicated MemPool (what
+    sleep-style offloading builds on) and count its bytes."""
     usage = PoolUsage(tag)
     start = time.perf_counter()
-    if device_type == "cuda":
-        pool = torch.cuda.MemPool()
-        usage.pool = pool
-        before = torch.cuda.memory_allocated()
-        with torch.cuda.use_mem_pool(pool):
-            yield usage
-        torch.cuda.synchronize()
-        usage.bytes_allocated = torch.cuda.memory_allocated() - before
-    else:
-        before = process_rss()
+    pool = torch.cuda.MemPool()
+    usage.pool = pool
+    before = torch.cuda.memory_allocated()
+    with torch.cuda.use_mem_pool(pool):
         yield usage
-        usage.bytes_allocated = max(0, process_rss() - before)
+    torch.cuda.synchronize()
+    usage.bytes_allocated = torch.cuda.memory_allocated() - before
+    usage.seconds = time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def cpu_memory_pool(tag: str) -> Iterator[PoolUsage]:
+    """An accounting context on the CPU: how much the process grew inside the block."""
+    usage = PoolUsage(tag)
+    start = time.perf_counter()
+    before = process_rss()
+    yield usage
+    usage.bytes_allocated = max(0, process_rss() - before)
     usage.seconds = time.perf_counter() - start

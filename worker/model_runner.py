@@ -3,47 +3,50 @@
 Runs inside the worker process of one TP rank (or in-process for the uni executor).
 Every rank receives the same `SchedulerOutput`, runs the same forward pass (the
 collectives line up), gets the same all-gathered logits and samples the same tokens;
-only the output rank's result travels back to the engine.
+only the output rank's result travels back to the engine. Platform-specific attention
+lives in the attention backend chosen for this rank's device; the runner only lays the
+step out (`AttentionMetadata`) and tells the backend which requests finished.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from model_loader import get_model
-from models.layers.attention import AttentionMetadata
-from models.layers.decode_context import TOTAL_BYTES as DECODE_CONTEXT_TOTAL_BYTES
-from worker.kv_cache import KVCacheConfig, allocate_kv_cache
+from models.layers.attention import Attention, AttentionBackend, AttentionMetadata, get_attn_backend
+from worker.kv_cache import KVCacheConfig, KVCacheSpec, allocate_kv_cache
+from worker.outputs import ModelRunnerOutput
 from worker.sampler import Sampler
 
 if TYPE_CHECKING:
-    from engine.outputs import ModelRunnerOutput, SchedulerOutput
+    from engine.config import EngineConfig
+    from worker.outputs import SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, config: Any, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
         self.model: nn.Module | None = None
+        self.attn_backend: AttentionBackend | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.kv_cache_config: KVCacheConfig | None = None
         self.sampler = Sampler()
-        # A serial number per live request (AttentionMetadata.seq_keys): a finished,
-        # aborted or preempted request loses its number, so a reused id or a recomputed
-        # sequence never matches K/V that a layer kept from before.
-        self._seq_keys: dict[str, int] = {}
-        self._next_seq_key = 0
 
     def load_model(self) -> None:
         self.model = get_model(self.config)
+        self.attn_backend = get_attn_backend(self.device.type, len(self._attention_layers()))
 
     def _require_model(self) -> nn.Module:
         if self.model is None:
             raise RuntimeError("load_model() must run before the model is used")
         return self.model
+
+    def _attention_layers(self) -> list[Attention]:
+        return [m for m in self._require_model().modules() if isinstance(m, Attention)]
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:
@@ -56,17 +59,30 @@ class ModelRunner:
         num_seqs = min(self.config.scheduler_config.max_num_seqs, num_tokens)
         model.compute_logits(hidden[-num_seqs:])
 
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        """The cache this rank's layers need per block; ValueError if the layers differ
+        (one tensor shape serves every layer)."""
+        specs = {layer.get_kv_cache_spec() for layer in self._attention_layers()}
+        if len(specs) != 1:
+            raise ValueError(f"attention layers need different KV cache layouts: {specs}")
+        (spec,) = specs
+        return KVCacheSpec(len(self._attention_layers()), self.config.cache_config.block_size,
+                           spec.num_kv_heads, spec.head_size, spec.dtype)
+
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        model = self._require_model()
-        self.kv_caches = allocate_kv_cache(kv_cache_config, self.device)
-        layers = model.attention_layers()
-        for attn, cache in zip(layers, self.kv_caches, strict=True):
-            attn.kv_cache = cache
-            attn.decode_context.max_bytes = DECODE_CONTEXT_TOTAL_BYTES // max(len(layers), 1)
+        """Allocate one cache tensor per layer and bind each to its layer, with the
+        backend's impl for it."""
+        assert self.attn_backend is not None
+        layers = self._attention_layers()
+        c = kv_cache_config
+        shape = self.attn_backend.get_kv_cache_shape(c.num_blocks, c.block_size, c.num_kv_heads_per_rank, c.head_dim)
+        self.kv_caches = allocate_kv_cache(shape, c.dtype, len(layers), self.device)
+        for layer, cache in zip(layers, self.kv_caches, strict=True):
+            layer.bind_kv_cache(cache, self.attn_backend.make_impl(layer))
         self.kv_cache_config = kv_cache_config
 
-    def _prepare_inputs(self, scheduler_output: "SchedulerOutput") -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        assert self.kv_cache_config is not None
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        assert self.kv_cache_config is not None and self.attn_backend is not None
         block_size = self.kv_cache_config.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -85,39 +101,24 @@ class ModelRunner:
         block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.long)
         for i, req in enumerate(scheduler_output.scheduled):
             block_tables[i, : len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.long)
-        md = AttentionMetadata(
+        common = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             block_tables=block_tables.to(self.device),
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
             block_size=block_size,
-            seq_keys=self._update_seq_keys(scheduler_output),
+            req_ids=tuple(r.req_id for r in scheduler_output.scheduled),
         )
+        self.attn_backend.requests_finished(scheduler_output.finished_req_ids)
+        md = self.attn_backend.build_metadata(common)
         # The last token of each chunk that samples is where its logits come from.
         sample_rows = [query_start_loc[i + 1] - 1 for i, r in enumerate(scheduler_output.scheduled) if r.sample]
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos_t, md, sample_rows
 
-    def _update_seq_keys(self, scheduler_output: "SchedulerOutput") -> tuple[int, ...]:
-        for req_id in scheduler_output.finished_req_ids:
-            self._seq_keys.pop(req_id, None)
-        if not self._seq_keys:  # nothing from before is still running
-            for attn in self._require_model().attention_layers():
-                attn.decode_context.release()
-        keys = []
-        for req in scheduler_output.scheduled:
-            key = self._seq_keys.get(req.req_id)
-            if key is None:
-                key = self._seq_keys[req.req_id] = self._next_seq_key
-                self._next_seq_key += 1
-            keys.append(key)
-        return tuple(keys)
-
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":
-        from engine.outputs import ModelRunnerOutput
-
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         model = self._require_model()
         if not scheduler_output.scheduled:
             return ModelRunnerOutput([], [], [])

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # engine sits above worker; only the message's shape is needed here
-    from engine.outputs import ScheduledRequest
+    from worker.outputs import ScheduledRequest
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1  # torch.Generator.manual_seed wants a non-negative int64 here

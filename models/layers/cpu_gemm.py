@@ -9,27 +9,14 @@ faster, so `PackedWeight.linear` dispatches on the row count. This is the CPU
 counterpart of what vLLM's CPU backend does with oneDNN in
 `process_weights_after_loading`.
 
-Called from `model_loader.utils.process_weights_after_loading` on every rank whose
-weights are float32 on the CPU (`EngineConfig(cpu_prepack_weights=False)` turns it
-off). Memory: the packed copy is held next to the original weight, which stays for the
-large-batch path, the tied embedding and `state_dict()` (sharded-state saving); so the
-linear weights take twice their size. The copy is made inside the worker's "weights"
-memory pool, so KV-cache sizing sees it.
+The kernel only: `CPUUnquantizedLinearMethod` (models/layers/unquantized.py) decides
+which weights get a packed copy and when.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from models.layers.linear import LinearBase
-from models.layers.quantization.base import UnquantizedLinearMethod
-from models.layers.vocab_parallel_embedding import ParallelLMHead
-
-logger = logging.getLogger(__name__)
 
 # Up to this many rows the packed product wins: a 12-layer decode step's linears on the
 # 2-core VM take 63 ms packed vs 94 ms plain at 64 rows, 72 vs 72 at 96, and above that
@@ -66,8 +53,7 @@ class PackedWeight:
     def verify(self, weight: torch.Tensor) -> bool:
         """Whether the packed product matches F.linear for a few row counts: the
         packed layout being independent of the row count is MKL behaviour, not an API
-        promise, so `prepack_cpu_weights` checks it on a model's first weight rather than
-        assuming it."""
+        promise, so the packing method checks it on every weight rather than assuming it."""
         generator = torch.Generator().manual_seed(0)
         for rows in (1, 7, _PACK_HINT_ROWS + 1):
             x = torch.randn(rows, weight.shape[1], generator=generator)
@@ -77,44 +63,3 @@ class PackedWeight:
             if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=tolerance):
                 return False
         return True
-
-
-def prepack_cpu_weights(model: nn.Module) -> int:
-    """Give every unquantised float32 CPU linear layer, and the LM head, a packed copy
-    of its weight. Returns how many weights were packed (0 when MKL packing is not
-    available or a check fails, in which case the plain path is used everywhere).
-
-    The copies are snapshots: code that changes weights after loading must call this
-    again (it replaces the old copies) or load with `cpu_prepack_weights=False`."""
-    if not mkl_packing_available():
-        return 0
-    targets = [
-        m
-        for m in model.modules()
-        if (isinstance(m, LinearBase) and isinstance(m.quant_method, UnquantizedLinearMethod))
-        or isinstance(m, ParallelLMHead)
-    ]
-    targets = [m for m in targets if can_pack(m.weight)]
-    packed: list[tuple[nn.Module, PackedWeight]] = []
-    for module in targets:
-        weight = PackedWeight(module.weight)
-        if not packed and not weight.verify(module.weight):
-            logger.warning("MKL packed GEMM does not match F.linear on this build; using the plain path")
-            return 0
-        packed.append((module, weight))
-    for module, weight in packed:
-        if isinstance(module, ParallelLMHead):
-            module.packed_weight = weight
-        else:
-            module.quant_method = PackedUnquantizedLinearMethod(weight)
-    return len(packed)
-
-
-class PackedUnquantizedLinearMethod(UnquantizedLinearMethod):
-    """`UnquantizedLinearMethod` with an MKL-packed copy for small batches."""
-
-    def __init__(self, packed: PackedWeight) -> None:
-        self.packed = packed
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.packed.linear(x, layer.weight, bias)

@@ -15,26 +15,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.errors import WeightLoadError
-from models.layers.quantization import (
-    LinearMethodBase,
-    QuantizationConfig,
-    UnquantizedLinearMethod,
-    get_current_quant_config,
-)
-from models.layers.weight_utils import copy_checked, load_whole, narrow_for_rank, set_weight_attrs
-from worker.parallel_state import (
+from distributed import (
+    divide,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
+    kv_heads_per_rank,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-
-
-def _divide(numerator: int, denominator: int, what: str) -> int:
-    if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
-    return numerator // denominator
+from models.errors import WeightLoadError
+from models.layers.build_config import get_layer_build_config
+from models.layers.quantization import LinearMethodBase, QuantizationConfig
+from models.layers.weight_utils import copy_checked, load_whole, narrow_for_rank, set_weight_attrs
 
 
 def _check_full_dim(loaded: torch.Tensor, dim: int, expected: int, what: str) -> None:
@@ -48,20 +40,23 @@ def _check_full_dim(loaded: torch.Tensor, dim: int, expected: int, what: str) ->
 class LinearBase(nn.Module):
     """Holds `weight` [out_per_rank, in_per_rank] and an optional `bias`.
 
-    `quant_method` computes the product: `UnquantizedLinearMethod` (plain F.linear)
-    unless a quantisation config is given, or is current while the model is built
-    (`models.layers.quantization.set_current_quant_config`). After loading,
-    `quant_method.process_weights_after_loading(self)` may replace `weight`.
+    `quant_method` computes the product: the given quantisation config's method, else
+    the one `LayerBuildConfig.linear_method` picks while the model is built (the current
+    quantisation config's, or the platform's unquantised method). After loading,
+    `quant_method.process_weights_after_loading(self)` may replace `weight` or add a
+    derived copy of it.
     """
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool, quant_config: QuantizationConfig | None = None
     ) -> None:
         super().__init__()
+        build_config = get_layer_build_config()
+        self.quant_method: LinearMethodBase
         if quant_config is None:
-            quant_config = get_current_quant_config()
-        method = quant_config.get_linear_method(self) if quant_config is not None else None
-        self.quant_method: LinearMethodBase = method if method is not None else UnquantizedLinearMethod()
+            self.quant_method = build_config.linear_method(self)
+        else:
+            self.quant_method = quant_config.get_linear_method(self) or build_config.unquantized_linear_method()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.input_size = input_size
@@ -101,7 +96,7 @@ class ColumnParallelLinear(LinearBase):
     ) -> None:
         tp_size = get_tensor_model_parallel_world_size()
         self.total_output_size = output_size
-        super().__init__(input_size, _divide(output_size, tp_size, "output_size"), bias, quant_config)
+        super().__init__(input_size, divide(output_size, tp_size, "output_size"), bias, quant_config)
         self.gather_output = gather_output
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -166,18 +161,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads
-        self.num_heads = _divide(total_num_heads, tp_size, "num_attention_heads")
-        if tp_size >= total_num_kv_heads:
-            if tp_size % total_num_kv_heads:
-                raise ValueError(
-                    f"tensor_parallel_size ({tp_size}) exceeds num_key_value_heads ({total_num_kv_heads}) "
-                    "but is not a multiple of it, so KV heads cannot be replicated evenly"
-                )
-            self.num_kv_heads = 1
-            self.num_kv_head_replicas = tp_size // total_num_kv_heads
-        else:
-            self.num_kv_heads = _divide(total_num_kv_heads, tp_size, "num_key_value_heads")
-            self.num_kv_head_replicas = 1
+        self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
+        self.num_kv_heads = kv_heads_per_rank(total_num_kv_heads, tp_size)
+        self.num_kv_head_replicas = max(1, tp_size // total_num_kv_heads)
         output_per_rank = (self.num_heads + 2 * self.num_kv_heads) * head_size
         # The base class divides by tp_size, so hand it the "total" that gives our per-rank width.
         super().__init__(hidden_size, output_per_rank * tp_size, bias, quant_config=quant_config)
@@ -214,7 +200,7 @@ class RowParallelLinear(LinearBase):
     ) -> None:
         tp_size = get_tensor_model_parallel_world_size()
         self.total_input_size = input_size
-        super().__init__(_divide(input_size, tp_size, "input_size"), output_size, bias, quant_config)
+        super().__init__(divide(input_size, tp_size, "input_size"), output_size, bias, quant_config)
         self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

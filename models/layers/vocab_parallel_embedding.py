@@ -7,29 +7,27 @@ in [0, vocab_size), and `compute_logits` drops the padded columns.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.errors import WeightLoadError
-from models.layers.weight_utils import load_whole, set_weight_attrs
-from worker.parallel_state import (
+from distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-
-if TYPE_CHECKING:
-    from models.layers.cpu_gemm import PackedWeight
+from distributed.utils import cdiv
+from models.errors import WeightLoadError
+from models.layers.build_config import get_layer_build_config
+from models.layers.quantization import LinearMethodBase
+from models.layers.weight_utils import load_whole, set_weight_attrs
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
 
 
 def pad_vocab_size(vocab_size: int, multiple: int) -> int:
-    return -(-vocab_size // multiple) * multiple
+    return cdiv(vocab_size, multiple) * multiple
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -75,21 +73,21 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, sharded like the embedding. Tie it by passing the
-    embedding: the two then share one Parameter, and one checkpoint tensor fills both."""
+    embedding: the two then share one Parameter, and one checkpoint tensor fills both.
+
+    The product goes through the platform's unquantised linear method (never a
+    quantised one: quantisation leaves the LM head alone), so on the CPU it gets the
+    same packed small-batch path as the linear layers."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tie_to: VocabParallelEmbedding | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim)
         if tie_to is not None:
             self.weight = tie_to.weight
-        # Set after loading by models.layers.cpu_gemm.prepack_cpu_weights (float32 on CPU).
-        self.packed_weight: PackedWeight | None = None
+        self.quant_method: LinearMethodBase = get_layer_build_config().unquantized_linear_method()
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[tokens, vocab] logits, identical on every rank (all-gathered)."""
-        if self.packed_weight is not None:
-            logits = self.packed_weight.linear(hidden_states, self.weight)
-        else:
-            logits = F.linear(hidden_states, self.weight)
+        logits = self.quant_method.apply(self, hidden_states)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]
 

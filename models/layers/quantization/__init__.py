@@ -1,23 +1,15 @@
 """Quantisation methods for the parallel linear layers.
 
 `get_quantization_config(name)` turns `EngineConfig.quantization` (None | "fp8") into a
-`QuantizationConfig`. The model loader builds the model inside
-`set_current_quant_config(...)`, and every `LinearBase` created meanwhile asks the
-current config for its method (`UnquantizedLinearMethod` when there is none), so the
-model files need not thread the config through every constructor.
+`QuantizationConfig`. The model loader hands it to the layers through
+`models.layers.build_config.LayerBuildConfig` while the model is built.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Iterator
-
-from models.layers.quantization.base import LinearMethodBase, QuantizationConfig, UnquantizedLinearMethod
+from models.layers.quantization.base import LinearMethodBase, QuantizationConfig
 
 QUANTIZATION_METHODS: tuple[str, ...] = ("fp8",)
-
-_CURRENT: contextvars.ContextVar[QuantizationConfig | None] = contextvars.ContextVar("quant_config", default=None)
 
 
 def get_quantization_config(name: str | QuantizationConfig | None) -> QuantizationConfig | None:
@@ -31,27 +23,4 @@ def get_quantization_config(name: str | QuantizationConfig | None) -> Quantizati
     raise ValueError(f"quantization={name!r} is not supported; supported methods: {list(QUANTIZATION_METHODS)}")
 
 
-def get_current_quant_config() -> QuantizationConfig | None:
-    return _CURRENT.get()
-
-
-@contextlib.contextmanager
-def set_current_quant_config(config: str | QuantizationConfig | None) -> Iterator[QuantizationConfig | None]:
-    """Linear layers built inside use `config` (a name or a QuantizationConfig)."""
-    resolved = get_quantization_config(config)
-    token = _CURRENT.set(resolved)
-    try:
-        yield resolved
-    finally:
-        _CURRENT.reset(token)
-
-
-__all__ = [
-    "LinearMethodBase",
-    "QUANTIZATION_METHODS",
-    "QuantizationConfig",
-    "UnquantizedLinearMethod",
-    "get_current_quant_config",
-    "get_quantization_config",
-    "set_current_quant_config",
-]
+__all__ = ["LinearMethodBase", "QUANTIZATION_METHODS", "QuantizationConfig", "get_quantization_config"]

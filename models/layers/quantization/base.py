@@ -1,11 +1,13 @@
 """The quantisation interfaces the parallel linear layers dispatch through.
 
 A `QuantizationConfig` (one per model, chosen by `EngineConfig(quantization=...)`)
-hands each linear layer a `LinearMethodBase`. The layer creates and loads its weights
-as usual; once every weight is in place, `model_loader.utils.process_weights_after_loading`
-calls `layer.quant_method.process_weights_after_loading(layer)`, which may replace the
-layer's parameters (e.g. by fp8 ones), and every forward goes through
-`layer.quant_method.apply(layer, x, bias)`.
+hands each linear layer a `LinearMethodBase` (through `LayerBuildConfig.linear_method`;
+layers it leaves alone get the platform's unquantised method). The layer creates and
+loads its weights as usual; once every weight is in place,
+`model_loader.utils.process_weights_after_loading` calls
+`layer.quant_method.process_weights_after_loading(layer)`, which may replace the
+layer's parameters (e.g. by fp8 ones) or add derived copies (CPU packing), and every
+forward goes through `layer.quant_method.apply(layer, x, bias)`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -26,13 +27,6 @@ class LinearMethodBase(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y = x W^T (+ bias) for this rank's shard of the weight."""
-
-
-class UnquantizedLinearMethod(LinearMethodBase):
-    """Plain F.linear on the full-precision weight (the default)."""
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
 
 
 class QuantizationConfig(ABC):

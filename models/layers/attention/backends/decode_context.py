@@ -8,12 +8,11 @@ batch and, when the next step is that continuation, writes just the new token in
 Any other step (a sequence joined, left, was preempted, or the batch grew past the
 buffer) gathers afresh from the paged cache, which stays the only source of truth.
 
-Owned by one `Attention` layer, used on every rank, from `Attention._decode_attention`,
+Owned by one layer's `CPUAttentionImpl` (backends/cpu_attn.py), used on every rank,
 for a CPU cache only (on CUDA the gather is cheap next to the rest of the step, and
-device memory is the KV cache's). A layer holds at most `max_bytes`, which the
-ModelRunner sets to an equal share of `TOTAL_BYTES`; a batch that needs more is
-gathered per step instead. That memory is outside the KV-cache budget, like any
-activation.
+device memory is the KV cache's). A layer holds at most `max_bytes`, which the CPU
+backend sets to an equal share of `TOTAL_BYTES`; a batch that needs more is gathered
+per step instead. That memory is outside the KV-cache budget, like any activation.
 """
 
 from __future__ import annotations
@@ -22,10 +21,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from models.layers.attention import AttentionMetadata
+from distributed.utils import cdiv
+from models.layers.attention.backends.abstract import gather_paged_kv
 
-# All layers' buffers together stay under this (the runner divides it among the layers).
+if TYPE_CHECKING:
+    from models.layers.attention.backends.cpu_attn import CPUAttentionMetadata
+
+# All layers' buffers together stay under this (the backend divides it among the layers).
 TOTAL_BYTES = 256 << 20
 # Spare positions per sequence, so that a batch decodes this many steps between gathers.
 _GROWTH = 64
@@ -39,7 +41,7 @@ class DecodeContext:
         self.lens: tuple[int, ...] = ()
 
     def get(
-        self, cache: torch.Tensor, md: "AttentionMetadata", k: torch.Tensor, v: torch.Tensor
+        self, cache: torch.Tensor, md: CPUAttentionMetadata, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor | None:
         """The decode sequences' context ([2, kv_heads, G, >= max len, head_size], rows
         in `md.decode_seqs` order, valid up to each sequence's length) after this step's
@@ -65,7 +67,7 @@ class DecodeContext:
             self.lens = lens
             return buffer
         blocks, ctx_len = md.decode_gather_blocks
-        capacity = -(-ctx_len // _GROWTH) * _GROWTH + _GROWTH
+        capacity = cdiv(ctx_len, _GROWTH) * _GROWTH + _GROWTH
         nbytes = 2 * num_kv_heads * len(keys) * capacity * head_size * cache.element_size()
         if nbytes > self.max_bytes:
             self.release()
@@ -74,10 +76,7 @@ class DecodeContext:
             # Zeros, not empty: positions past a row's length are masked with -inf, which
             # would not hide a NaN left in uninitialised memory.
             buffer = torch.zeros(2, num_kv_heads, len(keys), capacity, head_size, dtype=cache.dtype, device=cache.device)
-        # cache [N, 2, bs, Hkv, D] viewed as [2, Hkv, N, bs, D]: the gather yields
-        # [2, Hkv, G * nb, bs, D], i.e. [2, Hkv, G, nb * bs, D].
-        gathered = cache.permute(1, 3, 0, 2, 4).index_select(2, blocks)
-        buffer[:, :, :, :ctx_len].copy_(gathered.view(2, num_kv_heads, len(keys), ctx_len, head_size))
+        buffer[:, :, :, :ctx_len].copy_(gather_paged_kv(cache, blocks, len(keys), ctx_len))
         self.buffer, self.keys, self.lens = buffer, keys, lens
         return buffer
 

@@ -1,0 +1,28 @@
+"""The collectives the parallel layers call in their forward pass (vLLM's names).
+
+Each one runs on every rank of the TP group, in the same order on every rank (the
+layers guarantee it: every rank runs the same forward). At world size 1 they return
+their input untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distributed.parallel_state import get_tp_group
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` over the TP ranks, in place; returns `x`."""
+    group = get_tp_group()
+    if group.communicator is None:
+        return x
+    return group.communicator.all_reduce(x)
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Every rank's `x` concatenated along `dim`, in rank order."""
+    group = get_tp_group()
+    if group.communicator is None:
+        return x
+    return group.communicator.all_gather(x, dim)

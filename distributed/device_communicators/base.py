@@ -1,0 +1,42 @@
+"""DeviceCommunicatorBase: the collectives one TP group runs, over torch.distributed.
+
+One instance per process, created by `init_distributed_environment` once the process
+group exists, held by the TP group handle. Every rank of the group must call each
+collective in the same order with tensors of the same shape and dtype (the usual
+torch.distributed contract); a rank that does not arrive leaves the others blocked in
+the backend until the engine notices and tears the group down.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+
+class DeviceCommunicatorBase:
+    """The reference implementation: the torch.distributed collective of the group's
+    backend. Subclasses name their backend and may override a collective with a faster
+    one, as long as the result is the same on every rank."""
+
+    dist_backend: ClassVar[str] = ""
+
+    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the group, in place; returns `x`."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `x` concatenated along `dim`, in rank order (a new tensor)."""
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def destroy(self) -> None:
+        """Release whatever the communicator holds beyond the process group (nothing here)."""

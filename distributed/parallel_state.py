@@ -1,0 +1,93 @@
+"""The tensor-parallel group handle: the one piece of global state we keep.
+
+Who calls this: `Worker.init_device()` calls `init_distributed_environment` once per
+process, on every rank, with the same world size and init method; the parallel layers
+in `models/layers/` read rank and size while they are built, and call the collectives
+(`distributed.communication_op`) in their forward pass. With no group set, the process
+is rank 0 of 1 and every collective is the identity, so a model can be built and run at
+TP=1 with no process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from distributed.device_communicators import DeviceCommunicatorBase, get_device_communicator_cls
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    rank: int
+    world_size: int
+    communicator: DeviceCommunicatorBase | None  # None when world_size == 1
+
+
+_TP = TensorParallelGroup(rank=0, world_size=1, communicator=None)
+
+
+def set_tensor_parallel_group(rank: int, world_size: int, communicator: DeviceCommunicatorBase | None) -> None:
+    """Install this process's TP group (`communicator` None only at world_size 1).
+    `init_distributed_environment` calls this; tests that build their own process
+    group call it directly."""
+    global _TP
+    if not 0 <= rank < world_size:
+        raise ValueError(f"tp rank {rank} is outside [0, {world_size})")
+    if world_size > 1 and communicator is None:
+        raise ValueError(f"tp world size {world_size} needs a device communicator")
+    _TP = TensorParallelGroup(rank=rank, world_size=world_size, communicator=communicator)
+
+
+def get_tp_group() -> TensorParallelGroup:
+    return _TP
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _TP.rank
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _TP.world_size
+
+
+def init_distributed_environment(
+    world_size: int, rank: int, distributed_init_method: str | None, device: torch.device
+) -> None:
+    """Join the TP process group with the communicator of `device`'s platform (NCCL
+    on CUDA, gloo on the CPU) and install it as this process's TP group. At
+    world_size 1 nothing is created.
+
+    Every rank calls this with the same `world_size` and `distributed_init_method`;
+    it returns once all of them have joined (one barrier, so a broken rendezvous fails
+    here rather than in the first forward). Raises ValueError without an init method
+    at world_size > 1, and whatever torch.distributed raises on a failed rendezvous.
+    """
+    if world_size == 1:
+        set_tensor_parallel_group(0, 1, None)
+        return
+    if distributed_init_method is None:
+        raise ValueError(f"rank {rank}: tensor_parallel_size {world_size} needs a distributed_init_method")
+    communicator_cls = get_device_communicator_cls(device.type)
+    dist.init_process_group(
+        backend=communicator_cls.dist_backend,
+        init_method=distributed_init_method,
+        rank=rank,
+        world_size=world_size,
+        device_id=device if device.type == "cuda" else None,
+    )
+    group = dist.group.WORLD
+    set_tensor_parallel_group(rank, world_size, communicator_cls(rank, world_size, group))
+    dist.barrier()
+
+
+def destroy_distributed_environment() -> None:
+    """Leave the process group and go back to rank 0 of 1. Safe to call more than once,
+    and with no group (worker shutdown, tests)."""
+    global _TP
+    if _TP.communicator is not None:
+        _TP.communicator.destroy()
+    _TP = TensorParallelGroup(rank=0, world_size=1, communicator=None)
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,135 @@
+"""CPUAttentionBackend: the SDPA backend plus a per-layer decode context.
+
+On the CPU, gathering every decode sequence's blocks each step costs about as much as
+the attention itself. Each layer's impl keeps the decode batch's K/V contiguously
+across steps (`DecodeContext`) and appends one token per step; any other step falls
+back to the SDPA backend's grouped gather. The paged cache stays the source of truth.
+
+To know that a batch "continues the previous step", the backend gives each live
+request a serial key: a finished, aborted or preempted request loses it (the runner
+passes the scheduler's finished ids to `requests_finished`), so a reused request id or
+a recomputed sequence never matches K/V kept from before. Every rank sees the same
+steps, so every rank assigns the same keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+from distributed.utils import cdiv
+from models.layers.attention.backends.abstract import AttentionImpl, AttentionMetadata
+from models.layers.attention.backends.decode_context import TOTAL_BYTES, DecodeContext
+from models.layers.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAImpl, TorchSDPAMetadata
+
+if TYPE_CHECKING:
+    from models.layers.attention.layer import Attention
+
+
+@dataclass
+class CPUAttentionMetadata(TorchSDPAMetadata):
+    """Adds one key per sequence, equal across steps for as long as the sequence's
+    cached K/V stays the same, and the decode batch as `DecodeContext` sees it (all
+    derived once per step and shared by the layers)."""
+
+    seq_keys: tuple[int, ...] = ()
+
+    @cached_property
+    def decode_keys(self) -> tuple[int, ...]:
+        return tuple(self.seq_keys[i] for i in self.decode_seqs)
+
+    @cached_property
+    def decode_lens(self) -> tuple[int, ...]:
+        return tuple(self.seq_lens[i] for i in self.decode_seqs)
+
+    @cached_property
+    def decode_prev_lens(self) -> tuple[int, ...]:
+        return tuple(n - 1 for n in self.decode_lens)
+
+    def decode_append_index(self, capacity: int) -> torch.Tensor:
+        """row * capacity + position of each decode sequence's new token, in a
+        [G, capacity] layout (one per capacity, shared by the layers)."""
+        cache: dict[int, torch.Tensor] = self.__dict__.setdefault("_decode_append_index", {})
+        if capacity not in cache:
+            device = self.slot_mapping.device
+            rows = torch.arange(len(self.decode_lens), device=device)
+            cache[capacity] = rows * capacity + torch.tensor(self.decode_prev_lens, dtype=torch.long, device=device)
+        return cache[capacity]
+
+    @cached_property
+    def decode_gather_blocks(self) -> tuple[torch.Tensor, int]:
+        """The decode sequences' block ids, each row padded to the longest (padding
+        clamped to block 0, masked later), flattened; and that padded length in tokens."""
+        num_blocks = cdiv(max(self.decode_lens), self.block_size)
+        rows = torch.tensor(self.decode_seqs, dtype=torch.long, device=self.block_tables.device)
+        blocks = self.block_tables[rows, :num_blocks].clamp(min=0).reshape(-1).to(self.slot_mapping.device)
+        return blocks, num_blocks * self.block_size
+
+    def decode_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """[1, G, 1, max decode len] additive mask: 0 on each sequence's context, -inf past it."""
+        masks: dict[torch.dtype, torch.Tensor] = self.__dict__.setdefault("_decode_masks", {})
+        if dtype not in masks:
+            device = self.slot_mapping.device
+            ctx_len = max(self.decode_lens)
+            lens = torch.tensor(self.decode_lens, dtype=torch.long, device=device)
+            past = torch.arange(ctx_len, device=device) >= lens.unsqueeze(1)
+            mask = torch.zeros(past.shape, dtype=dtype, device=device).masked_fill_(past, float("-inf"))
+            masks[dtype] = mask.view(1, len(self.decode_lens), 1, ctx_len)
+        return masks[dtype]
+
+
+class CPUAttentionImpl(TorchSDPAImpl):
+    def __init__(self, layer: Attention, decode_context_bytes: int) -> None:
+        super().__init__(layer)
+        self.decode_context = DecodeContext(decode_context_bytes)
+
+    def decode_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: TorchSDPAMetadata
+    ) -> torch.Tensor:
+        """When the batch continues the previous step's, the decode context holds the
+        whole context contiguously and one SDPA call covers the batch; otherwise the
+        SDPA backend's grouped gather."""
+        if isinstance(md, CPUAttentionMetadata):
+            context = self.decode_context.get(kv_cache, md, k, v)
+            if context is not None:
+                ctx_len = max(md.decode_lens)
+                return self.attend_padded(q, context[0, :, :, :ctx_len], context[1, :, :, :ctx_len],
+                                          md.decode_mask(q.dtype))
+        return super().decode_attention(q, k, v, kv_cache, md)
+
+
+class CPUAttentionBackend(TorchSDPABackend):
+    """One per rank. `decode_context_bytes`: all layers' decode buffers together."""
+
+    name = "CPU_SDPA"
+
+    def __init__(self, num_layers: int, decode_context_bytes: int = TOTAL_BYTES) -> None:
+        self.per_layer_bytes = decode_context_bytes // max(num_layers, 1)
+        self.impls: list[CPUAttentionImpl] = []
+        self._seq_keys: dict[str, int] = {}
+        self._next_seq_key = 0
+
+    def make_impl(self, layer: Attention) -> AttentionImpl:
+        impl = CPUAttentionImpl(layer, self.per_layer_bytes)
+        self.impls.append(impl)
+        return impl
+
+    def requests_finished(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self._seq_keys.pop(req_id, None)
+        if not self._seq_keys:  # nothing from before is still running: free the buffers
+            for impl in self.impls:
+                impl.decode_context.release()
+
+    def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:
+        keys = []
+        for req_id in common.req_ids:
+            key = self._seq_keys.get(req_id)
+            if key is None:
+                key = self._seq_keys[req_id] = self._next_seq_key
+                self._next_seq_key += 1
+            keys.append(key)
+        return CPUAttentionMetadata.from_common(common, seq_keys=tuple(keys))

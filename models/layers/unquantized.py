@@ -1,0 +1,77 @@
+"""The unquantised linear methods, one per platform.
+
+`UnquantizedLinearMethod` is plain `F.linear` (CUDA, and the CPU with packing off).
+`CPUUnquantizedLinearMethod` adds, after loading, an MKL-packed copy of a float32
+weight for decode-sized batches (`models/layers/cpu_gemm.py`): the CPU counterpart of
+what vLLM's CPU backend does with oneDNN in `process_weights_after_loading`. Both serve
+the parallel linear layers and the LM head; `LayerBuildConfig` picks one per layer.
+
+Memory: the packed copy is held next to the original weight, which stays for the
+large-batch path, a tied embedding and `state_dict()`; so packed weights take twice
+their size. It is made in `process_weights_after_loading`, inside the worker's
+"weights" memory pool, so KV-cache sizing sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.layers.cpu_gemm import PackedWeight, can_pack, mkl_packing_available
+from models.layers.quantization.base import LinearMethodBase
+
+logger = logging.getLogger(__name__)
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """Plain F.linear on the full-precision weight."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
+    """F.linear, with a packed copy of the weight for small batches once loaded.
+
+    `packed` is None until `process_weights_after_loading`, and stays None for a weight
+    that cannot be packed (not float32, no MKL, or a packed product that does not
+    match F.linear on this build: the layout being independent of the row count is MKL
+    behaviour, not an API promise, so each weight is checked when it is packed).
+    """
+
+    def __init__(self) -> None:
+        self.packed: PackedWeight | None = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """(Re)pack `layer.weight`; idempotent, so code that changes weights after
+        loading calls it again (`prepack_cpu_weights`)."""
+        self.packed = None
+        if not (mkl_packing_available() and can_pack(layer.weight)):
+            return
+        packed = PackedWeight(layer.weight)
+        if not packed.verify(layer.weight):
+            logger.warning("MKL packed GEMM does not match F.linear for a %s weight; using the plain path",
+                           tuple(layer.weight.shape))
+            return
+        self.packed = packed
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, layer.weight, bias)
+        return self.packed.linear(x, layer.weight, bias)
+
+
+def prepack_cpu_weights(model: nn.Module) -> int:
+    """Re-pack every CPU-packed weight of `model` from its current value (the packed
+    copies are snapshots: call this after changing weights in place). Returns how
+    many weights are packed now."""
+    count = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, CPUUnquantizedLinearMethod):
+            method.process_weights_after_loading(module)
+            count += method.packed is not None
+    return count
