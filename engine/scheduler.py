@@ -13,8 +13,8 @@ from collections import deque
 from collections.abc import Collection
 
 from engine.block_manager import KVBlockManager
-from worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
+from worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:

@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import (Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
-                        trainers)
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -18,8 +18,8 @@ from executor.rpc import RPCMethod
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from worker.outputs import ModelRunnerOutput, SchedulerOutput
     from worker.kv_cache import KVCacheConfig, KVCacheSpec
+    from worker.outputs import ModelRunnerOutput, SchedulerOutput
 
 __all__ = ["EXECUTE_MODEL_TIMEOUT_S", "Executor", "RPCMethod"]
 

@@ -32,6 +32,7 @@ No ZeroMQ and no threads here: blocking, waking and overflow payloads belong to
 
 from __future__ import annotations
 
+import _posixshmem  # POSIX-only stdlib module behind SharedMemory
 import mmap
 import os
 import struct
@@ -42,8 +43,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import NamedTuple
-
-import _posixshmem  # POSIX-only stdlib module behind SharedMemory
 
 __all__ = ["RingLayout", "RingSpec", "ShmRing", "ShmSegment", "fence", "yield_cpu"]
 

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from model_loader.base_loader import BaseModelLoader
-from model_loader.multithread import check_extra_config_keys
 from model_loader.default_loader import check_all_weights_loaded
+from model_loader.multithread import check_extra_config_keys
 from models.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,

@@ -37,8 +37,24 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench_common import (
-    GB, REPO, Meter, child_env, ensure_checkpoint, free_port, join_tp_group, leave_tp_group, median_run,
-    param_bytes, plain_read, print_result, run_children, touch_all, warm_page_cache, weight_bytes, weight_files)
+    GB,
+    REPO,
+    Meter,
+    child_env,
+    ensure_checkpoint,
+    free_port,
+    join_tp_group,
+    leave_tp_group,
+    median_run,
+    param_bytes,
+    plain_read,
+    print_result,
+    run_children,
+    touch_all,
+    warm_page_cache,
+    weight_bytes,
+    weight_files,
+)
 
 FULL_SPEC: dict[str, Any] = dict(  # ~1.34 GB of bf16 weights
     arch="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=12, num_attention_heads=16,
@@ -95,10 +111,10 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
             return list(model.parameters())
 
     elif case.startswith("ours"):
-        from engine.config import EngineConfig
-        from model_loader import get_model
         import model_loader.default_loader  # noqa: F401  (imports outside the clock)
         import models.llama  # noqa: F401
+        from engine.config import EngineConfig
+        from model_loader import get_model
 
         strategy = {"ours-lazy": "lazy", "ours-eager": "eager", "ours-prefetch": "prefetch"}.get(case)
         tp = 1

@@ -42,8 +42,22 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import (
-    GB, REPO, Meter, child_env, ensure_checkpoint, free_port, join_tp_group, leave_tp_group, median_run,
-    param_bytes, print_result, run_children, touch_all, warm_page_cache, weight_bytes)
+    GB,
+    REPO,
+    Meter,
+    child_env,
+    ensure_checkpoint,
+    free_port,
+    join_tp_group,
+    leave_tp_group,
+    median_run,
+    param_bytes,
+    print_result,
+    run_children,
+    touch_all,
+    warm_page_cache,
+    weight_bytes,
+)
 
 SPEC: dict[str, Any] = dict(  # ~0.49 GB of bf16 weights
     arch="llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
@@ -141,14 +155,14 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     case = args.child
     dirs: dict[str, Any] = {k: Path(v) for k, v in json.loads(args.dirs).items()}
     dirs = {k: dirs.get(k, "<not prepared>") for k in ("model", "bin", "sharded")}
-    from engine.config import EngineConfig
-    from model_loader import get_model
     import model_loader.default_loader  # noqa: F401  (imports outside the clock)
     import model_loader.dummy_loader  # noqa: F401
     import model_loader.multithread  # noqa: F401
     import model_loader.npcache  # noqa: F401
     import model_loader.sharded_state_loader  # noqa: F401
     import models.llama  # noqa: F401
+    from engine.config import EngineConfig
+    from model_loader import get_model
 
     mt = {"enable_multithread_load": True, "num_threads": args.threads}
     kwargs: dict[str, Any] = {

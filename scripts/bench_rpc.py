@@ -178,11 +178,11 @@ def main() -> None:
     import pickle
 
     import cloudpickle
+    from bench_startup import tiny_model_dir
 
     from engine.config import EngineConfig
     from engine.core import EngineCore
     from executor.rpc import RPCReply, RPCRequest
-    from bench_startup import tiny_model_dir
 
     wall = time.perf_counter()
     model = args.model or tiny_model_dir()

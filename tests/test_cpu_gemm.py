@@ -25,6 +25,7 @@ from models.layers.quantization.fp8 import Fp8LinearMethod
 from models.layers.unquantized import CPUUnquantizedLinearMethod, prepack_cpu_weights
 from models.layers.vocab_parallel_embedding import ParallelLMHead
 
+
 def load(model_dir: Path, **kwargs: Any) -> torch.nn.Module:
     kwargs.setdefault("dtype", "float32")
     return get_model(EngineConfig(model=str(model_dir), device="cpu", use_tqdm_on_load=False, **kwargs))

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
 from engine.tiny_model import make_tiny_model
+from engine.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world, this is a test of incremental decoding.",

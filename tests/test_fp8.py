@@ -31,11 +31,10 @@ import torch
 
 from engine.config import ConfigError, EngineConfig
 from model_loader import get_model
-from models.layers.unquantized import prepack_cpu_weights
 from models.layers.linear import LinearBase
 from models.layers.quantization import get_quantization_config
-from models.layers.unquantized import UnquantizedLinearMethod
 from models.layers.quantization.fp8 import FP8_DTYPE, Fp8LinearMethod, dequantize_fp8, quantize_fp8_per_channel
+from models.layers.unquantized import UnquantizedLinearMethod, prepack_cpu_weights
 from tests.conftest import run_tp
 from tests.tp_helpers import compute_logits_on_rank, tp_load_cases
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.outputs import ScheduledRequest
 from engine.sampling_params import SamplingParams
+from worker.outputs import ScheduledRequest
 from worker.sampler import Sampler, request_step_seed, stable_hash
 
 VOCAB = 50

@@ -15,10 +15,10 @@ import random
 import pytest
 
 from engine.block_manager import KVBlockManager
-from worker.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from worker.outputs import ModelRunnerOutput, SchedulerOutput
 
 EOS = 2
 

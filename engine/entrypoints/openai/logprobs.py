@@ -9,8 +9,7 @@ stream sends each token's logprobs once. Without a tokenizer a token's text is
 from __future__ import annotations
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.entrypoints.openai.protocol import (
-    ChatChoiceLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogProbs)
+from engine.entrypoints.openai.protocol import ChatChoiceLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogProbs
 from engine.outputs import RequestOutput
 from engine.tokenizer import Tokenizer
 

@@ -21,8 +21,7 @@ from pydantic import BaseModel
 
 from engine.async_engine import AsyncEngine, RequestAbortedError, RequestStream
 from engine.entrypoints.openai.errors import APIError
-from engine.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, StreamOptions, UsageInfo, dump)
+from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions, UsageInfo, dump
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from executor.errors import EngineDeadError

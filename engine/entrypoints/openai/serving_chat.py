@@ -12,8 +12,16 @@ from fastapi.responses import Response
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.logprobs import chat_logprobs
 from engine.entrypoints.openai.protocol import (
-    ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
-    ChatCompletionStreamResponse, ChatResponseMessage, DeltaMessage, UsageInfo, dump)
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    DeltaMessage,
+    UsageInfo,
+    dump,
+)
 from engine.entrypoints.openai.serving import OpenAIServing, include_usage, text_delta, usage
 from engine.entrypoints.openai.sse import StreamState, event_stream_response
 from engine.outputs import RequestOutput

@@ -11,7 +11,12 @@ from fastapi.responses import Response
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.logprobs import TextOffsets, completion_logprobs
 from engine.entrypoints.openai.protocol import (
-    CompletionChoice, CompletionPrompt, CompletionRequest, CompletionResponse, dump)
+    CompletionChoice,
+    CompletionPrompt,
+    CompletionRequest,
+    CompletionResponse,
+    dump,
+)
 from engine.entrypoints.openai.serving import OpenAIServing, include_usage, text_delta, usage
 from engine.entrypoints.openai.sse import StreamState, event_stream_response
 from engine.outputs import RequestOutput
