@@ -32,7 +32,6 @@ No ZeroMQ and no threads here: blocking, waking and overflow payloads belong to
 
 from __future__ import annotations
 
-import _posixshmem  # POSIX-only stdlib module behind SharedMemory
 import mmap
 import os
 import struct
@@ -44,6 +43,8 @@ from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import NamedTuple
 
+from distributed.shm_utils import attach_shm, memory_fence
+
 __all__ = ["RingLayout", "RingSpec", "ShmRing", "ShmSegment", "fence", "yield_cpu"]
 
 _ALIGN = 64
@@ -51,19 +52,7 @@ _META = struct.Struct("<QB")  # payload length, kind
 _INLINE, _OVERFLOW = 0, 1
 _CLOSED_OFF = 0
 
-_fence_lock = threading.Lock()
-
-
-def fence() -> None:
-    """A full memory barrier between this thread's shared-memory stores and loads.
-
-    CPython has no atomic_thread_fence; a mutex acquire/release runs atomic
-    read-modify-write instructions with acquire/release semantics (lock cmpxchg on
-    x86, ldaxr/stlxr on ARM), which orders plain shm stores and loads in practice.
-    Same trick as vLLM's shm_broadcast.
-    """
-    with _fence_lock:
-        pass
+fence = memory_fence
 
 
 # sched_yield lets the process we wait for run on an oversubscribed box;
@@ -183,18 +172,7 @@ class ShmRing:
         fd = ShmSegment._fd_in_this_process(spec.shm_name)
         if fd is not None:
             return cls(spec, mmap.mmap(fd, size))
-        # Deliberately not SharedMemory(name): before 3.13 it registers the name
-        # with the resource tracker, and spawn/forkserver children share the creator's
-        # tracker, whose registry is a *set* -- a child's register is a no-op and
-        # its unregister would cancel the creator's registration (losing the
-        # SIGKILL safety net and making the creator's own unlink print a KeyError).
-        fd = _posixshmem.shm_open("/" + spec.shm_name, os.O_RDWR, mode=0o600)
-        try:
-            if os.fstat(fd).st_size < size:
-                raise ValueError(f"shm segment {spec.shm_name!r} is smaller than its handle says")
-            return cls(spec, mmap.mmap(fd, size))
-        finally:
-            os.close(fd)
+        return cls(spec, attach_shm(spec.shm_name, size))
 
     def close(self) -> None:
         """Idempotent: unmap. Any later protocol call raises ValueError."""

@@ -3,6 +3,10 @@ and the splitting rules every layer shares."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import signal
+
 import pytest
 import torch
 
@@ -68,3 +72,53 @@ def test_splitting_rules():
     with pytest.raises(ValueError, match="not divisible"):
         kv_heads_per_rank(6, 4)
     assert [cdiv(n, 4) for n in (0, 1, 4, 5, 8)] == [0, 1, 1, 2, 2]
+
+
+SIZES = [1, 3, 1023, 65536, (4 << 20) // 4 + 5, 16 << 20]  # elements; the last is 64 MiB of float32
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shm_all_reduce_and_gather_equal_gloo_and_are_bit_identical_on_every_rank(world_size):
+    from tests.tp_helpers import tp_shm_vs_gloo
+
+    results = run_tp(tp_shm_vs_gloo, world_size, SIZES, ["float32", "bfloat16"], timeout=600)
+    for key, first in results[0].items():
+        dtype = key.split("-")[0]
+        # gloo adds in its own order (and bf16 in bf16); ours in rank order, bf16 in float32.
+        tolerance = (1e-6 if dtype == "float32" else 1e-2) * max(1.0, first["scale"]) * world_size
+        for rank, result in enumerate(results):
+            r = result[key]
+            assert r["max_diff"] <= tolerance, (key, rank, r["max_diff"])
+            assert r["ints_equal"], (key, rank)  # small integers sum exactly in any order
+            assert r["digest"] == first["digest"], (key, rank)  # bit-identical across ranks
+            assert r.get("gather_equal", True), (key, rank)
+
+
+def _our_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("tp-allreduce-")}
+
+
+def test_a_rank_killed_during_an_all_reduce_is_named_within_seconds_and_leaves_no_segment():
+    from tests.conftest import free_port
+    from tests.tp_helpers import tp_rank_dies_in_all_reduce
+
+    before = _our_segments()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=tp_rank_dies_in_all_reduce, args=(rank, 2, port, queue), daemon=True)
+             for rank in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        message, waited = queue.get(timeout=120)
+        assert "TP rank 1" in message and "died" in message, message
+        assert waited < 10
+        procs[1].join(timeout=10)
+        assert procs[1].exitcode == -signal.SIGKILL
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+    assert _our_segments() <= before  # the name went as soon as both ranks had mapped it

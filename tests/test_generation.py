@@ -341,3 +341,15 @@ def test_long_staggered_generation_matches_transformers(tiny_models: dict[str, P
         outs = core.generate(prompts, params)
     for prompt, n, out in zip(prompts, max_new, outs):
         assert out.token_ids == hf_greedy(hf, prompt, n)[0]
+
+
+def _uses_shared_memory_collectives(worker: Any) -> bool:
+    from distributed import get_tp_group
+
+    return getattr(get_tp_group().communicator, "shm", None) is not None
+
+
+def test_cpu_tp_engine_runs_its_collectives_through_shared_memory(tiny_models: dict[str, Path]) -> None:
+    """The TP=2/4 greedy tests above run on this path: every rank has the shm all-reduce."""
+    with EngineCore(engine_config(tiny_models["llama"], 2, 16)) as core:
+        assert core.collective_rpc(_uses_shared_memory_collectives) == [True, True]

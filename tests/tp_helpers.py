@@ -8,6 +8,7 @@ never inside a test.
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 import traceback
 from typing import Any, Callable
@@ -139,3 +140,66 @@ def tp_collectives(rank: int, world_size: int, port: int) -> dict[str, Any]:
         }
     finally:
         shutdown_tp()
+
+
+def tp_shm_vs_gloo(rank: int, world_size: int, port: int, sizes: list[int], dtypes: list[str]) -> dict[str, Any]:
+    """For each size and dtype: the shared-memory all-reduce and all-gather of
+    rank-dependent random data next to gloo's, on this rank."""
+    import torch.distributed as dist
+
+    from distributed import get_tp_group
+
+    init_tp(rank, world_size, port)
+    try:
+        communicator = get_tp_group().communicator
+        shm = communicator.shm
+        assert shm is not None, "the shared-memory path is not active"
+        out: dict[str, Any] = {}
+        for dtype_name in dtypes:
+            dtype = getattr(torch, dtype_name)
+            for size in sizes:
+                gen = torch.Generator().manual_seed(1000 * rank + size)
+                x = torch.randn(size, generator=gen).to(dtype)
+                ints = torch.randint(-8, 8, (size,), generator=gen).to(dtype)
+                gloo, gloo_ints = x.clone(), ints.clone()
+                dist.all_reduce(gloo)
+                dist.all_reduce(gloo_ints)
+                ours, ours_ints = shm.all_reduce(x.clone()), shm.all_reduce(ints.clone())
+                key = f"{dtype_name}-{size}"
+                out[key] = {
+                    "max_diff": (ours.float() - gloo.float()).abs().max().item() if size else 0.0,
+                    "scale": gloo.float().abs().max().item() if size else 0.0,
+                    "ints_equal": torch.equal(ours_ints, gloo_ints),
+                    "digest": hashlib.sha256(ours.view(torch.uint8).numpy().tobytes()).hexdigest(),
+                }
+                if size * x.element_size() <= shm.slot_bytes:
+                    parts = [torch.empty_like(x) for _ in range(world_size)]
+                    dist.all_gather(parts, x)
+                    out[key]["gather_equal"] = torch.equal(shm.all_gather(x.view(1, -1), dim=0).view(-1),
+                                                           torch.cat(parts))
+        return out
+    finally:
+        shutdown_tp()
+
+
+def tp_rank_dies_in_all_reduce(rank: int, world_size: int, port: int, queue: Any) -> None:
+    """Process target: after the group is up, the last rank SIGKILLs itself; the others
+    enter an all-reduce and put (error message, seconds waited) on `queue`."""
+    import os
+    import signal
+    import time
+
+    from distributed import tensor_model_parallel_all_reduce
+
+    _die_with_parent()
+    torch.set_num_threads(1)
+    init_tp(rank, world_size, port)
+    if rank == world_size - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        tensor_model_parallel_all_reduce(torch.ones(1024))
+    except RuntimeError as e:
+        queue.put((str(e), time.monotonic() - start))
+    else:
+        queue.put(("no error", time.monotonic() - start))
