@@ -131,6 +131,8 @@ class DeviceConfig:
     # float32 linear weights on the CPU get an MKL-packed copy for decode-sized batches
     # (models/layers/cpu_gemm.py): faster decode, twice the linear weights' memory.
     cpu_prepack_weights: bool = True
+    # Which cores each CPU rank runs on: "auto" | "none" | "0-3|4-7" (worker/cpu_affinity.py).
+    cpu_threads_bind: str = "auto"
 
     @property
     def device_type(self) -> str:
@@ -174,6 +176,7 @@ class EngineConfig:
     ignore_patterns: list[str] | None = None
     use_tqdm_on_load: bool = True
     cpu_prepack_weights: bool = True
+    cpu_threads_bind: str = "auto"
 
     model_config: ModelConfig = field(init=False)
     parallel_config: ParallelConfig = field(init=False)
@@ -215,7 +218,14 @@ class EngineConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size} needs 'mp'"
             )
 
-        self.device_config = DeviceConfig(self.device, bool(self.cpu_prepack_weights))
+        self.device_config = DeviceConfig(self.device, bool(self.cpu_prepack_weights), self.cpu_threads_bind)
+        if self.device_config.device_type == "cpu":
+            from worker.cpu_affinity import CpuBindError, allowed_cpus, cpu_binds
+
+            try:
+                cpu_binds(self.cpu_threads_bind, self.tensor_parallel_size, allowed_cpus())
+            except CpuBindError as e:
+                raise ConfigError(str(e)) from None
         self.parallel_config = ParallelConfig(self.tensor_parallel_size, backend)
         self.load_config = LoadConfig(
             load_format=self.load_format,

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from models.layers.build_config import LayerBuildConfig, set_layer_build_config
+from models.layers.cpu_gemm import default_packed_gemm
 from models.layers.quantization import get_quantization_config
 from models.registry import ModelRegistry
 
@@ -41,6 +42,7 @@ def initialize_model(config: EngineConfig, prefix: str = "") -> nn.Module:
         quant_config=get_quantization_config(config.model_config.quantization),
         device_type=config.device_config.device_type,
         cpu_prepack_weights=config.device_config.cpu_prepack_weights,
+        cpu_packed_gemm=default_packed_gemm(),
     )
     with set_layer_build_config(build_config):
         return model_cls(config, prefix=prefix)

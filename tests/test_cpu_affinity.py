@@ -1,0 +1,74 @@
+"""Pinned CPU ranks (worker/cpu_affinity.py): each rank runs on the cores it was given,
+with one torch thread per core, and engines with disjoint binds share no core."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.config import ConfigError, EngineConfig
+from engine.core import EngineCore
+from worker.cpu_affinity import CpuBindError, allowed_cpus, cpu_binds
+
+CORES = allowed_cpus()
+needs_two_cores = pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to pin two ranks apart")
+
+
+def test_auto_splits_the_cores_into_equal_contiguous_groups():
+    assert cpu_binds("auto", 2, [0, 1, 2, 3, 4]) == [{0, 1}, {2, 3}]
+    assert cpu_binds("auto", 1, [2, 5]) == [{2, 5}]
+    assert cpu_binds("auto", 4, [0, 1]) is None  # fewer cores than ranks: no pinning
+    assert cpu_binds("none", 2, [0, 1]) is None
+
+
+def test_explicit_binds_are_parsed_and_checked():
+    assert cpu_binds("0-1,3|2", 2, [0, 1, 2, 3]) == [{0, 1, 3}, {2}]
+    with pytest.raises(CpuBindError, match=r"names 1 cpu set\(s\) for 2 rank\(s\)"):
+        cpu_binds("0-1", 2, [0, 1])
+    with pytest.raises(CpuBindError, match=r"rank 1's cpu\(s\) \[7\] are not available"):
+        cpu_binds("0|7", 2, [0, 1])
+    with pytest.raises(CpuBindError, match=r"ranks 0 and 1 share cpu\(s\) \[1\]"):
+        cpu_binds("0-1|1", 2, [0, 1])
+    with pytest.raises(CpuBindError, match="'x' is not a cpu number"):
+        cpu_binds("x|1", 2, [0, 1])
+
+
+def test_a_bad_bind_is_a_config_error_naming_the_field(tiny_models):
+    with pytest.raises(ConfigError, match="cpu_threads_bind="):
+        EngineConfig(model=str(tiny_models["llama"]), device="cpu", tensor_parallel_size=2,
+                     cpu_threads_bind=f"0|{max(CORES) + 1}")
+
+
+def _affinity(worker: Any) -> tuple[list[int], int]:
+    import torch
+
+    return sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+
+
+def _engine(model: Path, tp: int, **kwargs: Any) -> EngineCore:
+    return EngineCore(model=str(model), tensor_parallel_size=tp, device="cpu", dtype="float32",
+                      kv_cache_memory_bytes=4 << 20, max_model_len=64, distributed_executor_backend="mp",
+                      use_tqdm_on_load=False, **kwargs)
+
+
+@needs_two_cores
+def test_each_rank_runs_on_the_cores_it_was_given(tiny_models):
+    half = len(CORES) // 2
+    with _engine(tiny_models["llama"], 2) as core:  # auto
+        assert core.collective_rpc(_affinity) == [(CORES[:half], half), (CORES[half : 2 * half], half)]
+    explicit = f"{CORES[1]}|{CORES[0]}"
+    with _engine(tiny_models["llama"], 2, cpu_threads_bind=explicit) as core:
+        assert core.collective_rpc(_affinity) == [([CORES[1]], 1), ([CORES[0]], 1)]
+
+
+@needs_two_cores
+def test_two_engines_with_disjoint_binds_share_no_core(tiny_models):
+    with _engine(tiny_models["llama"], 1, cpu_threads_bind=str(CORES[0])) as first, \
+            _engine(tiny_models["llama"], 1, cpu_threads_bind=str(CORES[1])) as second:
+        (cores_a, _), = first.collective_rpc(_affinity)
+        (cores_b, _), = second.collective_rpc(_affinity)
+        assert cores_a == [CORES[0]] and cores_b == [CORES[1]]
+        assert not set(cores_a) & set(cores_b)
