@@ -91,7 +91,7 @@ def test_shm_all_reduce_and_gather_equal_gloo_and_are_bit_identical_on_every_ran
             assert r["max_diff"] <= tolerance, (key, rank, r["max_diff"])
             assert r["ints_equal"], (key, rank)  # small integers sum exactly in any order
             assert r["digest"] == first["digest"], (key, rank)  # bit-identical across ranks
-            assert r.get("gather_equal", True), (key, rank)
+            assert r["gather_equal"], (key, rank)
 
 
 def _our_segments() -> set[str]:

@@ -172,11 +172,14 @@ def tp_shm_vs_gloo(rank: int, world_size: int, port: int, sizes: list[int], dtyp
                     "ints_equal": torch.equal(ours_ints, gloo_ints),
                     "digest": hashlib.sha256(ours.view(torch.uint8).numpy().tobytes()).hexdigest(),
                 }
-                if size * x.element_size() <= shm.slot_bytes:
-                    parts = [torch.empty_like(x) for _ in range(world_size)]
-                    dist.all_gather(parts, x)
-                    out[key]["gather_equal"] = torch.equal(shm.all_gather(x.view(1, -1), dim=0).view(-1),
-                                                           torch.cat(parts))
+                parts = [torch.empty_like(x) for _ in range(world_size)]
+                dist.all_gather(parts, x)
+                out[key]["gather_equal"] = torch.equal(shm.all_gather(x, dim=0), torch.cat(parts))
+                if size % 2 == 0:  # along the last dim of a 2-D view, as the LM head gathers logits
+                    rows = x.view(2, -1)
+                    parts = [torch.empty_like(rows) for _ in range(world_size)]
+                    dist.all_gather(parts, rows)
+                    out[key]["gather_equal"] &= torch.equal(shm.all_gather(rows, dim=-1), torch.cat(parts, dim=-1))
         return out
     finally:
         shutdown_tp()

@@ -5,8 +5,7 @@ gloo's all-reduce is correct everywhere, across hosts included, but slow between
 processes of one host (about 300 µs for 96 KiB here, two per layer and step). When
 every rank of the group runs on this host, the communicator maps one shared segment
 (`ShmAllReduce`) and runs all-reduce and all-gather through it; dtypes it does not
-cover (anything but float32/bfloat16/float16) and gathers larger than a slot go to
-gloo. `TP_CPU_SHM_ALLREDUCE=0` keeps gloo for everything.
+cover (anything but float32/bfloat16/float16) go to gloo. `TP_CPU_SHM_ALLREDUCE=0` keeps gloo for everything.
 
 Built on every rank together by `init_distributed_environment` (the setup itself runs
 gloo collectives, so all ranks must be in it); the choice is the same on every rank.
@@ -61,7 +60,7 @@ class CpuCommunicator(DeviceCommunicatorBase):
         return super().all_reduce(x)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        if self.shm is not None and self.shm.supports(x) and self.shm.fits_gather(x):
+        if self.shm is not None and self.shm.supports(x):
             return self.shm.all_gather(x, dim)
         return super().all_gather(x, dim)
 

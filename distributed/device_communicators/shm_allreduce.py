@@ -23,8 +23,8 @@ it does only after its reads of round seq, so no slot is overwritten while read.
 Every rank adds the same slots in the same order with the same ops, so the result is
 bit-identical on every rank; float16/bfloat16 are summed in float32.
 
-While waiting, a rank spins, then yields, then sleeps 50 µs at a time, and every 100 ms
-checks that its peers' processes are alive: a dead peer is a `RuntimeError` naming its
+While waiting, a rank spins, then yields, then sleeps 50 µs at a time, and every 1000
+sleeps (about 0.1 s) checks that its peers' processes are alive: a dead peer is a `RuntimeError` naming its
 rank and pid, not a hang. The segment's name is unlinked as soon as every rank has
 mapped it, so no crash can leave it behind.
 
@@ -56,7 +56,7 @@ _LINE = 8  # int64 entries per 64-byte cache line
 _SPINS = 2000
 _YIELDS = 20000
 _SLEEP_S = 50e-6
-_LIVENESS_S = 0.1
+_LIVENESS_SLEEPS = 1000  # liveness is checked every this many sleeps (>= 50 ms)
 
 T = TypeVar("T")
 
@@ -94,6 +94,7 @@ class ShmAllReduce:
         self._pids = counters[world_size * _LINE :: _LINE]
         self._pids[rank] = os.getpid()
         self._seq = 0
+        self._slot_views: dict[torch.dtype, list[torch.Tensor]] = {}
         dist.barrier(group=group)  # every pid is written before anyone may need it
         self._peers = [j for j in range(world_size) if j != rank]
 
@@ -118,8 +119,13 @@ class ShmAllReduce:
         return x.dtype in SUPPORTED_DTYPES and x.device.type == "cpu"
 
     def _slot(self, rank: int, phase: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        start = self._slots_offset + (rank * 2 + phase) * self.slot_bytes
-        return self._bytes[start : start + numel * dtype.itemsize].view(dtype)
+        views = self._slot_views.get(dtype)
+        if views is None:  # whole-slot views, built once per dtype: a call only slices
+            views = self._slot_views[dtype] = [
+                self._bytes[start : start + self.slot_bytes].view(dtype)
+                for start in (self._slots_offset + i * self.slot_bytes for i in range(2 * self.world_size))
+            ]
+        return views[rank * 2 + phase][:numel]
 
     def _round(self, x: torch.Tensor) -> int:
         """Publish flat `x` (fits a slot) in this rank's slot; return once every rank has."""
@@ -133,23 +139,24 @@ class ShmAllReduce:
         return phase
 
     def _wait_for_peers(self, seq: int) -> None:
-        arrive, peers = self._arrive, self._peers
+        arrive = self._arrive
         spins = 0
-        next_check = 0.0
-        while True:
-            if all(arrive[j] >= seq for j in peers):
-                return
-            spins += 1
-            if spins < _SPINS:
-                continue
-            if spins < _YIELDS:
-                os.sched_yield()
-                continue
-            time.sleep(_SLEEP_S)
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + _LIVENESS_S
-                self._check_peers_alive(seq)
+        for peer in self._peers:
+            while arrive[peer] < seq:
+                spins = self._backoff(spins, seq)
+
+    def _backoff(self, spins: int, seq: int) -> int:
+        """One wait step: spin, then yield the core, then sleep, checking liveness."""
+        spins += 1
+        if spins < _SPINS:
+            return spins
+        if spins < _YIELDS:
+            os.sched_yield()
+            return spins
+        time.sleep(_SLEEP_S)
+        if spins % _LIVENESS_SLEEPS == 0:
+            self._check_peers_alive(seq)
+        return spins
 
     def _check_peers_alive(self, seq: int) -> None:
         for j in self._peers:
@@ -186,16 +193,22 @@ class ShmAllReduce:
             x.copy_(flat.view_as(x))
         return x
 
-    def fits_gather(self, x: torch.Tensor) -> bool:
-        return x.numel() * x.element_size() <= self.slot_bytes
-
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every rank's `x` (which must fit one slot) concatenated along `dim`."""
+        """Every rank's `x` concatenated along `dim`, in rank order (chunked through the
+        slots into a [world, numel] buffer, then laid out along `dim`)."""
         x = x.contiguous()
-        phase = self._round(x.view(-1))
-        parts = [self._slot(j, phase, x.dtype, x.numel()).view(x.shape) for j in range(self.world_size)]
-        # The slots are reused two rounds from now: the result must be a copy.
-        return torch.cat(parts, dim=dim)
+        flat = x.view(-1)
+        chunk = self.slot_bytes // x.element_size()
+        gathered = torch.empty((self.world_size, flat.numel()), dtype=x.dtype)
+        for start in range(0, flat.numel(), chunk):
+            part = flat[start : start + chunk]
+            phase = self._round(part)
+            for j in range(self.world_size):
+                gathered[j, start : start + part.numel()].copy_(self._slot(j, phase, x.dtype, part.numel()))
+        dim = dim % x.dim()
+        # [world, ..., d, ...] -> [..., world, d, ...] -> [..., world * d, ...]
+        out = gathered.view(self.world_size, *x.shape).movedim(0, dim)
+        return out.reshape(*x.shape[:dim], self.world_size * x.shape[dim], *x.shape[dim + 1 :])
 
     def close(self) -> None:
         """Drop this process's mapping (the name is long gone)."""
