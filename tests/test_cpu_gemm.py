@@ -99,10 +99,23 @@ def test_loading_packs_linears_and_lm_head_and_keeps_logits(name, tiny_models):
         torch.testing.assert_close(logits_of(packed, ids), logits_of(plain, ids), rtol=1e-5, atol=1e-5)
 
 
-def test_only_float32_unquantised_weights_are_packed(tiny_models):
+def test_bf16_weights_get_a_float32_packed_copy_only_where_the_cpu_has_no_bf16_gemm(tiny_models):
     bf16 = load(tiny_models["llama"], dtype="bfloat16")
-    assert not any(is_packed(m) for m in linears(bf16))
-    assert not is_packed(bf16.lm_head)
+    plain = load(tiny_models["llama"], dtype="bfloat16", cpu_prepack_weights=False)
+    upcast = not torch.ops.mkldnn._is_mkldnn_bf16_supported()  # False on AVX-512 BF16 / AMX CPUs
+    for m in [*linears(bf16), bf16.lm_head]:
+        assert is_packed(m) == upcast and m.quant_method.upcast == upcast
+        assert m.weight.dtype == torch.bfloat16  # the checkpoint's copy stays as it was
+    assert not any(is_packed(m) for m in [*linears(plain), plain.lm_head])
+    for length in (5, PACKED_MAX_ROWS + 20):
+        ids = torch.randint(0, 320, (length,), generator=torch.Generator().manual_seed(length))
+        got, expected = logits_of(bf16, ids), logits_of(plain, ids)
+        assert got.dtype == expected.dtype == torch.bfloat16
+        # Both accumulate in float32; they may round the bf16 outputs of a layer differently.
+        torch.testing.assert_close(got.float(), expected.float(), rtol=0.05, atol=0.05 * expected.float().abs().max().item())
+
+
+def test_fp8_linears_are_not_packed_but_the_float32_lm_head_is(tiny_models):
     fp8 = load(tiny_models["llama"], quantization="fp8")
     assert all(isinstance(m.quant_method, Fp8LinearMethod) for m in linears(fp8))
     assert is_packed(fp8.lm_head)  # the LM head stays float32

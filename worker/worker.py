@@ -2,8 +2,9 @@
 
 Created inside each WorkerProc (or in-process by UniProcExecutor). The executor calls
 its methods by name through `collective_rpc`, on every rank, in this order:
-init_device(), load_model(), determine_available_memory(), get_kv_cache_spec(),
-initialize_from_config(), then execute_model() per step. Phase timings accumulate in
+init_device(), load_model(), get_kv_cache_spec(), determine_available_memory() (unless
+`num_gpu_blocks_override` fixes the block count), initialize_from_config(), then
+execute_model() per step. Phase timings accumulate in
 `self.timings` (seconds). Everything that differs between CUDA and the CPU is asked of
 `self.platform`.
 """

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.cpu_gemm import PackedWeight, can_pack, packing_available
+from models.layers.cpu_gemm import PackedWeight, can_pack, lacks_native_gemm, packing_available
 from models.layers.quantization.base import LinearMethodBase
 
 logger = logging.getLogger(__name__)
@@ -38,20 +38,31 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
     """F.linear, with a packed copy of the weight for small batches once loaded.
 
     `packed` is None until `process_weights_after_loading`, and stays None for a weight
-    that cannot be packed (not float32, no packing library, or a packed product that
-    does not match F.linear on this build: the layout being independent of the row
-    count is library behaviour, not an API promise, so each weight is checked when it
-    is packed).
+    that cannot be packed (no packing library, or a packed product that does not match
+    F.linear on this build: the layout being independent of the row count is library
+    behaviour, not an API promise, so each weight is checked when it is packed).
+
+    A bfloat16/float16 weight on a CPU with no GEMM for its dtype is `upcast`: a
+    oneDNN-packed float32 copy computes every product in float32 (the input cast up,
+    the output back), which is what oneDNN would do anyway, converting the weight on
+    each call. That copy is twice the weight's size.
     """
 
     def __init__(self, kernel: str) -> None:
         self.kernel = kernel  # "mkl" | "onednn"
         self.packed: PackedWeight | None = None
+        self.upcast = False
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """(Re)pack `layer.weight`; idempotent, so code that changes weights after
         loading calls it again (`prepack_cpu_weights`)."""
-        self.packed = None
+        self.packed, self.upcast = None, False
+        if lacks_native_gemm(layer.weight):
+            weight32 = layer.weight.float()
+            packed = PackedWeight(weight32, "onednn")
+            if packed.verify(weight32):
+                self.packed, self.upcast = packed, True
+            return
         if not (packing_available(self.kernel) and can_pack(layer.weight)):
             return
         packed = PackedWeight(layer.weight, self.kernel)
@@ -64,6 +75,9 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, layer.weight, bias)
+        if self.upcast:
+            out = self.packed.linear_any_rows(x.float(), None if bias is None else bias.float())
+            return out.to(x.dtype)
         return self.packed.linear(x, layer.weight, bias)
 
 
