@@ -51,19 +51,22 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 300.0) -> N
     raise RuntimeError(f"no healthy server on port {port} after {timeout:.0f}s")
 
 
-def server_command(side: str, vllm_python: str, model: Path, port: int, dtype: str, tp: int) -> list[str]:
+def server_command(side: str, vllm_python: str, model: Path, port: int, dtype: str, tp: int,
+                   ours_extra: list[str]) -> list[str]:
     if side == "ours":
         return [sys.executable, "-m", "engine.serve", str(model), "--port", str(port), "--dtype", dtype,
-                "--device", "cpu", "--tp", str(tp), "--kv-cache-memory", str(KV_BYTES), "--no-access-log"]
+                "--device", "cpu", "--tp", str(tp), "--kv-cache-memory", str(KV_BYTES), "--no-access-log",
+                *ours_extra]
     return [vllm_python, str(RUN_PY), "serve", "--model", str(model), "--port", str(port), "--host", "127.0.0.1",
             "--dtype", dtype, "--tensor-parallel-size", str(tp), "--enforce-eager"]
 
 
-def measure(side: str, vllm_python: str, model: Path, dtype: str, tp: int, out_dir: Path) -> dict:
+def measure(side: str, vllm_python: str, model: Path, dtype: str, tp: int, out_dir: Path,
+            ours_extra: list[str]) -> dict:
     port = free_port()
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=vllm_bind(tp), VLLM_CPU_KVCACHE_SPACE=str(KV_BYTES >> 30))
     log = open(out_dir / f"{side}-server.log", "w")
-    server = subprocess.Popen(server_command(side, vllm_python, model, port, dtype, tp), env=env,
+    server = subprocess.Popen(server_command(side, vllm_python, model, port, dtype, tp, ours_extra), env=env,
                               cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_healthy(port, server)
@@ -93,13 +96,14 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--model-root", default=str(Path.home() / ".cache" / "tp-runtime" / "bench"))
+    p.add_argument("--ours-extra", default="", help="more engine.serve flags, e.g. '--distributed-executor-backend mp'")
     args = p.parse_args()
     model = ensure_model(Path(args.model_root), args.dtype)
     best: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-online-") as tmp:
         for rep in range(args.repeats):
             for side in ("ours", "vllm"):
-                r = measure(side, args.vllm_python, model, args.dtype, args.tp, Path(tmp))
+                r = measure(side, args.vllm_python, model, args.dtype, args.tp, Path(tmp), args.ours_extra.split())
                 print(f"  run {rep + 1}: {side:5s} {r['output_throughput']:7.1f} tok/s, TPOT {r['median_tpot_ms']:.1f} ms,"
                       f" TTFT {r['median_ttft_ms']:.0f} ms", flush=True)
                 if side not in best or r["output_throughput"] > best[side]["output_throughput"]:

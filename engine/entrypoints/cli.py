@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cpu-prepack-weights", dest="cpu_prepack_weights", action="store_false",
                    help="on CPU, do not keep an MKL-packed copy of float32 linear weights (saves their size in "
                         "memory, slower decode)")
+    p.add_argument("--distributed-executor-backend", default=None,
+                   help="how ranks run: uni (in this process, TP=1 only), mp (one process per rank); default uni "
+                        "at TP=1, mp above")
     p.add_argument("--cpu-threads-bind", default="auto", metavar="auto|none|CPUS",
                    help="on CPU, the cores of each rank: auto (split the available cores, the default), none, "
                         "or one cpu list per rank separated by '|', e.g. 0-3|4-7")
@@ -164,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
             cpu_prepack_weights=args.cpu_prepack_weights, cpu_threads_bind=args.cpu_threads_bind,
+            distributed_executor_backend=args.distributed_executor_backend,
         )
     except KeyboardInterrupt:
         logger.info("interrupted during start-up")

@@ -53,7 +53,9 @@ class OpenAIServingCompletion(OpenAIServing):
             delta = text_delta(output, state.text)
             num_tokens = len(output.token_ids)
             payloads: list[Any] = []
-            if delta or output.finished or (want_logprobs and num_tokens > state.num_tokens):
+            # One chunk per step with new tokens, even when they add no text yet (a split
+            # UTF-8 character, special tokens), as vLLM streams: clients time tokens by chunk.
+            if delta or output.finished or num_tokens > state.num_tokens:
                 if want_logprobs and state.text_offsets is None:
                     state.text_offsets = TextOffsets(self.tokenizer)
                 offsets = state.text_offsets
