@@ -128,8 +128,8 @@ class CacheConfig:
 @dataclass
 class DeviceConfig:
     device: str = "auto"
-    # float32 linear weights on the CPU get an MKL-packed copy for decode-sized batches
-    # (models/layers/cpu_gemm.py): faster decode, twice the linear weights' memory.
+    # Linear weights on the CPU get a packed copy for decode-sized batches
+    # (models/layers/unquantized.py): faster decode, more memory for the linear weights.
     cpu_prepack_weights: bool = True
     # Which cores each CPU rank runs on: "auto" | "none" | "0-3|4-7" (worker/cpu_affinity.py).
     cpu_threads_bind: str = "auto"

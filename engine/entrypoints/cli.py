@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", default="auto", help="weight loader (default auto)")
     p.add_argument("--quantization", default=None, choices=["fp8"], help="online weight quantisation (default none)")
     p.add_argument("--no-cpu-prepack-weights", dest="cpu_prepack_weights", action="store_false",
-                   help="on CPU, do not keep an MKL-packed copy of float32 linear weights (saves their size in "
+                   help="on CPU, do not keep a packed copy of the linear weights (saves their size in "
                         "memory, slower decode)")
     p.add_argument("--distributed-executor-backend", default=None,
                    help="how ranks run: uni (in this process, TP=1 only), mp (one process per rank); default uni "
