@@ -3,7 +3,7 @@ or streamed as server-sent events."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -22,6 +22,32 @@ from engine.entrypoints.openai.sse import StreamState, event_stream_response
 from engine.outputs import RequestOutput
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's
+
+
+def stream_chunks(output: RequestOutput, state: StreamState,
+                  response: Callable[[list[CompletionChoice], RequestOutput | None], CompletionResponse],
+                  logprobs_tokenizer: Any | None, with_usage: bool) -> list[Any]:
+    """The SSE payloads for one (cumulative) output of a streamed completion; advances
+    `state`. One chunk per output that brings new tokens, even when they add no text
+    yet (a split UTF-8 character is held back until it is whole), as vLLM streams:
+    clients time tokens by chunk. `logprobs_tokenizer`: the tokenizer when the request
+    asked for logprobs, else None."""
+    delta = text_delta(output, state.text)
+    num_tokens = len(output.token_ids)
+    payloads: list[Any] = []
+    if delta or output.finished or num_tokens > state.num_tokens:
+        if logprobs_tokenizer is not None and state.text_offsets is None:
+            state.text_offsets = TextOffsets(logprobs_tokenizer)
+        offsets = state.text_offsets
+        logprobs = (completion_logprobs(logprobs_tokenizer, output, state.num_tokens, num_tokens, offsets)
+                    if offsets is not None else None)
+        choice = CompletionChoice(text=delta, finish_reason=output.finish_reason if output.finished else None,
+                                  logprobs=logprobs)
+        payloads.append(dump(response([choice], None)))
+        state.text, state.num_tokens = state.text + delta, num_tokens
+    if output.finished and with_usage:
+        payloads.append(dump(response([], output)))
+    return payloads
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -50,24 +76,7 @@ class OpenAIServingCompletion(OpenAIServing):
         with_usage = include_usage(body.stream_options)
 
         def chunks(output: RequestOutput, state: StreamState) -> list[Any]:
-            delta = text_delta(output, state.text)
-            num_tokens = len(output.token_ids)
-            payloads: list[Any] = []
-            # One chunk per step with new tokens, even when they add no text yet (a split
-            # UTF-8 character, special tokens), as vLLM streams: clients time tokens by chunk.
-            if delta or output.finished or num_tokens > state.num_tokens:
-                if want_logprobs and state.text_offsets is None:
-                    state.text_offsets = TextOffsets(self.tokenizer)
-                offsets = state.text_offsets
-                logprobs = (completion_logprobs(self.tokenizer, output, state.num_tokens, num_tokens, offsets)
-                            if offsets is not None else None)
-                choice = CompletionChoice(text=delta, finish_reason=output.finish_reason if output.finished else None,
-                                          logprobs=logprobs)
-                payloads.append(dump(response([choice])))
-                state.text, state.num_tokens = state.text + delta, num_tokens
-            if output.finished and with_usage:
-                payloads.append(dump(response([], output)))
-            return payloads
+            return stream_chunks(output, state, response, self.tokenizer if want_logprobs else None, with_usage)
 
         return event_stream_response(stream, self.engine, chunks)
 
