@@ -213,6 +213,7 @@ class ShmAllReduce:
     def close(self) -> None:
         """Drop this process's mapping (the name is long gone)."""
         if self._mm is not None:
+            self._slot_views.clear()
             del self._bytes, self._arrive, self._pids
             try:
                 self._mm.close()
