@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from distributed.utils import cdiv
 from engine.request import Request
 
 
@@ -37,7 +38,7 @@ class KVBlockManager:
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens of KV."""
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """Extra blocks ``request`` needs to cover ``num_computed_tokens + num_new_tokens``."""

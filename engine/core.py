@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import time
 import weakref
 from typing import Any, Iterable, Sequence
 
+from distributed.utils import cdiv
 from engine.block_manager import KVBlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -75,7 +75,7 @@ class EngineCore:
             available = self.model_executor.determine_available_memory()
         num_blocks = min(available) // block_bytes
         max_len = self.config.model_config.max_model_len
-        needed = math.ceil(max_len / self.config.cache_config.block_size)
+        needed = cdiv(max_len, self.config.cache_config.block_size)
         if num_blocks < max(1, needed):
             raise KVCacheTooSmallError(
                 f"the KV cache does not fit one sequence of max_model_len={max_len}: it needs {needed} blocks of "

@@ -16,7 +16,6 @@ tokens), since it only loads and saves.
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 import time
@@ -54,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-model-len", type=int, default=256, help="only sizes the throwaway KV cache")
     args = p.parse_args(argv)
 
+    from distributed.utils import cdiv
     from engine.config import EngineConfig
     from engine.core import EngineCore
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     max_len = min(args.max_model_len, probe.model_config.max_model_len)
     # Just the blocks of one max_model_len sequence, with no profile run.
     config = EngineConfig(model=probe.model, max_model_len=max_len, max_num_batched_tokens=max_len,
-                          max_num_seqs=1, num_gpu_blocks_override=math.ceil(max_len / probe.block_size), **common)
+                          max_num_seqs=1, num_gpu_blocks_override=cdiv(max_len, probe.block_size), **common)
     start = time.perf_counter()
     with EngineCore(config) as core:
         loaded = time.perf_counter()
