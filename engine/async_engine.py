@@ -1,11 +1,13 @@
 """AsyncEngine: an EngineCore driven by one background thread, consumed from asyncio.
 
 The core is not thread-safe, so exactly one thread, the engine loop, ever touches it.
-Callers hand it work through a thread-safe command queue (add, abort, shutdown); the
-loop drains that queue, calls `core.step()` while any request is unfinished, and hands
-each `RequestOutput` to its request's `RequestStream` on the consumer's event loop with
-`loop.call_soon_threadsafe` (one call per step and loop, not per token). When idle the
-loop blocks on the queue, waking once per `health_check_interval_s` to check the workers.
+Callers hand it work through a thread-safe command queue (add, abort, a call on the
+core such as reset_prefix_cache, shutdown); the loop drains that queue, calls
+`core.step()` while any request is unfinished, and hands each `RequestOutput` to its
+request's `RequestStream` on the consumer's event loop with `loop.call_soon_threadsafe`
+(one call per step and loop, not per token). When idle the loop blocks on the queue,
+waking once per `health_check_interval_s` to check the workers. It also writes the
+periodic stats line (engine/stat_logger.py) unless `log_stats=False`.
 
 Every accepted request ends in exactly one of: a finished output, an error raised from
 its stream (`EngineDeadError` when a worker died, `EngineShutdownError` at shutdown), or
@@ -21,7 +23,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,7 @@ from engine.core import EngineCore
 from engine.metrics import EngineMetrics
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stat_logger import LoggingStatLogger
 from executor.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -106,7 +109,23 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _CoreCall:
+    fn: Callable[[EngineCore], object]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
 _SHUTDOWN = object()
+
+
+def _resolve(future: asyncio.Future, result: object) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 def _deliver(items: list[tuple[RequestStream, object]]) -> None:
@@ -123,9 +142,11 @@ class AsyncEngine:
         *,
         metrics: EngineMetrics | None = None,
         health_check_interval_s: float = HEALTH_CHECK_INTERVAL_S,
+        log_stats: bool = True,
     ) -> None:
         self.core = core
         self.metrics = metrics or EngineMetrics()
+        self._stat_logger = LoggingStatLogger(self.metrics) if log_stats else None
         self.dead_event = threading.Event()  # set once the engine died (not at a clean shutdown)
         self._health_check_interval_s = health_check_interval_s
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -207,6 +228,14 @@ class AsyncEngine:
             if not stream.done:
                 self.abort(stream.request_id)
 
+    async def reset_prefix_cache(self) -> int:
+        """Drop every cached KV block (EngineCore.reset_prefix_cache, run on the engine
+        loop between steps); returns how many were cached. Raises EngineDeadError."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._submit(_CoreCall(lambda core: core.reset_prefix_cache(), loop, future))
+        return await future
+
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; unknown or finished ids are a no-op."""
         with self._lock:
@@ -248,6 +277,8 @@ class AsyncEngine:
                 if self.core.has_unfinished_requests():
                     self._step()
                 self._flush()
+                if self._stat_logger is not None:
+                    self._stat_logger.maybe_log()
         except BaseException as e:  # noqa: BLE001 - any loop failure kills the engine
             with self._lock:
                 stopping = self._shutdown_called
@@ -303,6 +334,12 @@ class AsyncEngine:
             self._streams[stream.request_id] = stream
             self.metrics.on_request_added(len(stream.prompt_token_ids))
             self._post(stream, _ACCEPTED)
+        elif isinstance(command, _CoreCall):
+            try:
+                result: object = command.fn(self.core)
+            except Exception as e:  # noqa: BLE001 - the caller gets it; the core is unchanged
+                result = e
+            command.loop.call_soon_threadsafe(_resolve, command.future, result)
         elif isinstance(command, _Abort):
             self.core.abort_request(command.request_id)
             aborted = self._streams.pop(command.request_id, None)
@@ -330,8 +367,9 @@ class AsyncEngine:
 
     def _update_gauges(self) -> None:
         scheduler = self.core.scheduler
-        self.metrics.set_scheduler_state(len(scheduler.running), len(scheduler.waiting),
-                                         scheduler.block_manager.usage)
+        block_manager = scheduler.block_manager
+        self.metrics.set_scheduler_state(len(scheduler.running), len(scheduler.waiting), block_manager.usage)
+        self.metrics.set_prefix_cache_totals(block_manager.stats.queries, block_manager.stats.hits)
 
     def _stop_accepting(self, error: EngineDeadError, abort_in_core: bool) -> None:
         """Refuse new work and fail every pending request (and queued add) with `error`."""
@@ -350,6 +388,8 @@ class AsyncEngine:
                 break
             if isinstance(command, _Add):
                 self._post(command.stream, type(error)(str(error)))
+            elif isinstance(command, _CoreCall):
+                command.loop.call_soon_threadsafe(_resolve, command.future, type(error)(str(error)))
         self._flush()
 
     def _post(self, stream: RequestStream, item: object) -> None:

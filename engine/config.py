@@ -123,6 +123,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # set: skip profiling and use this many bytes per rank
     num_gpu_blocks_override: int | None = None  # set: exactly this many blocks, no profiling (vLLM's knob)
+    # Full KV blocks are named by a hash of their tokens and reused by later prompts
+    # that start the same way (engine/block_manager.py); on by default, as in vLLM.
+    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -166,6 +169,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
     download_dir: str | None = None
     revision: str | None = None
     quantization: str | None = None
@@ -238,7 +242,8 @@ class EngineConfig:
             use_tqdm_on_load=self.use_tqdm_on_load,
         )
         self.cache_config = CacheConfig(
-            self.block_size, self.gpu_memory_utilization, self.kv_cache_memory_bytes, self.num_gpu_blocks_override
+            self.block_size, self.gpu_memory_utilization, self.kv_cache_memory_bytes, self.num_gpu_blocks_override,
+            bool(self.enable_prefix_caching),
         )
         # A Hub repo id is resolved here, once, in the engine process (download or cache
         # lookup under a file lock, honouring revision / download_dir / ignore_patterns):

@@ -15,6 +15,7 @@ import weakref
 from typing import Any, Iterable, Sequence
 
 from distributed.utils import cdiv
+from engine.block_hash import prefix_cache_salt
 from engine.block_manager import KVBlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -54,7 +55,12 @@ class EngineCore:
                 max_num_seqs=config.scheduler_config.max_num_seqs,
                 max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
                 max_model_len=config.scheduler_config.max_model_len,
-                block_manager=KVBlockManager(self.kv_cache_config.num_blocks, self.kv_cache_config.block_size),
+                block_manager=KVBlockManager(
+                    self.kv_cache_config.num_blocks,
+                    self.kv_cache_config.block_size,
+                    enable_caching=config.cache_config.enable_prefix_caching,
+                    hash_salt=self._prefix_cache_salt(),
+                ),
                 eos_token_id=self._eos_token_ids(),
             )
         except BaseException:
@@ -104,6 +110,12 @@ class EngineCore:
             per_rank,
         )
         return timings
+
+    def _prefix_cache_salt(self) -> bytes:
+        """What, besides the tokens, decides a block's K/V: cached blocks are named under it."""
+        mc = self.config.model_config
+        return prefix_cache_salt(mc.model, mc.revision, str(mc.dtype), mc.quantization, self.config.load_format,
+                                 str(self.kv_cache_config.dtype))
 
     def _eos_token_ids(self) -> list[int]:
         if self.tokenizer is not None and self.tokenizer.eos_token_ids:
@@ -181,6 +193,14 @@ class EngineCore:
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
         self._detokenizers.pop(request_id, None)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached KV block, so no later prompt reuses K/V computed before
+        (call it after the weights change). Running requests keep their blocks.
+        Returns how many blocks were cached. Call from the thread that steps the core."""
+        dropped = self.scheduler.block_manager.reset_prefix_cache()
+        logger.info("prefix cache reset: %d cached blocks dropped", dropped)
+        return dropped
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

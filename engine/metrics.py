@@ -56,6 +56,8 @@ class EngineMetrics:
         self.num_running = 0
         self.num_waiting = 0
         self.kv_cache_usage = 0.0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.engine_healthy = 1
         self.step_time = Histogram(STEP_TIME_BUCKETS)
         self.time_to_first_token = Histogram(LATENCY_BUCKETS)
@@ -94,6 +96,25 @@ class EngineMetrics:
             self.num_waiting = num_waiting
             self.kv_cache_usage = kv_cache_usage
 
+    def set_prefix_cache_totals(self, queries: int, hits: int) -> None:
+        """The block manager's cumulative counts, in tokens (it owns them; this mirrors)."""
+        with self._lock:
+            self.prefix_cache_queries = queries
+            self.prefix_cache_hits = hits
+
+    def snapshot(self) -> dict[str, float]:
+        """The values the periodic log line needs, read under the lock."""
+        with self._lock:
+            return {
+                "prompt_tokens": self.prompt_tokens,
+                "generation_tokens": self.generation_tokens,
+                "num_running": self.num_running,
+                "num_waiting": self.num_waiting,
+                "kv_cache_usage": self.kv_cache_usage,
+                "prefix_cache_queries": self.prefix_cache_queries,
+                "prefix_cache_hits": self.prefix_cache_hits,
+            }
+
     def set_healthy(self, healthy: bool) -> None:
         with self._lock:
             self.engine_healthy = int(healthy)
@@ -126,6 +147,11 @@ class EngineMetrics:
                    [f"{p}num_requests_waiting {self.num_waiting}"])
             metric("kv_cache_usage_ratio", "gauge", "Fraction of KV-cache blocks in use (0..1).",
                    [f"{p}kv_cache_usage_ratio {self.kv_cache_usage!r}"])
+            metric("prefix_cache_queries_total", "counter",
+                   "Prompt tokens looked up in the prefix cache when requests were admitted.",
+                   [f"{p}prefix_cache_queries_total {self.prefix_cache_queries}"])
+            metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache (not recomputed).",
+                   [f"{p}prefix_cache_hits_total {self.prefix_cache_hits}"])
             metric("engine_healthy", "gauge", "1 while every worker is alive, else 0.",
                    [f"{p}engine_healthy {self.engine_healthy}"])
             metric("engine_step_seconds", "histogram", "Wall time of one engine step.",

@@ -40,7 +40,10 @@ class Request:
 
     ``num_computed_tokens`` counts the leading tokens of :attr:`all_token_ids`
     whose KV is in the cache; ``block_ids`` is the block table covering them
-    (plus any slots allocated for the step in flight). ``arrival_index`` orders
+    (plus any slots allocated for the step in flight), of which the first
+    ``num_cached_blocks`` have been offered to the prefix cache; ``block_hashes``
+    memoises the hashes of its full blocks (tokens never change, so they stay
+    valid across preemption). ``arrival_index`` orders
     requests for FCFS and preemption priority (higher = later = lower priority).
     """
 
@@ -60,6 +63,8 @@ class Request:
         self.status: RequestStatus = RequestStatus.WAITING
         self.num_computed_tokens: int = 0
         self.block_ids: list[int] = []
+        self.num_cached_blocks: int = 0
+        self.block_hashes: list[bytes] = []
         self.num_preemptions: int = 0
 
     @property

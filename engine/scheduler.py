@@ -1,9 +1,11 @@
-"""FCFS continuous-batching scheduler with chunked prefill and recompute preemption.
+"""FCFS continuous-batching scheduler with chunked prefill, prefix caching and
+recompute preemption.
 
 One rule covers prefill and decode alike (vLLM v1 style): every scheduled
 request computes ``min(num_tokens - num_computed_tokens, remaining_budget)``
 tokens this step. A request whose chunk reaches its last known token gets one
-new token sampled for it.
+new token sampled for it. At admission (first or after a preemption) the block
+manager's cached prefix of the request counts as computed.
 """
 
 from __future__ import annotations
@@ -155,9 +157,13 @@ class Scheduler:
         if not preempted:
             while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
                 request = self.waiting[0]
-                num_new = self._num_new_tokens(request, budget)
-                if not self.block_manager.allocate_slots(request, num_new):
+                # A cached prefix counts as computed: only the tokens after it are run.
+                cached = self.block_manager.get_computed_blocks(request)
+                num_cached_tokens = len(cached) * self.block_manager.block_size
+                num_new = self._num_new_tokens(request, budget, num_cached_tokens)
+                if not self.block_manager.allocate_slots(request, num_new, cached):
                     break  # strict FCFS: nobody overtakes the head of the queue
+                self.block_manager.record_lookup(request.num_tokens, num_cached_tokens)
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 bisect.insort(self.running, request, key=_arrival)
@@ -177,8 +183,8 @@ class Scheduler:
             num_batched_tokens=self.max_num_batched_tokens - budget,
         )
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+    def _num_new_tokens(self, request: Request, budget: int, num_cached_tokens: int = 0) -> int:
+        num_new = min(request.num_tokens - request.num_computed_tokens - num_cached_tokens, budget)
         if 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
         return num_new
@@ -197,7 +203,8 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop its KV; it re-prefills prompt + outputs later."""
+        """Recompute preemption: release its blocks (named ones stay cached); it
+        re-prefills prompt + outputs later, from after whatever prefix is still cached."""
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -231,6 +238,7 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted mid-step
             request.num_computed_tokens += len(sched.token_ids)
+            self.block_manager.cache_full_blocks(request)
             if not sched.sample:
                 continue
             if sched.req_id not in samples:

@@ -169,7 +169,9 @@ def start_server(tmp_path: Path) -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def server(serve_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The shared TP=2 server."""
-    proc = ServerProcess(_server_args(serve_model), tmp_path_factory.mktemp("serve_log") / "server.log").start()
+    # A 1 s stats interval, so that test_prefix_cache_metrics_reset_and_log_line sees the line.
+    proc = ServerProcess(_server_args(serve_model), tmp_path_factory.mktemp("serve_log") / "server.log",
+                         env={"TP_LOG_STATS_INTERVAL": "1"}).start()
     yield proc
     proc.stop()
 
@@ -376,6 +378,35 @@ def test_health_and_metrics(server: ServerProcess, client: openai.OpenAI) -> Non
     assert 0.0 <= _metric(text, "tp_runtime_kv_cache_usage_ratio") <= 1.0
     assert _metric(text, "tp_runtime_engine_step_seconds_count") > 0
     assert "# TYPE tp_runtime_engine_step_seconds histogram" in text
+
+
+def test_prefix_cache_metrics_reset_and_log_line(server: ServerProcess, client: openai.OpenAI) -> None:
+    prompt = "A long shared system prompt, " * 6 + "and then a question"
+
+    def hits() -> float:
+        return _metric(httpx.get(f"{server.url}/metrics").text, "tp_runtime_prefix_cache_hits_total")
+
+    def complete() -> str:
+        out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        return out.choices[0].text
+
+    first = complete()
+    start = hits()
+    assert complete() == first
+    assert hits() >= start + 16  # at least one whole block of the repeated prompt
+    reset = httpx.post(f"{server.url}/reset_prefix_cache")
+    assert reset.status_code == 200 and reset.json()["num_blocks_dropped"] > 0
+    after_reset = hits()
+    assert complete() == first
+    assert hits() == after_reset
+    queries = _metric(httpx.get(f"{server.url}/metrics").text, "tp_runtime_prefix_cache_queries_total")
+    assert queries >= hits()
+    deadline = time.monotonic() + 30
+    while "Prefix cache hit rate:" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    line = next(x for x in server.log().splitlines() if "Prefix cache hit rate:" in x)
+    assert "Avg prompt throughput:" in line and "Avg generation throughput:" in line and "KV cache usage:" in line
 
 
 def test_client_disconnect_aborts_the_request(server: ServerProcess) -> None:

@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
                    help="KV-cache bytes per rank, e.g. 2GiB (default: profiled with --gpu-memory-utilization on "
                         "CUDA; 1GiB on CPU; 64MiB for the demo model)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of earlier prompts that start the same way (default on)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="do not log the throughput, KV-cache and prefix-cache line every 10 s")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of device memory the engine may use when profiling (default 0.9)")
     p.add_argument("--api-key", default=os.environ.get("TP_RUNTIME_API_KEY"),
@@ -168,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
             cpu_prepack_weights=args.cpu_prepack_weights, cpu_threads_bind=args.cpu_threads_bind,
             distributed_executor_backend=args.distributed_executor_backend,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
     except KeyboardInterrupt:
         logger.info("interrupted during start-up")
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.debug("start-up failure", exc_info=True)
         return 1
 
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(core, log_stats=not args.disable_log_stats)
     exit_code = 1
     try:
         app = build_app(engine, name, api_key=args.api_key)

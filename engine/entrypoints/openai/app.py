@@ -3,7 +3,8 @@
 `build_app(async_engine, served_model_name, api_key=None)` returns the app;
 `python -m engine.serve` runs it under uvicorn. Routes: `GET /v1/models`,
 `POST /v1/completions`, `POST /v1/chat/completions` (models with a chat template),
-`GET /health` (503 once a worker is dead) and `GET /metrics` (Prometheus text).
+`GET /health` (503 once a worker is dead), `GET /metrics` (Prometheus text) and
+`POST /reset_prefix_cache` (drops every cached KV block, as vLLM's route).
 
 Every error body is OpenAI-shaped (errors.py). Streams are server-sent events ending
 in `data: [DONE]` (sse.py); a client that goes away, streaming or not, has its request
@@ -51,6 +52,14 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     @app.get("/metrics")
     async def get_metrics() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        try:
+            dropped = await async_engine.reset_prefix_cache()
+        except EngineDeadError as e:
+            return JSONResponse({"status": "dead", "message": str(e)}, status_code=503)
+        return JSONResponse({"status": "ok", "num_blocks_dropped": dropped})
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
