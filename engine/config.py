@@ -30,6 +30,8 @@ _DTYPES: dict[str, torch.dtype] = {
 SAFETENSORS_LOAD_STRATEGIES = (None, "lazy", "eager", "prefetch")
 QUANTIZATION_METHODS = (None, "fp8")
 DEVICES = ("auto", "cpu", "cuda")
+# How distributed_executor_backend="ray" places its one-bundle-per-rank placement group (Ray's names).
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 class ConfigError(ValueError):
@@ -99,6 +101,8 @@ class ModelConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | type | None = None  # None -> "uni" at tp=1, else "mp"
+    # "ray" only: PACK fills as few nodes as possible, SPREAD puts ranks on different nodes.
+    ray_placement_strategy: str = "PACK"
 
     @property
     def world_size(self) -> int:
@@ -162,6 +166,7 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     distributed_executor_backend: str | type | None = None
+    ray_placement_strategy: str = "PACK"
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
@@ -216,6 +221,7 @@ class EngineConfig:
             from executor.registry import get_supported_executor_backends
 
             _choice("distributed_executor_backend", backend, tuple(get_supported_executor_backends()))
+        _choice("ray_placement_strategy", self.ray_placement_strategy, RAY_PLACEMENT_STRATEGIES)
         if backend == "uni" and self.tensor_parallel_size > 1:
             raise ConfigError(
                 f"distributed_executor_backend='uni' runs one in-process worker; "
@@ -230,7 +236,7 @@ class EngineConfig:
                 cpu_binds(self.cpu_threads_bind, self.tensor_parallel_size, allowed_cpus())
             except CpuBindError as e:
                 raise ConfigError(str(e)) from None
-        self.parallel_config = ParallelConfig(self.tensor_parallel_size, backend)
+        self.parallel_config = ParallelConfig(self.tensor_parallel_size, backend, self.ray_placement_strategy)
         self.load_config = LoadConfig(
             load_format=self.load_format,
             download_dir=self.download_dir,
