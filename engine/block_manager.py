@@ -3,14 +3,15 @@
 Used by the Scheduler, in the engine process only: workers receive block tables and
 never know whether a block is shared.
 
-With ``enable_caching``, a block that a request has filled (every token in it computed)
-is registered under its hash (engine/block_hash.py). A new request first takes the
+With ``enable_caching``, a block that a request fills (every token in it computed, or
+being computed in the step just scheduled) is registered under its hash
+(engine/block_hash.py). A new request first takes the
 longest run of registered blocks that prefixes its tokens (sharing them, by reference
 count) and computes only the rest. A block nobody holds any more keeps its K/V and its
 name, in an LRU list; it is overwritten only when no never-used or unnamed free block
-is left. Shared blocks are never written: a request's new tokens always land in blocks
-that it alone holds, because only whole blocks are shared and at least one token of
-every request is computed.
+is left. A named block's K/V is written once, in the step that named it, by the request
+that named it; a request's new tokens never land in a block named before, because only
+whole blocks are shared and at least one token of every request is computed.
 """
 
 from __future__ import annotations
@@ -115,12 +116,16 @@ class KVBlockManager:
             hits.append(block)
         return hits
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Name every block of ``request`` that its computed tokens now fill. Called by
-        the scheduler after each step, once that step's K/V is in the cache."""
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Name every block of ``request`` that its first ``num_tokens`` tokens fill.
+
+        The scheduler calls it when it schedules those tokens, before their step runs:
+        every attention backend writes a step's K/V into the cache before any sequence
+        of that step attends, so a request admitted in the same step may already share
+        these blocks (a burst of prompts with one system prompt computes it once)."""
         if not self.enable_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = num_tokens // self.block_size
         if num_full <= request.num_cached_blocks:
             return
         hashes = self._block_hashes(request, num_full)

@@ -148,6 +148,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
+                self.block_manager.cache_full_blocks(request, request.num_computed_tokens + num_new)
                 scheduled.append(self._make_scheduled(request, num_new))
                 budget -= num_new
                 i += 1
@@ -164,6 +165,7 @@ class Scheduler:
                 if not self.block_manager.allocate_slots(request, num_new, cached):
                     break  # strict FCFS: nobody overtakes the head of the queue
                 self.block_manager.record_lookup(request.num_tokens, num_cached_tokens)
+                self.block_manager.cache_full_blocks(request, request.num_computed_tokens + num_new)
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 bisect.insort(self.running, request, key=_arrival)
@@ -238,7 +240,6 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted mid-step
             request.num_computed_tokens += len(sched.token_ids)
-            self.block_manager.cache_full_blocks(request)
             if not sched.sample:
                 continue
             if sched.req_id not in samples:

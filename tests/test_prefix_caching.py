@@ -3,7 +3,7 @@
 The block-manager and scheduler tests run a fake runner that writes, into each KV
 slot, a fingerprint of the whole prefix up to that position (what real K/V depends
 on), and checks at every step that the context a request attends to holds exactly its
-own prefix's fingerprints and that no step writes into a block another request shares.
+own prefix's fingerprints and that no two prefixes ever write one slot in a step.
 The engine tests check greedy tokens with caching on against caching off and against
 transformers, at TP 1 and 2.
 """
@@ -45,8 +45,8 @@ def prefill(bm: KVBlockManager, request: Request) -> list[int]:
     num_new = request.num_tokens - len(hits) * bm.block_size
     assert bm.allocate_slots(request, num_new, hits)
     assert request.num_computed_tokens == len(hits) * bm.block_size
+    bm.cache_full_blocks(request, request.num_tokens)
     request.num_computed_tokens += num_new
-    bm.cache_full_blocks(request)
     return hits
 
 
@@ -173,28 +173,32 @@ def test_caching_off_never_shares() -> None:
 
 
 class FingerprintRunner:
-    """A fake runner whose "K/V" in each slot is the prefix it was computed from."""
+    """A fake runner whose "K/V" in each slot is the prefix it was computed from.
+
+    Like a real attention backend, it writes the whole step's K/V before any sequence
+    reads its context; a slot, once written, must never change its content while a
+    request still reads it (checked by every later read)."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.slots: dict[int, tuple[int, ...]] = {}
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        bm = self.scheduler.block_manager
-        size = bm.block_size
-        written: set[int] = set()
+        size = self.scheduler.block_manager.block_size
+        written: dict[int, tuple[int, ...]] = {}
+        for s in out.scheduled:
+            all_tokens = self.scheduler.requests[s.req_id].all_token_ids
+            for pos in range(s.start_pos, s.start_pos + len(s.token_ids)):
+                slot = s.block_ids[pos // size] * size + pos % size
+                fingerprint = tuple(all_tokens[: pos + 1])
+                assert written.setdefault(slot, fingerprint) == fingerprint, f"two prefixes write slot {slot}"
+                self.slots[slot] = fingerprint
         req_ids, tokens = [], []
         for s in out.scheduled:
-            request = self.scheduler.requests[s.req_id]
-            all_tokens = request.all_token_ids
-            for pos in range(s.start_pos):  # the cached context it attends to
+            all_tokens = self.scheduler.requests[s.req_id].all_token_ids
+            for pos in range(s.start_pos + len(s.token_ids)):  # the whole context it attends to
                 slot = s.block_ids[pos // size] * size + pos % size
                 assert self.slots.get(slot) == tuple(all_tokens[: pos + 1]), (s.req_id, pos)
-            for pos in range(s.start_pos, s.start_pos + len(s.token_ids)):
-                block = s.block_ids[pos // size]
-                assert bm.ref_counts[block] == 1, f"{s.req_id} writes into shared block {block}"
-                written.add(block)
-                self.slots[block * size + pos % size] = tuple(all_tokens[: pos + 1])
             if s.sample:
                 req_ids.append(s.req_id)
                 # The next token depends only on the prefix, like greedy decoding.
@@ -234,6 +238,23 @@ def test_a_request_reuses_the_full_blocks_of_one_still_running() -> None:
     assert sched.block_manager.stats.queries == 14 + 16
     assert sched.block_manager.stats.hits == 12
     sched.update_from_output(out, runner.execute(out))
+
+
+def test_requests_admitted_in_one_step_share_the_blocks_being_computed() -> None:
+    sched = make_scheduler(num_blocks=32, max_num_batched_tokens=24)
+    runner = FingerprintRunner(sched)
+    prefix = list(range(100, 114))  # 3 full blocks and 2 tokens
+    sched.add_request(make_request("a", prefix, max_tokens=2, ignore_eos=True))
+    sched.add_request(make_request("b", prefix + [7, 7], max_tokens=2, ignore_eos=True))
+    out = sched.schedule()
+    a, b = out.scheduled
+    assert (a.start_pos, len(a.token_ids)) == (0, 14)
+    assert (b.start_pos, len(b.token_ids)) == (12, 4)  # fits the 10 tokens left of the budget
+    assert b.block_ids[:3] == a.block_ids[:3]
+    sched.update_from_output(out, runner.execute(out))
+    while sched.has_unfinished_requests():
+        runner.step()
+    assert sched.block_manager.ref_counts == (0,) * 32
 
 
 def _mixed_run(enable_caching: bool, seed: int) -> tuple[dict[str, list[int]], Scheduler, int]:
@@ -334,7 +355,7 @@ def test_greedy_outputs_equal_with_caching_on_and_off_and_transformers(
                 before = stats.hits
                 outs.append(core.generate(prompt, greedy())[0].token_ids)
                 assert stats.hits - before == (expected_hits if caching else 0), case
-            # Both at once: the second shares the first's blocks only once they are computed.
+            # Both at once: the second shares the blocks the first computes in the same step.
             outs += [o.token_ids for o in core.generate([base + [9, 9], base + [9, 9]], greedy())]
             results[caching] = outs
     assert results[True] == results[False]

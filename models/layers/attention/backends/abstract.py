@@ -82,7 +82,11 @@ class AttentionImpl(ABC):
     ) -> torch.Tensor:
         """q [T, H, D], k and v [T, Hkv, D] for this step's tokens: write k and v into
         `kv_cache` at `md.slot_mapping`, then attend every query to its sequence's
-        cached context (causally within its chunk). Returns [T, H, D]."""
+        cached context (causally within its chunk). Returns [T, H, D].
+
+        Every token's K/V must be in the cache before any sequence attends: with prefix
+        caching, a sequence's context may include blocks that another sequence of the
+        same step is filling (the scheduler shares them as soon as they are scheduled)."""
 
 
 class AttentionBackend(ABC):
