@@ -30,8 +30,6 @@ _DTYPES: dict[str, torch.dtype] = {
 SAFETENSORS_LOAD_STRATEGIES = (None, "lazy", "eager", "prefetch")
 QUANTIZATION_METHODS = (None, "fp8")
 DEVICES = ("auto", "cpu", "cuda")
-# How distributed_executor_backend="ray" places its one-bundle-per-rank placement group (Ray's names).
-RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 class ConfigError(ValueError):
@@ -221,7 +219,9 @@ class EngineConfig:
             from executor.registry import get_supported_executor_backends
 
             _choice("distributed_executor_backend", backend, tuple(get_supported_executor_backends()))
-        _choice("ray_placement_strategy", self.ray_placement_strategy, RAY_PLACEMENT_STRATEGIES)
+        from executor.ray_utils import PLACEMENT_STRATEGIES  # light: Ray itself is imported only to run
+
+        _choice("ray_placement_strategy", self.ray_placement_strategy, PLACEMENT_STRATEGIES)
         if backend == "uni" and self.tensor_parallel_size > 1:
             raise ConfigError(
                 f"distributed_executor_backend='uni' runs one in-process worker; "

@@ -17,6 +17,8 @@ __all__ = ["get_executor_backend_cls", "get_supported_executor_backends", "regis
 _BUILTIN_BACKENDS: dict[str, str] = {
     "uni": "executor.uniproc_executor:UniProcExecutor",
     "mp": "executor.multiproc_executor:MultiprocExecutor",
+    # One Ray actor per rank, on a local or multi-node Ray cluster (needs the "ray" extra).
+    "ray": "executor.ray_distributed_executor:RayDistributedExecutor",
 }
 _USER_BACKENDS: dict[str, type["Executor"]] = {}
 

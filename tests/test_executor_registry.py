@@ -52,7 +52,7 @@ def test_registered_name_resolves() -> None:
 
 def test_unknown_name_lists_the_registered_backends() -> None:
     register_executor_backend("null")(_NullExecutor)
-    with pytest.raises(ValueError, match=r"'nope'.*\['mp', 'null', 'uni'\]"):
+    with pytest.raises(ValueError, match=r"'nope'.*\['mp', 'null', 'ray', 'uni'\]"):
         Executor.get_class(_config("nope"))
 
 
@@ -67,11 +67,13 @@ def test_only_executors_register_and_classes_pass_through() -> None:
 
 def test_builtins_resolve_by_name_and_by_default() -> None:
     from executor.multiproc_executor import MultiprocExecutor
+    from executor.ray_distributed_executor import RayDistributedExecutor
     from executor.uniproc_executor import UniProcExecutor
 
-    assert get_supported_executor_backends() == ["mp", "uni"]
+    assert get_supported_executor_backends() == ["mp", "ray", "uni"]
     assert Executor.get_class(_config("uni")) is UniProcExecutor
     assert Executor.get_class(_config("mp")) is MultiprocExecutor
+    assert Executor.get_class(_config("ray", world_size=2)) is RayDistributedExecutor
     assert Executor.get_class(_config(None, world_size=1)) is UniProcExecutor
     assert Executor.get_class(_config(None, world_size=2)) is MultiprocExecutor
 
@@ -81,7 +83,7 @@ _LAZY_SCRIPT = textwrap.dedent(
     import sys
     from types import SimpleNamespace
     from executor.registry import get_supported_executor_backends
-    assert get_supported_executor_backends() == ["mp", "uni"]
+    assert get_supported_executor_backends() == ["mp", "ray", "uni"]
     assert "torch" not in sys.modules and "zmq" not in sys.modules, "registry import is not light"
     from executor.abstract import Executor
     cfg = SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend="uni", world_size=1))

@@ -25,6 +25,8 @@ from types import FrameType
 from typing import Any
 
 from engine.entrypoints.demo_model import DEMO_KV_CACHE_BYTES, DEMO_MODEL_NAME, ensure_demo_model
+from executor.ray_utils import PLACEMENT_STRATEGIES
+from executor.registry import get_supported_executor_backends
 
 logger = logging.getLogger("engine.serve")  # the command's name, as before the CLI moved here
 
@@ -61,9 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cpu-prepack-weights", dest="cpu_prepack_weights", action="store_false",
                    help="on CPU, do not keep a packed copy of the linear weights (saves their size in "
                         "memory, slower decode)")
-    p.add_argument("--distributed-executor-backend", default=None,
-                   help="how ranks run: uni (in this process, TP=1 only), mp (one process per rank); default uni "
+    p.add_argument("--distributed-executor-backend", default=None, choices=get_supported_executor_backends(),
+                   help="how ranks run: uni (in this process, TP=1 only), mp (one process per rank), "
+                        "ray (one Ray actor per rank, see --ray-placement-strategy); default uni "
                         "at TP=1, mp above")
+    p.add_argument("--ray-placement-strategy", default="PACK", choices=PLACEMENT_STRATEGIES,
+                   help="with --distributed-executor-backend ray: PACK (the default) puts the ranks on as few nodes "
+                        "as possible, SPREAD on different nodes; STRICT_ variants fail rather than do otherwise")
     p.add_argument("--cpu-threads-bind", default="auto", metavar="auto|none|CPUS",
                    help="on CPU, the cores of each rank: auto (split the available cores, the default), none, "
                         "or one cpu list per rank separated by '|', e.g. 0-3|4-7")
@@ -172,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
             cpu_prepack_weights=args.cpu_prepack_weights, cpu_threads_bind=args.cpu_threads_bind,
             distributed_executor_backend=args.distributed_executor_backend,
+            ray_placement_strategy=args.ray_placement_strategy,
             enable_prefix_caching=args.enable_prefix_caching,
         )
     except KeyboardInterrupt:
