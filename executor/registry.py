@@ -19,6 +19,8 @@ _BUILTIN_BACKENDS: dict[str, str] = {
     "mp": "executor.multiproc_executor:MultiprocExecutor",
     # One Ray actor per rank, on a local or multi-node Ray cluster (needs the "ray" extra).
     "ray": "executor.ray_distributed_executor:RayDistributedExecutor",
+    # Under torchrun: each rank's own EngineCore drives its in-process worker.
+    "external_launcher": "executor.external_launcher_executor:ExternalLauncherExecutor",
 }
 _USER_BACKENDS: dict[str, type["Executor"]] = {}
 

@@ -52,7 +52,7 @@ def test_registered_name_resolves() -> None:
 
 def test_unknown_name_lists_the_registered_backends() -> None:
     register_executor_backend("null")(_NullExecutor)
-    with pytest.raises(ValueError, match=r"'nope'.*\['mp', 'null', 'ray', 'uni'\]"):
+    with pytest.raises(ValueError, match=r"'nope'.*\['external_launcher', 'mp', 'null', 'ray', 'uni'\]"):
         Executor.get_class(_config("nope"))
 
 
@@ -70,7 +70,7 @@ def test_builtins_resolve_by_name_and_by_default() -> None:
     from executor.ray_distributed_executor import RayDistributedExecutor
     from executor.uniproc_executor import UniProcExecutor
 
-    assert get_supported_executor_backends() == ["mp", "ray", "uni"]
+    assert get_supported_executor_backends() == ["external_launcher", "mp", "ray", "uni"]
     assert Executor.get_class(_config("uni")) is UniProcExecutor
     assert Executor.get_class(_config("mp")) is MultiprocExecutor
     assert Executor.get_class(_config("ray", world_size=2)) is RayDistributedExecutor
@@ -83,7 +83,7 @@ _LAZY_SCRIPT = textwrap.dedent(
     import sys
     from types import SimpleNamespace
     from executor.registry import get_supported_executor_backends
-    assert get_supported_executor_backends() == ["mp", "ray", "uni"]
+    assert get_supported_executor_backends() == ["external_launcher", "mp", "ray", "uni"]
     assert "torch" not in sys.modules and "zmq" not in sys.modules, "registry import is not light"
     from executor.abstract import Executor
     cfg = SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend="uni", world_size=1))

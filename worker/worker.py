@@ -27,11 +27,15 @@ if TYPE_CHECKING:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, local_rank: int, rank: int, distributed_init_method: str | None) -> None:
+    def __init__(self, config: EngineConfig, local_rank: int, rank: int, distributed_init_method: str | None,
+                 local_world_size: int | None = None) -> None:
+        """`local_world_size`: the ranks on this host, which share its cores and memory
+        (default: all of them; the external launcher passes torchrun's LOCAL_WORLD_SIZE)."""
         self.config = config
         self.local_rank = local_rank
         self.rank = rank
         self.world_size = config.parallel_config.world_size
+        self.local_world_size = local_world_size if local_world_size is not None else self.world_size
         self.distributed_init_method = distributed_init_method
         self.platform: Platform = get_platform(config.device_config)
         self.device = self.platform.device_for(local_rank)
@@ -43,7 +47,7 @@ class Worker:
     def init_device(self) -> None:
         """Bind the device (or the CPU threads) and join the TP process group."""
         start = time.perf_counter()
-        self.platform.set_device(self.local_rank, self.world_size)
+        self.platform.set_device(self.local_rank, self.local_world_size)
         torch.manual_seed(self.config.seed)
         _, self._memory_at_init = self.platform.total_and_free_memory()
         init_distributed_environment(self.world_size, self.rank, self.distributed_init_method, self.device)
@@ -83,7 +87,7 @@ class Worker:
         num_tokens = self.config.scheduler_config.max_num_batched_tokens
         peak_activation = self.platform.profile_peak_bytes(lambda: runner.profile_run(num_tokens))
         available = self.platform.kv_cache_budget(
-            cache_config.gpu_memory_utilization, self._memory_at_init // self.world_size,
+            cache_config.gpu_memory_utilization, self._memory_at_init // self.local_world_size,
             self.model_memory_usage, peak_activation,
         )
         self.timings["profile"] = time.perf_counter() - start

@@ -25,6 +25,7 @@ from types import FrameType
 from typing import Any
 
 from engine.entrypoints.demo_model import DEMO_KV_CACHE_BYTES, DEMO_MODEL_NAME, ensure_demo_model
+from engine.entrypoints.torchrun import take_serving_role
 from executor.ray_utils import PLACEMENT_STRATEGIES
 from executor.registry import get_supported_executor_backends
 
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory, slower decode)")
     p.add_argument("--distributed-executor-backend", default=None, choices=get_supported_executor_backends(),
                    help="how ranks run: uni (in this process, TP=1 only), mp (one process per rank), "
+                        "external_launcher (one torchrun process per rank; only rank 0 serves), "
                         "ray (one Ray actor per rank, see --ray-placement-strategy); default uni "
                         "at TP=1, mp above")
     p.add_argument("--ray-placement-strategy", default="PACK", choices=PLACEMENT_STRATEGIES,
@@ -189,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         logger.debug("start-up failure", exc_info=True)
         return 1
 
+    # Under torchrun (external_launcher) only rank 0 goes on to serve; the others follow it here.
+    follower_exit_code = take_serving_role(core, args.shutdown_timeout)
+    if follower_exit_code is not None:
+        return follower_exit_code
     engine = AsyncEngine(core, log_stats=not args.disable_log_stats)
     exit_code = 1
     try:
