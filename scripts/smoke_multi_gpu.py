@@ -1,18 +1,38 @@
-"""Multi-GPU smoke check: TP over every visible GPU (NCCL), a generation check against
-TP=1 on the same device, and a clean shutdown that leaves no process or segment.
+"""Multi-GPU smoke check for CI: TP over every visible GPU (NCCL), the tokens checked
+against TP=1, the same again under torchrun (the external launcher), and a shutdown
+that leaves nothing behind.
 
-On a host without CUDA it runs the same flow on CPU with gloo at --cpu-tp ranks.
-Exit status 0 means every check passed. Used by scripts/smoke_multi_gpu.sh (CI smoke job).
+On a host without CUDA the same flow runs on CPU (gloo and the shared-memory
+communicator) at --cpu-tp ranks. Phases, each timed:
+
+  model     write a tiny random llama to a private temporary directory
+  tp1       EngineCore at TP=1: the reference tokens (greedy)
+  tpN       EngineCore at TP=N, multiprocess backend: tokens vs TP=1; its workers and
+            its IPC directory gone after shutdown
+  torchrun  `torchrun --nproc-per-node N` of this script (--torchrun-rank): every rank's
+            tokens equal TP=N's; every rank process gone, nothing left in its TMPDIR
+  leaks     no /dev/shm segment, temporary directory or socket file of ours left
+
+Prints one summary line, `SMOKE OK ...` or `SMOKE FAIL ...`, with the phase timings;
+the exit status is 0 only if every check passed. Used by scripts/smoke_multi_gpu.sh.
+On CUDA, TP=N may flip a near-tie against TP=1 (another reduction order): up to 10% of
+the tokens may differ there, with a warning; on CPU and between TP=N and torchrun they
+must be identical.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
+import json
+import os
+import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -21,58 +41,213 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+PROMPTS = [[1, 5, 9, 200, 17, 3], [1] + list(range(40, 90))]
+MAX_TOKENS = 16
+SHM_PREFIXES = ("tpmq_", "tp-allreduce-")
+OUR_TMP_PREFIXES = ("tp-engine-", "smoke-")
+TORCHRUN_OWN_TMP_PREFIX = "torchelastic_"  # torchrun's log dir: it never removes it
+EXIT_BOUND_S = 30.0  # how long a stopped process may take to disappear
 
-def main() -> int:
-    from engine.core import EngineCore
+
+class SmokeFailure(Exception):
+    """One check failed; the message says which."""
+
+
+def engine_kwargs(model: str, device: str) -> dict[str, Any]:
+    return dict(model=model, device=device, dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=256,
+                use_tqdm_on_load=False)
+
+
+def generate(core: Any) -> list[list[int]]:
     from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    return [o.token_ids for o in core.generate(PROMPTS, params)]
+
+
+def shm_names() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)}
+    except FileNotFoundError:
+        return set()
+
+
+def our_tmp_entries(tmpdir: str) -> set[str]:
+    return {n for n in os.listdir(tmpdir) if n.startswith(OUR_TMP_PREFIXES)}
+
+
+def alive(pids: list[int]) -> list[int]:
+    deadline = time.monotonic() + EXIT_BOUND_S
+    while True:
+        living = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    living.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not living or time.monotonic() > deadline:
+            return living
+        time.sleep(0.1)
+
+
+def compare(name: str, got: list[list[int]], want: list[list[int]], tolerant: bool) -> None:
+    if got == want:
+        return
+    agree = sum(a == b for x, y in zip(got, want) for a, b in zip(x, y))
+    total = sum(len(x) for x in want)
+    if tolerant and agree >= 0.9 * total:
+        print(f"WARN: {name}: greedy tokens differ in {total - agree}/{total} positions (reduction order)")
+        return
+    raise SmokeFailure(f"{name}: greedy tokens differ ({agree}/{total} agree)")
+
+
+def run_engine(model: str, device: str, tp: int, backend: str) -> tuple[list[list[int]], dict[str, Any]]:
+    """Generate at `tp` with `backend`; after shutdown, check its workers and IPC dir are gone."""
+    from engine.core import EngineCore
+
+    with EngineCore(tensor_parallel_size=tp, distributed_executor_backend=backend,
+                    **engine_kwargs(model, device)) as core:
+        pids = [p.pid for p in getattr(core.model_executor, "processes", [])]
+        ipc_dir = getattr(core.model_executor, "_ipc_dir", None)
+        tokens = generate(core)
+        timings = {k: round(v, 3) for k, v in core.startup_timings.items() if k != "per_rank"}
+        num_blocks = core.kv_cache_config.num_blocks
+    if alive(pids):
+        raise SmokeFailure(f"tp={tp}: worker processes {alive(pids)} outlived shutdown")
+    if ipc_dir is not None and os.path.exists(ipc_dir):
+        raise SmokeFailure(f"tp={tp}: IPC directory {ipc_dir} left behind: {os.listdir(ipc_dir)}")
+    print(f"tp={tp} backend={backend} device={device} num_blocks={num_blocks} startup={timings}", flush=True)
+    return tokens, timings
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(model: str, device: str, tp: int, work: Path) -> list[list[int]]:
+    """This script under `torchrun --nproc-per-node tp` (one node, loopback rendezvous);
+    every rank's tokens must agree. Returns rank 0's."""
+    out_dir, run_tmp = work / "torchrun-out", work / "torchrun-tmp"
+    out_dir.mkdir()
+    run_tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(run_tmp)}
+    if device == "cpu":
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: keep gloo on loopback
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(tp),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_loopback_port()),
+           str(Path(__file__).resolve()), "--torchrun-rank", model, str(out_dir), "--device", device]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SmokeFailure(f"torchrun exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(tp)]
+    if alive([r["pid"] for r in results]):
+        raise SmokeFailure(f"torchrun ranks {alive([r['pid'] for r in results])} outlived torchrun")
+    left = sorted(n for n in os.listdir(run_tmp) if not n.startswith(TORCHRUN_OWN_TMP_PREFIX))
+    if left:
+        raise SmokeFailure(f"torchrun ranks left in their TMPDIR: {left}")
+    for r in results[1:]:
+        if r["tokens"] != results[0]["tokens"] or r["num_blocks"] != results[0]["num_blocks"]:
+            raise SmokeFailure(f"torchrun rank {r['rank']} differs from rank 0: {r} vs {results[0]}")
+    return results[0]["tokens"]
+
+
+def torchrun_rank_main(model: str, out_dir: str, device: str) -> int:
+    """One rank under torchrun: generate with the external launcher, write the result."""
+    from engine.core import EngineCore
+
+    tp = int(os.environ["WORLD_SIZE"])
+    with EngineCore(tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
+                    **engine_kwargs(model, device)) as core:
+        result = {"rank": core.model_executor.rank, "pid": os.getpid(), "tokens": generate(core),
+                  "num_blocks": core.kv_cache_config.num_blocks}
+    Path(out_dir, f"rank{result['rank']}.json").write_text(json.dumps(result))
+    return 0
+
+
+def smoke(args: argparse.Namespace, phases: dict[str, float], facts: dict[str, Any]) -> None:
     from engine.tiny_model import make_tiny_model
 
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", help="checkpoint dir; default: a generated tiny llama")
-    parser.add_argument("--cpu-tp", type=int, default=2, help="TP size on a host without CUDA")
-    args = parser.parse_args()
-
     cuda = torch.cuda.is_available()
-    tp = torch.cuda.device_count() if cuda else args.cpu_tp
     device = "cuda" if cuda else "cpu"
-    model = args.model
-    if model is None:
-        heads = 8 if tp <= 8 else tp
-        model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="smoke-model-")), "llama", hidden_size=256,
-                                    num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
-                                    intermediate_size=512, vocab_size=1024, dtype="bfloat16" if cuda else "float32"))
-    prompts = [[1, 5, 9, 200, 17, 3], [1] + list(range(40, 90))]
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    shm_before = set(glob.glob("/dev/shm/tpmq_*"))
-
-    results = {}
-    for size in sorted({1, tp}):
+    tp = torch.cuda.device_count() if cuda else args.cpu_tp
+    facts.update(device=device, tp=tp)
+    if cuda:
+        print("GPUs: " + "; ".join(torch.cuda.get_device_name(i) for i in range(tp)), flush=True)
+    shm_before, tmp_before = shm_names(), our_tmp_entries(tempfile.gettempdir())
+    work = Path(tempfile.mkdtemp(prefix="smoke-"))
+    try:
         start = time.perf_counter()
-        with EngineCore(model=model, tensor_parallel_size=size, device=device, kv_cache_memory_bytes=64 << 20,
-                        max_model_len=256) as core:
-            ready = time.perf_counter() - start
-            pids = [p.pid for p in getattr(core.model_executor, "processes", [])]
-            outs = core.generate(prompts, params)
-            results[size] = [o.token_ids for o in outs]
-            print(f"tp={size} device={device} ready in {ready:.2f}s, num_blocks={core.kv_cache_config.num_blocks}, "
-                  f"timings={ {k: round(v, 3) for k, v in core.startup_timings.items() if k != 'per_rank'} }")
-        time.sleep(0.5)
-        alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-        if alive:
-            print(f"FAIL: worker processes {alive} outlived shutdown")
-            return 1
-    leaked = set(glob.glob("/dev/shm/tpmq_*")) - shm_before
-    if leaked:
-        print(f"FAIL: shared-memory segments left behind: {sorted(leaked)}")
+        model = args.model
+        if model is None:
+            heads = 8 if tp <= 8 else tp
+            model = str(make_tiny_model(work / "model", "llama", hidden_size=256, num_attention_heads=heads,
+                                        num_key_value_heads=max(1, heads // 4), intermediate_size=512,
+                                        vocab_size=1024, dtype="float32", with_tokenizer=False))
+        phases["model"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        reference, _ = run_engine(model, device, 1, "uni")
+        phases["tp1"] = time.perf_counter() - start
+        facts["tokens"] = sum(len(t) for t in reference)
+
+        tp_tokens = reference
+        if tp > 1:
+            start = time.perf_counter()
+            tp_tokens, timings = run_engine(model, device, tp, "mp")
+            phases[f"tp{tp}"] = time.perf_counter() - start
+            facts["ready_s"] = timings["total"]
+            compare(f"tp={tp} vs tp=1", tp_tokens, reference, tolerant=cuda)
+
+        if not args.no_torchrun:
+            start = time.perf_counter()
+            compare(f"torchrun tp={tp} vs tp={tp}", run_torchrun(model, device, tp, work), tp_tokens, tolerant=False)
+            phases["torchrun"] = time.perf_counter() - start
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    start = time.perf_counter()
+    leaked_shm = shm_names() - shm_before
+    deadline = time.monotonic() + 5.0  # another run's segment lives only until its ranks attach
+    while leaked_shm and time.monotonic() < deadline:
+        time.sleep(0.1)
+        leaked_shm &= shm_names()
+    if leaked_shm:
+        raise SmokeFailure(f"shared-memory segments left in /dev/shm: {sorted(leaked_shm)}")
+    leaked_tmp = our_tmp_entries(tempfile.gettempdir()) - tmp_before
+    if leaked_tmp:
+        raise SmokeFailure(f"left in {tempfile.gettempdir()}: {sorted(leaked_tmp)}")
+    phases["leaks"] = time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="checkpoint dir; default: a generated tiny llama")
+    parser.add_argument("--cpu-tp", type=int, default=2, help="TP size on a host without CUDA (default 2)")
+    parser.add_argument("--no-torchrun", action="store_true", help="skip the torchrun (external launcher) phase")
+    parser.add_argument("--torchrun-rank", nargs=2, metavar=("MODEL", "OUT_DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", help=argparse.SUPPRESS)  # with --torchrun-rank
+    args = parser.parse_args()
+    if args.torchrun_rank:
+        return torchrun_rank_main(*args.torchrun_rank, args.device)
+
+    phases: dict[str, float] = {}
+    facts: dict[str, Any] = {}
+    start = time.perf_counter()
+    failure = None
+    try:
+        smoke(args, phases, facts)
+    except Exception as e:  # noqa: BLE001 - every failure ends in the summary line and exit 1
+        failure = f"{type(e).__name__}: {e}"
+    phases["total"] = time.perf_counter() - start
+    timing = " | ".join(f"{name} {seconds:.1f}s" for name, seconds in phases.items())
+    where = f"device={facts.get('device')} tp={facts.get('tp')} tokens={facts.get('tokens')}"
+    if failure is not None:
+        print(failure, flush=True)
+        print(f"SMOKE FAIL {where} | {timing}", flush=True)
         return 1
-    if results[tp] != results[1]:
-        # bf16 reductions in a different order may flip a near-tie; report rather than hide it.
-        agree = sum(a == b for x, y in zip(results[tp], results[1]) for a, b in zip(x, y))
-        total = sum(len(x) for x in results[1])
-        print(f"{'FAIL' if not cuda else 'WARN'}: tp={tp} greedy tokens differ from tp=1 ({agree}/{total} agree)")
-        if not cuda or agree < 0.9 * total:
-            return 1
-    print(f"OK: tp={tp} on {device} generated {sum(len(x) for x in results[tp])} tokens and shut down cleanly")
+    print(f"SMOKE OK {where} | {timing}", flush=True)
     return 0
 
 

@@ -1,6 +1,17 @@
 #!/usr/bin/env bash
-# CI multi-GPU smoke job: TP over every visible GPU with NCCL, a generation check and a
-# clean shutdown. On a host without CUDA the same flow runs on CPU with gloo.
+# CI multi-GPU smoke job: TP over every visible GPU with NCCL (the multiprocess backend,
+# then the same under torchrun with the external launcher), the tokens checked against
+# TP=1, and a shutdown that leaves no process, /dev/shm segment or temporary file of
+# ours. On a host without CUDA the same flow runs on CPU (gloo and shared memory) at
+# --cpu-tp ranks (default 2).
+#
+# Prints one summary line (`SMOKE OK ...` / `SMOKE FAIL ...`) with the phase timings and
+# exits non-zero on any failure. Extra arguments go to scripts/smoke_multi_gpu.py
+# (--model DIR, --cpu-tp N, --no-torchrun). PYTHON picks the interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python3 scripts/smoke_multi_gpu.py "$@"
+
+if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi -L || true  # the GPUs as the driver sees them; torch's view decides the TP size
+fi
+exec "${PYTHON:-python3}" scripts/smoke_multi_gpu.py "$@"
