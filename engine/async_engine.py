@@ -116,6 +116,14 @@ class _CoreCall:
     future: asyncio.Future
 
 
+@dataclass
+class _Sleep:
+    level: int
+    abort: bool
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
 _SHUTDOWN = object()
 
 
@@ -156,6 +164,12 @@ class AsyncEngine:
         self._shutdown_called = False
         # Engine-loop thread state:
         self._streams: dict[str, RequestStream] = {}
+        # Sleep mode: a sleep waits for the running requests to finish, and the calls
+        # that came after it wait for the sleep (in order); requests that arrive from
+        # a sleep call on wait, unaccepted, for the wake-up.
+        self._held: list[_Sleep | _CoreCall] = []
+        self._deferred: list[_Add] = []
+        self._sleeping = False
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, object]]] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -228,6 +242,33 @@ class AsyncEngine:
             if not stream.done:
                 self.abort(stream.request_id)
 
+    @property
+    def is_sleeping(self) -> bool:
+        """True from a `sleep` call until `wake_up` brought everything back."""
+        return self._sleeping
+
+    async def sleep(self, level: int = 1, abort: bool = False) -> list[dict[str, Any]]:
+        """EngineCore.sleep on the engine loop. From this call on, new requests wait
+        (not yet accepted) until `wake_up`; requests already accepted finish first (at
+        level 0 they pause), or with `abort=True` end at once with finish_reason
+        "abort". Returns each rank's memory report once asleep."""
+        if not self.core.config.enable_sleep_mode:
+            raise RuntimeError("sleep mode is off: start the server with --enable-sleep-mode")
+        if level not in (0, 1, 2):
+            raise ValueError(f"sleep level={level!r} must be 0, 1 or 2")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._submit(_Sleep(level, abort, loop, future))
+        return await future
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """EngineCore.wake_up on the engine loop; once awake, the requests that waited
+        are accepted in their order of arrival."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._submit(_CoreCall(lambda core: self._wake_up_on_loop(core, tags), loop, future))
+        return await future
+
     async def reset_prefix_cache(self) -> int:
         """Drop every cached KV block (EngineCore.reset_prefix_cache, run on the engine
         loop between steps); returns how many were cached. Raises EngineDeadError."""
@@ -270,11 +311,14 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
-                if not self._process_commands(block=not self.core.has_unfinished_requests()):
+                idle = not self.core.has_unfinished_requests() or self.core.is_sleeping
+                if not self._process_commands(block=idle and not self._held):
                     self._stop_accepting(EngineShutdownError("the engine was shut down before the request finished"),
                                          abort_in_core=True)
                     return
-                if self.core.has_unfinished_requests():
+                if self._held:
+                    self._run_held()
+                if self.core.has_unfinished_requests() and not self.core.is_sleeping:
                     self._step()
                 self._flush()
                 if self._stat_logger is not None:
@@ -321,8 +365,50 @@ class AsyncEngine:
                 self._update_gauges()
                 return True
 
+    def _run_held(self) -> None:
+        """Run the held commands in order; a sleep first lets the running requests
+        finish (unless it aborts them or only pauses)."""
+        while self._held:
+            command = self._held[0]
+            if isinstance(command, _CoreCall):
+                self._held.pop(0)
+                self._call(command)
+                continue
+            if not command.abort and command.level > 0 and self.core.has_unfinished_requests():
+                return
+            self._held.pop(0)
+            try:
+                result: object = self.core.sleep(command.level, abort=command.abort)
+            except Exception as e:  # noqa: BLE001 - the caller gets it
+                result = e
+            self._deliver(self.core.step())  # what finished on the way: aborted requests' last outputs
+            command.loop.call_soon_threadsafe(_resolve, command.future, result)
+
+    def _call(self, command: _CoreCall) -> None:
+        try:
+            result: object = command.fn(self.core)
+        except Exception as e:  # noqa: BLE001 - the caller gets it; the core is unchanged
+            result = e
+        command.loop.call_soon_threadsafe(_resolve, command.future, result)
+
+    def _wake_up_on_loop(self, core: EngineCore, tags: Sequence[str] | None) -> list[dict[str, Any]]:
+        reports = core.wake_up(tags)
+        if not core.is_sleeping and not any(isinstance(c, _Sleep) for c in self._held):
+            self._sleeping = False
+            deferred, self._deferred = self._deferred, []
+            for command in deferred:
+                self._handle(command)
+        return reports
+
     def _handle(self, command: object) -> None:
-        if isinstance(command, _Add):
+        if isinstance(command, _Sleep):
+            self._sleeping = True
+            self._held.append(command)
+        elif isinstance(command, _CoreCall) and self._held:
+            self._held.append(command)
+        elif isinstance(command, _Add) and self._sleeping:
+            self._deferred.append(command)
+        elif isinstance(command, _Add):
             stream = command.stream
             try:
                 self.core.add_request(stream.prompt_token_ids, command.sampling_params, stream.request_id)
@@ -335,11 +421,7 @@ class AsyncEngine:
             self.metrics.on_request_added(len(stream.prompt_token_ids))
             self._post(stream, _ACCEPTED)
         elif isinstance(command, _CoreCall):
-            try:
-                result: object = command.fn(self.core)
-            except Exception as e:  # noqa: BLE001 - the caller gets it; the core is unchanged
-                result = e
-            command.loop.call_soon_threadsafe(_resolve, command.future, result)
+            self._call(command)
         elif isinstance(command, _Abort):
             self.core.abort_request(command.request_id)
             aborted = self._streams.pop(command.request_id, None)
@@ -351,12 +433,15 @@ class AsyncEngine:
         start = time.perf_counter()
         outputs = self.core.step()
         self.metrics.on_step(time.perf_counter() - start, len(outputs))
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            if stream.first_token_time is None:
+            if stream.first_token_time is None and output.token_ids:
                 stream.first_token_time = now
                 self.metrics.on_first_token(now - stream.arrival_time)
             if output.finished:
@@ -388,8 +473,14 @@ class AsyncEngine:
                 break
             if isinstance(command, _Add):
                 self._post(command.stream, type(error)(str(error)))
-            elif isinstance(command, _CoreCall):
+            elif isinstance(command, (_CoreCall, _Sleep)):
                 command.loop.call_soon_threadsafe(_resolve, command.future, type(error)(str(error)))
+        for add in self._deferred:
+            self._post(add.stream, type(error)(str(error)))
+        self._deferred.clear()
+        for held in self._held:
+            held.loop.call_soon_threadsafe(_resolve, held.future, type(error)(str(error)))
+        self._held.clear()
         self._flush()
 
     def _post(self, stream: RequestStream, item: object) -> None:

@@ -173,6 +173,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # EngineCore.sleep / wake_up (and engine.serve's /sleep routes), as vLLM's flag.
+    enable_sleep_mode: bool = False
     download_dir: str | None = None
     revision: str | None = None
     quantization: str | None = None

@@ -10,12 +10,15 @@ step out (`AttentionMetadata`) and tells the backend which requests finished.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import copy
+import dataclasses
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch import nn
 
-from model_loader import get_model
+from model_loader import get_model, get_model_loader
+from model_loader.utils import process_weights_after_loading
 from models.layers.attention import Attention, AttentionBackend, AttentionMetadata, get_attn_backend
 from worker.kv_cache import KVCacheConfig, KVCacheSpec, allocate_kv_cache
 from worker.outputs import ModelRunnerOutput
@@ -36,9 +39,34 @@ class ModelRunner:
         self.kv_cache_config: KVCacheConfig | None = None
         self.sampler = Sampler()
 
-    def load_model(self) -> None:
-        self.model = get_model(self.config)
+    def load_model(self, checkpoint: str | None = None) -> None:
+        """Build and load this rank's model, from `checkpoint` (a directory in the
+        config's load format) instead of `config.model` when given."""
+        config = self.config
+        if checkpoint is not None:
+            config = copy.copy(config)
+            config.model_config = dataclasses.replace(config.model_config, model=checkpoint)
+        self.model = get_model(config)
         self.attn_backend = get_attn_backend(self.device.type, len(self._attention_layers()))
+
+    @torch.no_grad()
+    def update_weights(self, source: str | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new values into the model in place: every weight from the checkpoint
+        directory `source` (the config's load format; WeightLoadError naming what is
+        missing), or the named, unsharded checkpoint tensors in `source` (any subset;
+        each weight_loader takes this rank's slice). Derived copies (the CPU's packed
+        weights) are rebuilt. Raises ValueError under quantisation, whose processed
+        weights cannot take checkpoint values again."""
+        model = self._require_model()
+        quantization = self.config.model_config.quantization
+        if quantization is not None:
+            raise ValueError(f"update_weights is not supported with quantization={quantization!r}")
+        if isinstance(source, str):
+            model_config = dataclasses.replace(self.config.model_config, model=source)
+            get_model_loader(self.config.load_config).load_weights(model, model_config)
+        else:
+            model.load_weights(source)
+        process_weights_after_loading(model)
 
     def _require_model(self) -> nn.Module:
         if self.model is None:
@@ -73,13 +101,24 @@ class ModelRunner:
         """Allocate one cache tensor per layer and bind each to its layer, with the
         backend's impl for it."""
         assert self.attn_backend is not None
-        layers = self._attention_layers()
         c = kv_cache_config
         shape = self.attn_backend.get_kv_cache_shape(c.num_blocks, c.block_size, c.num_kv_heads_per_rank, c.head_dim)
-        self.kv_caches = allocate_kv_cache(shape, c.dtype, len(layers), self.device)
-        for layer, cache in zip(layers, self.kv_caches, strict=True):
-            layer.bind_kv_cache(cache, self.attn_backend.make_impl(layer))
+        self.kv_caches = allocate_kv_cache(shape, c.dtype, len(self._attention_layers()), self.device)
         self.kv_cache_config = kv_cache_config
+        self.bind_kv_caches()
+
+    def bind_kv_caches(self) -> None:
+        """Attach the allocated caches to the model's layers (again, after the model
+        was rebuilt by a wake-up), each with a fresh impl of the backend."""
+        assert self.attn_backend is not None
+        for layer, cache in zip(self._attention_layers(), self.kv_caches, strict=True):
+            layer.bind_kv_cache(cache, self.attn_backend.make_impl(layer))
+
+    def release_model(self) -> None:
+        """Drop the model and the backend's per-request state (sleep level 2); the
+        caches stay allocated or released as they are. `load_model()` builds it again."""
+        self.model = None
+        self.attn_backend = None
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         assert self.kv_cache_config is not None and self.attn_backend is not None

@@ -18,6 +18,7 @@ import torch
 
 from worker.cpu_affinity import allowed_cpus, cpu_binds
 from worker.memory import PeakRSSSampler, PoolUsage, cpu_memory_pool, cuda_memory_pool, process_rss
+from worker.sleep_mode import trim_host_memory
 
 if TYPE_CHECKING:
     from engine.config import DeviceConfig
@@ -50,6 +51,19 @@ class Platform:
     def memory_pool(self, tag: str) -> ContextManager[PoolUsage]:
         """Account (and on CUDA, pool) every allocation made inside the block under `tag`."""
         raise NotImplementedError
+
+    def memory_in_use(self) -> int:
+        """Bytes this process holds now (what sleep mode reports freeing)."""
+        raise NotImplementedError
+
+    def release_cached_memory(self) -> None:
+        """Hand memory that the allocator keeps for reuse back to the device or the OS."""
+        raise NotImplementedError
+
+    @property
+    def offloads_weights_to_host(self) -> bool:
+        """Whether sleep level 1 must copy the weights to host memory to free them."""
+        return False
 
 
 class CudaPlatform(Platform):
@@ -89,6 +103,16 @@ class CudaPlatform(Platform):
 
     def memory_pool(self, tag: str) -> ContextManager[PoolUsage]:
         return cuda_memory_pool(tag)
+
+    def memory_in_use(self) -> int:
+        return torch.cuda.memory_reserved()
+
+    def release_cached_memory(self) -> None:
+        torch.cuda.empty_cache()
+
+    @property
+    def offloads_weights_to_host(self) -> bool:
+        return True
 
 
 class CpuPlatform(Platform):
@@ -130,6 +154,12 @@ class CpuPlatform(Platform):
 
     def memory_pool(self, tag: str) -> ContextManager[PoolUsage]:
         return cpu_memory_pool(tag)
+
+    def memory_in_use(self) -> int:
+        return process_rss()
+
+    def release_cached_memory(self) -> None:
+        trim_host_memory()
 
 
 def get_platform(device_config: DeviceConfig) -> Platform:

@@ -6,13 +6,14 @@ init_device(), load_model(), get_kv_cache_spec(), determine_available_memory() (
 `num_gpu_blocks_override` fixes the block count), initialize_from_config(), then
 execute_model() per step. Phase timings accumulate in
 `self.timings` (seconds). Everything that differs between CUDA and the CPU is asked of
-`self.platform`.
+`self.platform`. Between steps the engine may also call sleep(level), wake_up(tags) and
+update_weights(source) (sleep mode; worker/sleep_mode.py), on every rank alike.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +21,7 @@ from distributed import destroy_distributed_environment, init_distributed_enviro
 from worker.kv_cache import KVCacheConfig, KVCacheSpec
 from worker.model_runner import ModelRunner
 from worker.platform import Platform, get_platform
+from worker.sleep_mode import TAGS, PoolState, ReleasedStorages, collect_garbage, unique_storages
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -43,6 +45,10 @@ class Worker:
         self.timings: dict[str, float] = {}
         self.model_memory_usage = 0
         self._memory_at_init = 0
+        # Sleep mode (worker/sleep_mode.py): each pool's state and what was released.
+        self._pools: dict[str, PoolState] = dict.fromkeys(TAGS, PoolState.AWAKE)
+        self._released: dict[str, ReleasedStorages] = {}
+        self._weights_checkpoint: str | None = None  # set by update_weights(path)
 
     def init_device(self) -> None:
         """Bind the device (or the CPU threads) and join the TP process group."""
@@ -105,6 +111,100 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._runner().execute_model(scheduler_output)
+
+    # ------------------------------------------------------------ sleep mode
+
+    def sleep(self, level: int) -> dict[str, Any]:
+        """Free this rank's KV cache (level 1 and 2) and its weights (level 1: copied to
+        host memory where they are not there already; level 2: dropped, reloaded by
+        `wake_up`). Called on every rank with the same level, between steps, when no
+        request will continue. Idempotent per pool. Returns this rank's report: bytes
+        freed per pool, memory in use before and after, seconds."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level={level!r} must be 1 or 2 on a worker")
+        start = time.perf_counter()
+        runner = self._runner()
+        before = self.platform.memory_in_use()
+        freed: dict[str, int] = {}
+        if self._pools["kv_cache"] is PoolState.AWAKE:
+            if runner.attn_backend is not None:
+                runner.attn_backend.reset()
+            self._released["kv_cache"] = ReleasedStorages(unique_storages(runner.kv_caches), offload=False)
+            freed["kv_cache"] = self._released["kv_cache"].nbytes
+            self._pools["kv_cache"] = PoolState.DISCARDED
+        weights = self._pools["weights"]
+        if level == 1 and weights is PoolState.AWAKE and self.platform.offloads_weights_to_host:
+            model = runner.model
+            assert model is not None
+            tensors = [*model.parameters(), *model.buffers()]
+            self._released["weights"] = ReleasedStorages(unique_storages(tensors), offload=True)
+            freed["weights"] = self._released["weights"].nbytes
+            self._pools["weights"] = PoolState.OFFLOADED
+        elif level == 2 and weights is not PoolState.DISCARDED:
+            self._released.pop("weights", None)  # an offloaded copy is not needed: the reload reads the checkpoint
+            freed["weights"] = self.model_memory_usage
+            runner.release_model()
+            self._pools["weights"] = PoolState.DISCARDED
+        collect_garbage()
+        self.platform.release_cached_memory()
+        return self._memory_report("sleep", level, freed, before, start)
+
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Restore the pools named in `tags` (default both), weights first: offloaded
+        weights are copied back, dropped ones reloaded by the same loader and load
+        format (from the checkpoint of the last `update_weights(path)`, else the
+        config's), the KV cache is re-allocated zeroed. Pools already awake are left
+        alone. Returns this rank's report, with bytes restored per pool."""
+        start = time.perf_counter()
+        runner = self._runner()
+        before = self.platform.memory_in_use()
+        restored: dict[str, int] = {}
+        wanted = list(TAGS) if tags is None else list(tags)
+        unknown = [t for t in wanted if t not in TAGS]
+        if unknown:
+            raise ValueError(f"wake_up tags {unknown} are not memory pools; valid tags: {list(TAGS)}")
+        if "weights" in wanted and self._pools["weights"] is not PoolState.AWAKE:
+            with self.platform.memory_pool("weights"):
+                if self._pools["weights"] is PoolState.OFFLOADED:
+                    released = self._released.pop("weights")
+                    released.restore()
+                    restored["weights"] = released.nbytes
+                else:
+                    runner.load_model(self._weights_checkpoint)
+                    assert runner.model is not None
+                    self.model_memory_usage = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+                    restored["weights"] = self.model_memory_usage
+                    runner.bind_kv_caches()
+            self._pools["weights"] = PoolState.AWAKE
+        if "kv_cache" in wanted and self._pools["kv_cache"] is not PoolState.AWAKE:
+            released = self._released.pop("kv_cache")
+            with self.platform.memory_pool("kv_cache"):
+                released.restore()
+            restored["kv_cache"] = released.nbytes
+            self._pools["kv_cache"] = PoolState.AWAKE
+        return self._memory_report("wake_up", None, restored, before, start)
+
+    def update_weights(self, source: str | list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        """New weight values in place (ModelRunner.update_weights): from a checkpoint
+        directory, or named unsharded tensors. A later level-2 wake-up reloads that
+        directory; tensors received by value are not kept and are lost at level 2.
+        Raises RuntimeError while the weights are asleep."""
+        if self._pools["weights"] is not PoolState.AWAKE:
+            raise RuntimeError(f"rank {self.rank}: the weights are asleep; wake_up(tags=['weights']) first")
+        start = time.perf_counter()
+        self._runner().update_weights(source)
+        if isinstance(source, str):
+            self._weights_checkpoint = source
+        return {"rank": self.rank, "seconds": time.perf_counter() - start}
+
+    def sleep_state(self) -> dict[str, str]:
+        return {tag: state.value for tag, state in self._pools.items()}
+
+    def _memory_report(self, op: str, level: int | None, nbytes: dict[str, int], before: int,
+                       start: float) -> dict[str, Any]:
+        return {"rank": self.rank, "op": op, "level": level, "bytes": nbytes, "memory_before": before,
+                "memory_after": self.platform.memory_in_use(), "seconds": time.perf_counter() - start,
+                "state": self.sleep_state()}
 
     def get_timings(self) -> dict[str, float]:
         return dict(self.timings)

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "CUDA; 1GiB on CPU; 64MiB for the demo model)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of earlier prompts that start the same way (default on)")
+    p.add_argument("--enable-sleep-mode", action="store_true",
+                   help="add POST /sleep?level=N, POST /wake_up and GET /is_sleeping: free the KV cache and the "
+                        "weights between phases (RL loops, shared hosts) and get them back without a restart")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="do not log the throughput, KV-cache and prefix-cache line every 10 s")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu_prepack_weights=args.cpu_prepack_weights, cpu_threads_bind=args.cpu_threads_bind,
             distributed_executor_backend=args.distributed_executor_backend,
             ray_placement_strategy=args.ray_placement_strategy,
-            enable_prefix_caching=args.enable_prefix_caching,
+            enable_prefix_caching=args.enable_prefix_caching, enable_sleep_mode=args.enable_sleep_mode,
         )
     except KeyboardInterrupt:
         logger.info("interrupted during start-up")

@@ -4,7 +4,8 @@
 `python -m engine.serve` runs it under uvicorn. Routes: `GET /v1/models`,
 `POST /v1/completions`, `POST /v1/chat/completions` (models with a chat template),
 `GET /health` (503 once a worker is dead), `GET /metrics` (Prometheus text) and
-`POST /reset_prefix_cache` (drops every cached KV block, as vLLM's route).
+`POST /reset_prefix_cache` (drops every cached KV block, as vLLM's route); with
+--enable-sleep-mode also `POST /sleep`, `POST /wake_up` and `GET /is_sleeping`.
 
 Every error body is OpenAI-shaped (errors.py). Streams are server-sent events ending
 in `data: [DONE]` (sse.py); a client that goes away, streaming or not, has its request
@@ -15,12 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from engine.async_engine import AsyncEngine
 from engine.entrypoints.openai.auth import APIKeyMiddleware
-from engine.entrypoints.openai.errors import install_error_handlers
+from engine.entrypoints.openai.errors import error_response, install_error_handlers
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, dump
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -61,6 +62,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             return JSONResponse({"status": "dead", "message": str(e)}, status_code=503)
         return JSONResponse({"status": "ok", "num_blocks_dropped": dropped})
 
+    if async_engine.core.config.enable_sleep_mode:
+        install_sleep_routes(app, async_engine)
+
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
         card = ModelCard(id=served_model_name, root=async_engine.core.config.model,
@@ -76,3 +80,32 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         return await chat.create_chat_completion(body, request)
 
     return app
+
+
+def install_sleep_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
+    """vLLM's sleep-mode routes (only with --enable-sleep-mode): `POST /sleep?level=N`
+    (0 pauses, 1 frees the KV cache and moves the weights to host memory, 2 frees both;
+    `&abort=true` ends running requests instead of finishing them), `POST
+    /wake_up[?tags=weights&tags=kv_cache]` and `GET /is_sleeping`. Requests sent while
+    asleep wait for the wake-up."""
+
+    async def call(fn: Any) -> JSONResponse:
+        try:
+            reports = await fn
+        except ValueError as e:
+            return error_response(400, str(e))
+        except EngineDeadError as e:
+            return error_response(503, str(e), type="service_unavailable_error")
+        return JSONResponse({"status": "ok", "is_sleeping": async_engine.is_sleeping, "ranks": reports})
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1, abort: bool = False) -> JSONResponse:
+        return await call(async_engine.sleep(level, abort=abort))
+
+    @app.post("/wake_up")
+    async def wake_up(tags: list[str] | None = Query(default=None)) -> JSONResponse:
+        return await call(async_engine.wake_up(tags))
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> JSONResponse:
+        return JSONResponse({"is_sleeping": async_engine.is_sleeping})

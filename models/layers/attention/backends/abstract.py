@@ -107,6 +107,10 @@ class AttentionBackend(ABC):
         """This backend's metadata for a step (the common one, unless it needs more)."""
         return common
 
+    def reset(self) -> None:  # noqa: B027 - optional hook
+        """Forget every request's state and free what holds it: the KV cache was
+        discarded (sleep) and no request from before will continue."""
+
     def requests_finished(self, req_ids: Iterable[str]) -> None:  # noqa: B027 - optional hook
         """Requests that finished, were aborted or were preempted since the last step:
         state kept for them must go before a request with the same id runs again."""

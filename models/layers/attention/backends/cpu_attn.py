@@ -117,6 +117,11 @@ class CPUAttentionBackend(TorchSDPABackend):
         self.impls.append(impl)
         return impl
 
+    def reset(self) -> None:
+        self._seq_keys.clear()
+        for impl in self.impls:
+            impl.decode_context.release()
+
     def requests_finished(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self._seq_keys.pop(req_id, None)
