@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = float(os.environ.get("TP_WORKER_STARTUP_TIMEOUT", "600"))
 # A placement group the cluster cannot satisfy stays pending forever; fail instead.
 PLACEMENT_TIMEOUT_S = float(os.environ.get("TP_RAY_PLACEMENT_TIMEOUT", "60"))
+# How long shutdown waits for Ray to confirm that the killed actors are dead.
 SHUTDOWN_GRACE_S = 5.0
 # While one rank's reply is awaited, the other ranks' replies are checked this often.
 _ERROR_POLL_S = 0.1
@@ -305,21 +306,18 @@ class RayDistributedExecutor(Executor):
     # ------------------------------------------------------------------ shutdown
 
     def shutdown(self) -> None:
-        """Let the live ranks leave the TP group, kill every actor, remove the placement
-        group, and release the cluster connection (which stops a local instance started
-        for this process once no engine uses it). Idempotent; also safe after Ray itself
-        was shut down."""
+        """Kill every actor, remove the placement group, and release the cluster
+        connection (which stops a local instance started for this process once no engine
+        uses it). Idempotent; also safe after Ray itself was shut down.
+
+        The actors are killed without a word first: a rank may be stuck in a collective,
+        and a killed rank leaves nothing behind (its shared-memory segments were
+        unlinked when mapped, its rendezvous store dies with it)."""
         if self._shutdown_started:
             return
         self._shutdown_started = True
         ray = getattr(self, "_ray", None)
         if ray is not None and ray.is_initialized():
-            if self.actors and self._failure is None:
-                try:
-                    ray.wait([a.shutdown.remote() for a in self.actors], num_returns=len(self.actors),
-                             timeout=SHUTDOWN_GRACE_S)
-                except Exception:  # noqa: BLE001 - best effort; the kill follows
-                    pass
             for actor in self.actors:
                 try:
                     ray.kill(actor, no_restart=True)

@@ -4,7 +4,8 @@ RayDistributedExecutor turns this plain class into an actor (`ray.remote(...)`, 
 placement-group bundle) and calls, in order: `node_info()` (where did Ray put me),
 `free_port()` on the future rank 0, `init_worker(...)` (build the Worker, join the TP
 group, load the shard; reported as a ReadyMessage), then `execute_method(...)` once per
-collective_rpc, each answered with an RPCReply, and `shutdown()`. The same Worker and
+collective_rpc, each answered with an RPCReply, until the executor kills the actor
+(`ray.kill`: nothing in it needs an orderly exit). The same Worker and
 the same `run_method` as the multiprocess backend run the calls, so a method or a
 callable behaves identically on both.
 
@@ -120,9 +121,3 @@ class RayWorkerWrapper:
     def wait_until_killed(self) -> None:
         """Blocks for the actor's whole life (monitor group); see the module docstring."""
         threading.Event().wait()  # never set: only the actor's death ends this call
-
-    def shutdown(self) -> None:
-        """Leave the TP group; the executor kills the actor afterwards."""
-        if self.worker is not None:
-            self.worker.shutdown()
-            self.worker = None

@@ -7,8 +7,8 @@ one `RESULT <json>` line per step and reads nothing:
 
 1. "spread": a TP=2 SPREAD engine; its greedy tokens, where each rank says it runs
    (node id, node-local rank and size, cores), and where the executor placed it; then
-   shutdown, after which the cluster must still be up, with the engine's placement
-   group removed and every CPU free again ("after_shutdown").
+   shutdown, which must leave the engine's connection closed and the cluster up, with the
+   engine's placement group removed and every CPU free again ("after_shutdown").
 2. "ready_to_lose_node": a second SPREAD engine, then a call that stays in flight on
    rank 0 while the test kills rank 1's node; "dead": the EngineDeadError it raised.
 """
@@ -55,15 +55,19 @@ def main(model: str) -> None:
         tokens = [o.token_ids for o in core.generate(PROMPTS, params)]
         placed = [{"node_id": n.node_id, "node_ip": n.node_ip, "pid": n.pid} for n in core.model_executor.nodes]
         pg_id = core.model_executor._placement_group.id.hex()
-        report("spread", tokens=tokens, ranks=core.collective_rpc(where_am_i), placed=placed,
-               connected_during=ray.is_initialized())
+        report("spread", tokens=tokens, ranks=core.collective_rpc(where_am_i), placed=placed)
     still_connected = ray.is_initialized()
+    # Our own connection from here on: the second engine uses it as it is.
     ray.init(address=os.environ["RAY_ADDRESS"], _node_ip_address=os.environ["TP_RAY_NODE_IP"])
+    deadline = time.monotonic() + 10  # the GCS frees a removed group's bundles asynchronously
+    while ray.available_resources().get("CPU", 0.0) < ray.cluster_resources().get("CPU", 0.0):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     report("after_shutdown", still_connected=still_connected,
            pg_state=ray.util.placement_group_table().get(pg_id, {}).get("state"),
            alive_nodes=len([n for n in ray.nodes() if n["Alive"]]),
            free_cpus=ray.available_resources().get("CPU", 0.0), total_cpus=ray.cluster_resources().get("CPU", 0.0))
-    ray.shutdown()
 
     core = EngineCore(config)
     try:

@@ -5,12 +5,14 @@ loopback addresses, so each node here gets its own 127.0.0.x. A second node join
 with token authentication off, and two nodes of one host need their own temp dirs and
 ports. Every Ray process started here is recorded by pid and must be gone when its
 helper stops (what is still alive then is killed, by pid, and reported); every
-directory handed to Ray is removed.
+directory handed to Ray is removed. Processes are held as psutil.Process objects, never
+as bare pids: pids wrap around on this host, and a recycled pid must not be waited for,
+let alone killed.
 
 - `RAY_TEST_ENV`: token auth off, usage statistics off (nothing is sent off the host).
 - `LocalRay`: `ray.init` of a local instance in this process.
 - `RayNode`: one `ray start --block` subprocess (head or joining) with its own temp dir and ports.
-- `ray_descendants(pid)`, `assert_pids_gone(pids)`, `outside_loopback_peers(pids)`.
+- `ray_descendants(pid)`, `processes(pids)`, `assert_gone(procs)`, `outside_loopback_peers(procs)`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import ipaddress
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -29,7 +30,7 @@ from typing import Iterable
 
 import psutil
 
-from tests.runtime_helpers import DEATH_BOUND_S, pid_alive, wait_pids_gone
+from tests.runtime_helpers import DEATH_BOUND_S
 
 RAY_TEST_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 OBJECT_STORE_BYTES = 128 << 20
@@ -42,8 +43,8 @@ def short_temp_dir() -> str:
     return tempfile.mkdtemp(prefix="tr", dir="/tmp")
 
 
-def ray_descendants(pid: int) -> set[int]:
-    """Pids of the live processes under `pid` that Ray started (servers, raylets, workers)."""
+def ray_descendants(pid: int) -> set[psutil.Process]:
+    """The live processes under `pid` that Ray started (servers, raylets, workers)."""
     found = set()
     try:
         children = psutil.Process(pid).children(recursive=True)
@@ -51,24 +52,50 @@ def ray_descendants(pid: int) -> set[int]:
         return found
     for child in children:
         try:
-            name, cmd = child.name(), " ".join(child.cmdline())
+            name, argv = child.name(), child.cmdline()
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue
         # Ray's servers by name, its workers by title ("ray::IDLE", "ray::RayWorkerWrapper"),
-        # its Python daemons (dashboard, log monitor, agents) by their path in the ray package.
-        if name in ("gcs_server", "raylet") or cmd.startswith("ray::") or "/ray/" in cmd:
-            found.add(child.pid)
+        # its Python daemons (dashboard, log monitor, agents) by their script in the ray
+        # package (not by the whole command line: a forkserver's lists sys.path, ray's included).
+        script = next((arg for arg in argv[1:3] if arg.endswith(".py")), "")
+        if name in ("gcs_server", "raylet") or " ".join(argv).startswith("ray::") or "/ray/" in script:
+            found.add(child)
     return found
 
 
-def assert_pids_gone(pids: Iterable[int], what: str, timeout: float = DEATH_BOUND_S) -> None:
-    """Wait for `pids` to die; kill (by pid) and report any that outlive `timeout`."""
-    alive = wait_pids_gone(pids, timeout)
-    for pid in alive:
+def processes(pids: Iterable[int]) -> set[psutil.Process]:
+    """psutil handles of the live processes among `pids`, taken now."""
+    found = set()
+    for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+            found.add(psutil.Process(pid))
+        except psutil.NoSuchProcess:
             pass
+    return found
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE  # is_running: False once recycled
+    except psutil.NoSuchProcess:
+        return False
+
+
+def assert_gone(procs: Iterable[psutil.Process], what: str, timeout: float = DEATH_BOUND_S) -> None:
+    """Wait for `procs` to die; kill and report any that outlive `timeout`."""
+    procs = list(procs)
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = []
+    for proc in procs:
+        if _alive(proc):
+            try:
+                alive.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]!r}")
+                proc.kill()  # psutil refuses if the pid was recycled meanwhile
+            except psutil.Error:
+                pass
     assert not alive, f"{what}: processes still alive after {timeout:.0f}s: {alive}"
 
 
@@ -78,15 +105,15 @@ def _is_loopback(address: str) -> bool:
     return (mapped or ip).is_loopback
 
 
-def outside_loopback_peers(pids: Iterable[int]) -> list[tuple[int, str]]:
-    """(pid, remote address) of every connection of `pids` to a non-loopback address."""
+def outside_loopback_peers(procs: Iterable[psutil.Process]) -> list[tuple[int, str]]:
+    """(pid, remote address) of every connection of `procs` to a non-loopback address."""
     peers = []
-    for pid in pids:
+    for proc in procs:
         try:
-            connections = psutil.Process(pid).net_connections(kind="inet")
-        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            connections = proc.net_connections(kind="inet") if proc.is_running() else []
+        except psutil.Error:
             continue
-        peers += [(pid, c.raddr.ip) for c in connections if c.raddr and not _is_loopback(c.raddr.ip)]
+        peers += [(proc.pid, c.raddr.ip) for c in connections if c.raddr and not _is_loopback(c.raddr.ip)]
     return peers
 
 
@@ -126,7 +153,7 @@ class LocalRay:
         self.record()
         ray.shutdown()
         try:
-            assert_pids_gone(self.seen, "local Ray instance")
+            assert_gone(self.seen, "local Ray instance")
         finally:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
@@ -155,7 +182,7 @@ class RayNode:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(args, env={**os.environ, **RAY_TEST_ENV}, stdout=self._log,
                                      stderr=subprocess.STDOUT)
-        self.seen: set[int] = {self.proc.pid}
+        self.seen: set[psutil.Process] = processes([self.proc.pid])
         if head_address is None:
             self._wait_for_gcs(base)
 
@@ -180,10 +207,10 @@ class RayNode:
     def kill(self) -> None:
         """Lose the node at once: SIGKILL its whole process tree."""
         self.record()
-        for pid in self.seen:
+        for proc in self.seen:
             try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
+                proc.kill()
+            except psutil.Error:
                 pass
         self.proc.wait()
 
@@ -199,6 +226,6 @@ class RayNode:
                 self.proc.wait()
         self._log.close()
         try:
-            assert_pids_gone([p for p in self.seen if pid_alive(p)], f"Ray node {self.ip}")
+            assert_gone(self.seen, f"Ray node {self.ip}")
         finally:
             shutil.rmtree(self.temp_dir, ignore_errors=True)

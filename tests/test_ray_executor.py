@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import httpx
+import psutil
 import pytest
 import ray
 import torch
@@ -34,7 +35,7 @@ from engine.config import ConfigError
 from engine.core import EngineCore
 from engine.entrypoints.cli import build_parser
 from engine.sampling_params import SamplingParams
-from executor.errors import EngineDeadError
+from executor.errors import EngineDeadError, RemoteWorkerError, WorkerStartupError
 from executor.ray_distributed_executor import RayDistributedExecutor
 from executor.ray_utils import node_local_ranks
 from tests.conftest import REPO, tiny_llama_with_tokenizer
@@ -42,12 +43,13 @@ from tests.ray_helpers import (
     RAY_TEST_ENV,
     LocalRay,
     RayNode,
-    assert_pids_gone,
+    assert_gone,
     outside_loopback_peers,
+    processes,
     ray_descendants,
     short_temp_dir,
 )
-from tests.runtime_helpers import DEATH_BOUND_S, engine_config
+from tests.runtime_helpers import DEATH_BOUND_S, engine_config, fail_on_rank_1_while_rank_0_waits
 
 # The collective_rpc specification of the multiprocess backend, run here against the
 # Ray engine (their `engine_tp2` fixture is the one defined below).
@@ -118,9 +120,9 @@ def engine_tp2(local_ray: LocalRay, tiny_models: dict[str, Path]) -> Iterator[En
     try:
         yield core
     finally:
-        pids = actor_pids(core)
+        actors = processes(actor_pids(core))
         core.shutdown()
-        assert_pids_gone(pids, "actors of the shared engine")
+        assert_gone(actors, "actors of the shared engine")
 
 
 @pytest.fixture(scope="module")
@@ -189,11 +191,64 @@ def test_large_request_and_result(engine_tp2):
     assert [r[2] for r in results] == [b"\x00" * (3 << 20), b"\x01" * (3 << 20)]
 
 
+def _barrier_on_rank_1(worker):
+    import torch.distributed as dist
+
+    if worker.rank == 1:
+        dist.barrier()  # meets the barrier rank 0 still waits in
+    return worker.rank
+
+
+def test_failure_on_a_rank_that_was_not_asked_is_reported_at_once(engine_tp2, hf_tokens):
+    start = time.monotonic()
+    with pytest.raises(RemoteWorkerError, match="boom on rank 1") as info:
+        engine_tp2.collective_rpc(fail_on_rank_1_while_rank_0_waits, unique_reply_rank=0, timeout=120)
+    assert info.value.rank == 1
+    assert "fail_on_rank_1_while_rank_0_waits" in info.value.remote_traceback
+    assert time.monotonic() - start < DEATH_BOUND_S
+    # Release rank 0 from its barrier; the engine is whole again.
+    assert engine_tp2.collective_rpc(_barrier_on_rank_1, timeout=60) == [0, 1]
+    assert tokens_of(engine_tp2) == hf_tokens("llama")
+
+
+def _rank_actors() -> set[psutil.Process]:
+    """Live processes of rank actors (Ray titles them after the class)."""
+    found = set()
+    for proc in ray_descendants(os.getpid()):
+        try:
+            if "RayWorkerWrapper" in " ".join(proc.cmdline()):
+                found.add(proc)
+        except psutil.Error:
+            pass
+    return found
+
+
+def test_failed_start_up_leaves_no_actor_or_placement_group(engine_tp2, copy_model):
+    model = copy_model("llama")
+    shard = model / "model-00002-of-00002.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    actors_before, cpus_before = _rank_actors(), ray.available_resources().get("CPU")
+    groups_before = set(ray.util.placement_group_table())
+    with pytest.raises(WorkerStartupError) as info:
+        EngineCore(ray_config(model))
+    msg = str(info.value)
+    assert str(shard) in msg and "truncated" in msg, msg
+    assert "remote traceback" in msg and "load_model" in msg and LOCAL_IP in msg, msg
+    assert_gone(_rank_actors() - actors_before, "actors of the failed start-up")
+    new_groups = {k: v for k, v in ray.util.placement_group_table().items() if k not in groups_before}
+    assert new_groups and all(g["state"] == "REMOVED" for g in new_groups.values()), new_groups
+    deadline = time.monotonic() + DEATH_BOUND_S  # the GCS frees removed bundles asynchronously
+    while ray.available_resources().get("CPU") != cpus_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU") == cpus_before
+
+
 def test_two_engines_share_a_cluster_without_interfering(engine_tp2, local_ray, tiny_models, hf_tokens):
     with EngineCore(ray_config(tiny_models["qwen2"])) as other:
         local_ray.record()
-        other_pids = actor_pids(other)
-        assert not set(other_pids) & set(actor_pids(engine_tp2))
+        other_actors = processes(actor_pids(other))
+        assert not set(actor_pids(other)) & set(actor_pids(engine_tp2))
         assert other.model_executor._placement_group.id != engine_tp2.model_executor._placement_group.id
         # At the same time, then one after the other.
         with ThreadPoolExecutor(2) as pool:
@@ -202,7 +257,7 @@ def test_two_engines_share_a_cluster_without_interfering(engine_tp2, local_ray, 
             assert second.result() == hf_tokens("qwen2")
         assert tokens_of(other) == hf_tokens("qwen2")
         assert tokens_of(engine_tp2) == hf_tokens("llama")
-    assert_pids_gone(other_pids, "actors of the engine that was shut down")
+    assert_gone(other_actors, "actors of the engine that was shut down")
     assert tokens_of(engine_tp2) == hf_tokens("llama")
     assert engine_tp2.collective_rpc("check_health") == [True, True]
 
@@ -221,6 +276,7 @@ def test_killed_actor_makes_the_engine_dead_at_once(local_ray, tiny_models, how,
     local_ray.record()
     try:
         pids, node = actor_pids(core), core.model_executor.nodes[victim]
+        actors = processes(pids)
         # A call is in flight on the survivor when the victim dies.
         with ThreadPoolExecutor(1) as pool:
             in_flight = pool.submit(core.collective_rpc, _busy_on(1 - victim), timeout=120)
@@ -243,13 +299,13 @@ def test_killed_actor_makes_the_engine_dead_at_once(local_ray, tiny_models, how,
                 call()
     finally:
         core.shutdown()
-    assert_pids_gone(pids, "actors of the killed engine")
+    assert_gone(actors, "actors of the killed engine")
 
 
 def test_ray_processes_talk_over_loopback_only(engine_tp2, local_ray):
     local_ray.record()
     assert engine_tp2.collective_rpc("check_health") == [True, True]
-    assert outside_loopback_peers(local_ray.seen | {os.getpid()}) == []
+    assert outside_loopback_peers(local_ray.seen | processes([os.getpid()])) == []
 
 
 # ---------------------------------------------------------------- configuration
@@ -354,7 +410,7 @@ def test_two_node_cluster_spreads_the_ranks_and_survives_losing_a_node(ray_env, 
         assert [r["node_id"] for r in ranks] == [p["node_id"] for p in placed]
         assert len({r["node_id"] for r in ranks}) == 2
         assert [(r["local_rank"], r["local_world_size"]) for r in ranks] == [(0, 1), (0, 1)]
-        assert ranks[0]["pid"] in head.seen and ranks[1]["pid"] in second.seen
+        assert ranks[0]["pid"] in {p.pid for p in head.seen} and ranks[1]["pid"] in {p.pid for p in second.seen}
         assert spread["tokens"] == hf_tokens("llama")[:2]
         assert outside_loopback_peers(head.seen | second.seen) == []
         # A joined cluster outlives the engine; only its placement group and actors go.
@@ -394,18 +450,18 @@ def test_serve_with_no_cluster_starts_a_local_instance_and_stops_it(ray_env, tmp
     )
     try:
         server.start()
-        ray_pids = ray_descendants(server.pid)
+        ray_procs = ray_descendants(server.pid)
         assert "started a local instance" in server.log(), server.log()
         body = {"model": str(model), "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 6
-        ray_pids |= ray_descendants(server.pid)
-        assert len(ray_pids) >= 4, ray_pids  # GCS, raylet, and the two rank actors at least
-        assert outside_loopback_peers(ray_pids | {server.pid}) == []
+        ray_procs |= ray_descendants(server.pid)
+        assert len(ray_procs) >= 4, ray_procs  # GCS, raylet, and the two rank actors at least
+        assert outside_loopback_peers(ray_procs | processes([server.pid])) == []
         server.stop()
         assert server.wait(timeout=30) == 0, server.log()
-        assert_pids_gone(ray_pids, "the local instance `engine.serve` started")
+        assert_gone(ray_procs, "the local instance `engine.serve` started")
     finally:
         server.kill()
         shutil.rmtree(ray_tmp, ignore_errors=True)
