@@ -234,8 +234,13 @@ class EngineConfig:
         if self.device_config.device_type == "cpu":
             from worker.cpu_affinity import CpuBindError, allowed_cpus, cpu_binds
 
+            # The ranks that share this host's cores: all of them, except under torchrun,
+            # which says how many it started here.
+            ranks_here = self.tensor_parallel_size
+            if backend == "external_launcher" and os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+                ranks_here = int(os.environ["LOCAL_WORLD_SIZE"])
             try:
-                cpu_binds(self.cpu_threads_bind, self.tensor_parallel_size, allowed_cpus())
+                cpu_binds(self.cpu_threads_bind, ranks_here, allowed_cpus())
             except CpuBindError as e:
                 raise ConfigError(str(e)) from None
         self.parallel_config = ParallelConfig(self.tensor_parallel_size, backend, self.ray_placement_strategy)
