@@ -291,12 +291,15 @@ class EngineCore:
         self._log_memory(f"wake_up(tags={list(tags) if tags else 'all'})", reports, time.perf_counter() - start)
         return reports
 
-    def update_weights(self, source: str | os.PathLike | Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+    def update_weights(
+        self, source: str | os.PathLike | Mapping[str, Any] | Iterable[tuple[str, Any]]
+    ) -> list[dict[str, Any]]:
         """Load new weights into the running model on every rank, as RL loops do after
         each training step: every weight from a checkpoint directory (same
         architecture and load format), or named, unsharded checkpoint tensors (any
         subset: each rank takes its slice). Drops the prefix cache. Requests already
-        running continue with the K/V they computed. The weights must be awake."""
+        running continue with the K/V they computed. The weights must be awake.
+        Returns each rank's report (seconds)."""
         start = time.perf_counter()
         if isinstance(source, (str, os.PathLike)):
             payload: Any = os.fspath(source)
@@ -304,10 +307,12 @@ class EngineCore:
                 raise ValueError(f"update_weights: {payload!r} is not a checkpoint directory")
         else:
             payload = list(source.items()) if isinstance(source, Mapping) else list(source)
-        self.collective_rpc("update_weights", args=(payload,))
+        reports = self.collective_rpc("update_weights", args=(payload,))
         self.reset_prefix_cache()
-        logger.info("update_weights from %s in %.2fs", payload if isinstance(payload, str) else
-                    f"{len(payload)} tensors", time.perf_counter() - start)
+        logger.info("update_weights from %s in %.2fs (slowest rank %.2fs)",
+                    payload if isinstance(payload, str) else f"{len(payload)} tensors", time.perf_counter() - start,
+                    max(r["seconds"] for r in reports))
+        return reports
 
     def _log_memory(self, what: str, reports: list[dict[str, Any]], seconds: float) -> None:
         for r in reports:
