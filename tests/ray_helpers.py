@@ -9,7 +9,8 @@ directory handed to Ray is removed. Processes are held as psutil.Process objects
 as bare pids: pids wrap around on this host, and a recycled pid must not be waited for,
 let alone killed.
 
-- `RAY_TEST_ENV`: token auth off, usage statistics off (nothing is sent off the host).
+- `RAY_TEST_ENV`: token auth off, usage statistics off (nothing is sent off the host),
+  Ray's memory monitor off.
 - `LocalRay`: `ray.init` of a local instance in this process.
 - `RayNode`: one `ray start --block` subprocess (head or joining) with its own temp dir and ports.
 - `ray_descendants(pid)`, `processes(pids)`, `assert_gone(procs)`, `outside_loopback_peers(procs)`.
@@ -32,7 +33,9 @@ import psutil
 
 from tests.runtime_helpers import DEATH_BOUND_S
 
-RAY_TEST_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# Ray's memory monitor kills workers when the host, shared with other jobs here, runs
+# short of memory; the tests' actors are small, so it is off.
+RAY_TEST_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_memory_monitor_refresh_ms": "0"}
 OBJECT_STORE_BYTES = 128 << 20
 _PORTS_PER_NODE = 48  # 8 fixed ports, then the worker port range
 _FIRST_PORT, _LAST_PORT = 20000, 32000  # below Linux's ephemeral range (32768-60999)

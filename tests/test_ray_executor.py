@@ -244,6 +244,19 @@ def test_failed_start_up_leaves_no_actor_or_placement_group(engine_tp2, copy_mod
     assert ray.available_resources().get("CPU") == cpus_before
 
 
+def test_a_placement_the_cluster_cannot_satisfy_fails_naming_the_resources(engine_tp2, tiny_models, monkeypatch):
+    """STRICT_SPREAD needs a node per rank; the local instance is one node."""
+    import executor.ray_distributed_executor as ray_executor
+
+    monkeypatch.setattr(ray_executor, "PLACEMENT_TIMEOUT_S", 2.0)
+    groups_before = set(ray.util.placement_group_table())
+    with pytest.raises(WorkerStartupError, match=r"could not place 2 bundle\(s\) of \{'CPU': 1.0\} \(STRICT_SPREAD\)"
+                       r".*on 1 node\(s\)"):
+        EngineCore(ray_config(tiny_models["llama"], ray_placement_strategy="STRICT_SPREAD"))
+    new_groups = {k: v for k, v in ray.util.placement_group_table().items() if k not in groups_before}
+    assert new_groups and all(g["state"] == "REMOVED" for g in new_groups.values()), new_groups
+
+
 def test_two_engines_share_a_cluster_without_interfering(engine_tp2, local_ray, tiny_models, hf_tokens):
     with EngineCore(ray_config(tiny_models["qwen2"])) as other:
         local_ray.record()
