@@ -53,11 +53,12 @@ _INLINE_REQUEST_BYTES = 100 * 1024
 
 
 def _cause(error: BaseException) -> str:
-    """The line of a Ray actor error that says why the actor is gone."""
+    """The line of a Ray actor error that says why the actor is gone (without Ray's
+    paragraph of common causes)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     for line in lines:
         if line.startswith("The actor is dead because"):
-            return line
+            return line.split(" Some common causes include", 1)[0]
     first = lines[0] if lines else type(error).__name__
     if type(error).__name__ == "ActorUnavailableError":
         return f"unreachable, its process or its whole node is gone ({first})"

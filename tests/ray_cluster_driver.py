@@ -1,27 +1,41 @@
 """The engine process of the two-node test in test_ray_executor.py (run as a script).
 
-    python tests/ray_cluster_driver.py MODEL_DIR      (RAY_ADDRESS names the head)
+    python tests/ray_cluster_driver.py MODEL_DIR HEAD_ADDRESS
 
-A fresh process, so the engine itself joins the cluster through RAY_ADDRESS. It prints
-one `RESULT <json>` line per step and reads nothing:
+A fresh process, so the engines themselves find the cluster: the first through the
+address the head's `ray start --head` recorded (RAY_TMPDIR is the head's temp root,
+RAY_ADDRESS is unset), the second through RAY_ADDRESS. It prints one `RESULT <json>` line
+per step and reads nothing:
 
 1. "spread": a TP=2 SPREAD engine; its greedy tokens, where each rank says it runs
-   (node id, node-local rank and size, cores), and where the executor placed it; then
-   shutdown, which must leave the engine's connection closed and the cluster up, with the
-   engine's placement group removed and every CPU free again ("after_shutdown").
+   (node id, node-local rank and size, cores), where the executor placed it, and what
+   the engine logged about the cluster; then shutdown, which must leave the engine's
+   connection closed and the cluster up, with the engine's placement group removed and
+   every CPU free again ("after_shutdown").
 2. "ready_to_lose_node": a second SPREAD engine, then a call that stays in flight on
-   rank 0 while the test kills rank 1's node; "dead": the EngineDeadError it raised.
+   rank 0 while the test kills rank 1's node; "dead": the EngineDeadError it raised,
+   and the one a later call raises.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
 
 PROMPTS = [[1, 17, 42, 99, 3], [250, 4, 8, 15, 16, 23, 42]]
 MAX_TOKENS = 8
+
+
+class _Recorder(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def report(step: str, **fields: object) -> None:
@@ -41,7 +55,11 @@ def busy_on_rank_0(worker: object) -> int:
     return worker.rank
 
 
-def main(model: str) -> None:
+def placed(core: object) -> list[dict[str, object]]:
+    return [{"node_id": n.node_id, "node_ip": n.node_ip, "pid": n.pid} for n in core.model_executor.nodes]
+
+
+def main(model: str, head_address: str) -> None:
     import ray
 
     from engine.core import EngineCore
@@ -49,16 +67,19 @@ def main(model: str) -> None:
     from executor.errors import EngineDeadError
     from tests.runtime_helpers import engine_config
 
+    recorder = _Recorder()
+    cluster_log = logging.getLogger("executor.ray_utils")
+    cluster_log.setLevel(logging.INFO)
+    cluster_log.addHandler(recorder)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     config = engine_config(model, tp=2, distributed_executor_backend="ray", ray_placement_strategy="SPREAD")
     with EngineCore(config) as core:
         tokens = [o.token_ids for o in core.generate(PROMPTS, params)]
-        placed = [{"node_id": n.node_id, "node_ip": n.node_ip, "pid": n.pid} for n in core.model_executor.nodes]
         pg_id = core.model_executor._placement_group.id.hex()
-        report("spread", tokens=tokens, ranks=core.collective_rpc(where_am_i), placed=placed)
+        report("spread", tokens=tokens, ranks=core.collective_rpc(where_am_i), placed=placed(core),
+               log=recorder.messages)
     still_connected = ray.is_initialized()
-    # Our own connection from here on: the second engine uses it as it is.
-    ray.init(address=os.environ["RAY_ADDRESS"], _node_ip_address=os.environ["TP_RAY_NODE_IP"])
+    ray.init(address=head_address, _node_ip_address=os.environ["TP_RAY_NODE_IP"])
     deadline = time.monotonic() + 10  # the GCS frees a removed group's bundles asynchronously
     while ray.available_resources().get("CPU", 0.0) < ray.cluster_resources().get("CPU", 0.0):
         if time.monotonic() > deadline:
@@ -68,11 +89,13 @@ def main(model: str) -> None:
            pg_state=ray.util.placement_group_table().get(pg_id, {}).get("state"),
            alive_nodes=len([n for n in ray.nodes() if n["Alive"]]),
            free_cpus=ray.available_resources().get("CPU", 0.0), total_cpus=ray.cluster_resources().get("CPU", 0.0))
+    ray.shutdown()
 
+    os.environ["RAY_ADDRESS"] = head_address
+    recorder.messages.clear()
     core = EngineCore(config)
     try:
-        placed = [{"node_id": n.node_id, "node_ip": n.node_ip, "pid": n.pid} for n in core.model_executor.nodes]
-        report("ready_to_lose_node", placed=placed)
+        report("ready_to_lose_node", placed=placed(core), log=recorder.messages)
         try:
             core.collective_rpc(busy_on_rank_0, timeout=120)
             report("dead", error=None)
@@ -93,4 +116,4 @@ def _later_call_error(core: object) -> str | None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -167,8 +167,11 @@ class RayNode:
 
     def __init__(self, ip: str, num_cpus: int, head_address: str | None = None) -> None:
         self.ip = ip
-        self.temp_dir = short_temp_dir()
-        self.log_path = Path(self.temp_dir) / "node.log"
+        # Ray's temp dir is <RAY_TMPDIR>/ray, where a head records its address
+        # (ray_current_cluster): with RAY_TMPDIR=temp_root a process finds this head.
+        self.temp_root = short_temp_dir()
+        self.temp_dir = os.path.join(self.temp_root, "ray")
+        self.log_path = Path(self.temp_root) / "node.log"
         base = _free_port_block(ip, _PORTS_PER_NODE)
         self.address = f"{ip}:{base}" if head_address is None else head_address
         args = [
@@ -231,4 +234,4 @@ class RayNode:
         try:
             assert_gone(self.seen, f"Ray node {self.ip}")
         finally:
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            shutil.rmtree(self.temp_root, ignore_errors=True)

@@ -4,7 +4,8 @@ One local Ray instance (started here with `ray.init`, node IP 127.0.0.2) carries
 tests: a TP=2 engine whose greedy tokens equal the multiprocess backend's and
 transformers'; test_engine_runtime.py's collective_rpc tests, imported below and run
 against it unchanged; a second engine at the same time; killed actors. A two-node cluster
-(`ray start --head` on 127.0.0.3, a second `ray start` on 127.0.0.4) runs TP=2 SPREAD
+(`ray start --head` on 127.0.0.3, a second `ray start` on 127.0.0.4), which a fresh engine
+process finds through the head's recorded address and then RAY_ADDRESS, runs TP=2 SPREAD
 with one rank per node, and loses a node. `python -m engine.serve` with no cluster starts
 its own instance (127.0.0.5) and stops it. Every Ray process started here must be gone
 at the end, and no connection of theirs may leave 127.0.0.0/8.
@@ -366,11 +367,13 @@ def test_choosing_the_backend_does_not_import_ray():
 class _Driver:
     """tests/ray_cluster_driver.py as a subprocess; `result(step)` reads its next report."""
 
-    def __init__(self, model: Path, head_address: str) -> None:
-        env = {**os.environ, **RAY_TEST_ENV, "RAY_ADDRESS": head_address, "TP_RAY_NODE_IP": HEAD_IP,
+    def __init__(self, model: Path, head: RayNode) -> None:
+        env = {**os.environ, **RAY_TEST_ENV, "RAY_TMPDIR": head.temp_root, "TP_RAY_NODE_IP": HEAD_IP,
                "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "ray_cluster_driver.py"), str(model)],
-                                     cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env.pop("RAY_ADDRESS", None)
+        script = str(REPO / "tests" / "ray_cluster_driver.py")
+        self.proc = subprocess.Popen([sys.executable, script, str(model), head.address], cwd=REPO, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.proc.stdout, selectors.EVENT_READ)
         self.output: list[str] = []
@@ -413,8 +416,11 @@ def test_two_node_cluster_spreads_the_ranks_and_survives_losing_a_node(ray_env, 
     try:
         second = RayNode(NODE2_IP, num_cpus=1, head_address=head.address)
         _wait_for_log(second, "Ray runtime started")
-        driver = _Driver(tiny_models["llama"], head.address)
+        driver = _Driver(tiny_models["llama"], head)
         spread = driver.result("spread")
+        # It found the head through the address `ray start --head` recorded.
+        assert any(f"joined the cluster at {head.address} (recorded by `ray start --head`)" in m
+                   for m in spread["log"]), spread["log"]
         head.record()
         second.record()
         # One rank per node, as each actor itself reports, numbered engine node first.
@@ -433,6 +439,7 @@ def test_two_node_cluster_spreads_the_ranks_and_survives_losing_a_node(ray_env, 
 
         lost = driver.result("ready_to_lose_node")
         assert [p["node_ip"] for p in lost["placed"]] == [HEAD_IP, NODE2_IP]
+        assert any(f"joined the cluster at {head.address} (RAY_ADDRESS)" in m for m in lost["log"]), lost["log"]
         time.sleep(0.5)  # let the call reach rank 0
         second.kill()
         killed_at = time.monotonic()
