@@ -66,6 +66,9 @@ def _cause(error: BaseException) -> str:
 
 
 class RayDistributedExecutor(Executor):
+    """Every method is called from the engine's thread (the monitor thread only marks the
+    executor failed). `nodes[rank]` says where each rank's actor runs."""
+
     def _init_executor(self) -> None:
         self._ray = import_ray()
         self._failure: str | None = None
@@ -93,13 +96,36 @@ class RayDistributedExecutor(Executor):
         return {"GPU": 1.0} if self.config.device_config.device_type == "cuda" else {"CPU": 1.0}
 
     def _start_workers(self) -> None:
+        ws = self.world_size
+        start = time.perf_counter()
+        strategy = self.config.parallel_config.ray_placement_strategy
+        self._place_actors(strategy)
+        self._sentinels = [a.wait_until_killed.options(concurrency_group=MONITOR_GROUP).remote() for a in self.actors]
+        local = node_local_ranks([node.node_id for node in self.nodes])
+        port = self._startup_get(self.actors[0].free_port.remote(), "rank 0")
+        init_method = tcp_url(self.nodes[0].node_ip, port)
+        self.startup_timings["spawn"] = time.perf_counter() - start
+        logger.info("Ray: %d rank(s) placed (%s): %s; rendezvous %s", ws, strategy,
+                    ", ".join(f"rank {r} on {n.node_ip} (node {n.node_id[:12]}, pid {n.pid})"
+                              for r, n in enumerate(self.nodes)), init_method)
+        ready = [
+            actor.init_worker.remote(self.config, rank, local[rank][0], local[rank][1], init_method,
+                                     self._visible_gpus(rank))
+            for rank, actor in enumerate(self.actors)
+        ]
+        self._wait_for_ready(ready)
+        self.startup_timings["startup_total"] = time.perf_counter() - start
+        self._monitor = threading.Thread(target=self._monitor_actors, name="ray-actor-monitor", daemon=True)
+        self._monitor.start()
+
+    def _place_actors(self, strategy: str) -> None:
+        """Reserve the placement group, start one actor per bundle, and number the ranks:
+        the engine's node first, then by node, so the ranks of a node are contiguous."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ray, ws = self._ray, self.world_size
-        start = time.perf_counter()
         bundle = self._bundle()
-        strategy = self.config.parallel_config.ray_placement_strategy
         self._placement_group = placement_group([dict(bundle) for _ in range(ws)], strategy=strategy,
                                                 name=f"tp-engine-{uuid.uuid4().hex[:12]}")
         self._wait_for_placement(bundle, strategy)
@@ -119,23 +145,6 @@ class RayDistributedExecutor(Executor):
         order = sorted(range(ws), key=lambda i: (infos[i].node_id != engine_node, infos[i].node_ip,
                                                  infos[i].node_id, i))
         self.actors, self.nodes = [actors[i] for i in order], [infos[i] for i in order]
-        self._sentinels = [a.wait_until_killed.options(concurrency_group=MONITOR_GROUP).remote() for a in self.actors]
-        local = node_local_ranks([node.node_id for node in self.nodes])
-        port = self._startup_get(self.actors[0].free_port.remote(), "rank 0")
-        init_method = tcp_url(self.nodes[0].node_ip, port)
-        self.startup_timings["spawn"] = time.perf_counter() - start
-        logger.info("Ray: %d rank(s) placed (%s): %s; rendezvous %s", ws, strategy,
-                    ", ".join(f"rank {r} on {n.node_ip} (node {n.node_id[:12]}, pid {n.pid})"
-                              for r, n in enumerate(self.nodes)), init_method)
-        ready = [
-            actor.init_worker.remote(self.config, rank, local[rank][0], local[rank][1], init_method,
-                                     self._visible_gpus(rank))
-            for rank, actor in enumerate(self.actors)
-        ]
-        self._wait_for_ready(ready)
-        self.startup_timings["startup_total"] = time.perf_counter() - start
-        self._monitor = threading.Thread(target=self._monitor_actors, name="ray-actor-monitor", daemon=True)
-        self._monitor.start()
 
     def _wait_for_placement(self, bundle: dict[str, float], strategy: str) -> None:
         ray = self._ray
