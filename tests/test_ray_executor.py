@@ -3,7 +3,8 @@
 One local Ray instance (started here with `ray.init`, node IP 127.0.0.2) carries most
 tests: a TP=2 engine whose greedy tokens equal the multiprocess backend's and
 transformers'; test_engine_runtime.py's collective_rpc tests, imported below and run
-against it unchanged; a second engine at the same time; killed actors. A two-node cluster
+against it unchanged (its timeout test in a variant without a wall-clock bound); a second
+engine at the same time; killed actors. A two-node cluster
 (`ray start --head` on 127.0.0.3, a second `ray start` on 127.0.0.4), which a fresh engine
 process finds through the head's recorded address and then RAY_ADDRESS, runs TP=2 SPREAD
 with one rank per node, and loses a node. `python -m engine.serve` with no cluster starts
@@ -58,7 +59,6 @@ from tests.test_engine_runtime import (  # noqa: F401
     test_generate_refusing_a_prompt_leaves_no_request_behind,
     test_remote_exception_carries_traceback,
     test_rpc_by_name,
-    test_rpc_timeout_then_engine_still_works,
     test_rpc_timeout_with_unique_reply_rank,
     test_rpc_unique_reply_rank,
     test_unpicklable_args_raise_in_the_caller,
@@ -181,6 +181,27 @@ def test_rpc_callable_runs_in_each_ranks_actor(engine_tp2):
 
     results = engine_tp2.collective_rpc(closure, args=(5,), kwargs={"scale": 2})
     assert results == [(0, 2473, actor_pids(engine_tp2)[0]), (1, 2473, actor_pids(engine_tp2)[1])]
+
+
+def test_rpc_timeout_leaves_the_slow_call_running_and_the_engine_working(engine_tp2, tmp_path):
+    """As test_engine_runtime's timeout test, with no wall-clock bound: the slow call is
+    seen still running (its marker file is not there yet) when TimeoutError arrives."""
+
+    def slow(worker, seconds, marker):
+        time.sleep(seconds)
+        Path(f"{marker}.{worker.rank}").touch()
+        return ("late", worker.rank)
+
+    marker = tmp_path / "slow-call-done"
+    with pytest.raises(TimeoutError, match="timed out"):
+        engine_tp2.collective_rpc(slow, args=(3.0, str(marker)), timeout=0.5)
+    assert not list(tmp_path.glob("slow-call-done.*"))
+    # The late replies of the timed-out call are discarded, not returned to the next call.
+    assert engine_tp2.collective_rpc(lambda w: ("fresh", w.rank)) == [("fresh", 0), ("fresh", 1)]
+    assert len(list(tmp_path.glob("slow-call-done.*"))) == 2
+    assert engine_tp2.collective_rpc(lambda w: ("again", w.rank), unique_reply_rank=1) == ("again", 1)
+    assert engine_tp2.collective_rpc("check_health", timeout=60) == [True, True]
+    engine_tp2.check_health()
 
 
 def test_large_request_and_result(engine_tp2):
