@@ -22,6 +22,11 @@ the default at TP=1, is shown as one extra row. The per-phase breakdown comes fr
 ``core.startup_timings`` (worker phases are the max over ranks) plus the executor's own
 ``startup_total`` (spawn + wait for every READY).
 
+Then, unless ``--launchers`` is given empty, the Ray and torchrun backends at TP=2, each
+next to mp in alternating runs: ``bench_ray.py`` (time to ready, no-op collective_rpc
+latency by name and by callable) and ``bench_torchrun_startup.py`` (engine.serve time
+to ready and one request).
+
 Target: engine ready at TP=4 <= 1.0x the baseline at TP=4. This script is never part of
 the test suite's pass/fail.
 """
@@ -179,6 +184,9 @@ def main() -> None:
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="tensor-parallel sizes")
     p.add_argument("--reps", type=int, default=3, help="repetitions per measurement (median reported)")
     p.add_argument("--model", default=None, help="checkpoint dir (default: a cached tiny llama)")
+    p.add_argument("--launchers", nargs="*", default=["ray", "torchrun"], choices=["ray", "torchrun"],
+                   help="also time these backends at TP=2 next to mp, in the same run (bench_ray.py: ready and "
+                        "no-op RPC latency; bench_torchrun_startup.py: engine.serve ready); none: skip")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child-tp", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--engines", type=int, default=2, help=argparse.SUPPRESS)
@@ -277,6 +285,17 @@ def main() -> None:
                     rpc_rest=t["total"] - t["startup_total"] - t["profile"] - t["kv_alloc"],
                     shutdown=r["shutdown_s"]))
             print(f"{key:<9}{tp:>3}" + "".join(f"{med([x[c] for x in per_run]):>11.3f}" for c in cols))
+    # The other backends, each against mp again in its own alternating runs (their own
+    # scripts, so that each can also be run alone).
+    scripts = {"ray": "bench_ray.py", "torchrun": "bench_torchrun_startup.py"}
+    for launcher in args.launchers:
+        print(f"\n=== TP=2: {launcher} next to mp ({scripts[launcher]}) ===", flush=True)
+        cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), scripts[launcher]),
+               "--reps", str(args.reps), "--tp", "2"]
+        if args.model and launcher == "ray":  # the torchrun one serves HTTP: it makes a model with a tokenizer
+            cmd += ["--model", args.model]
+        if subprocess.run(cmd).returncode != 0:
+            print(f"{launcher}: its benchmark failed (is the extra installed? pip install -e \".[ray]\")")
     print(f"\nload average at end {load_average()}; wall time {time.perf_counter() - wall:.0f}s")
 
 
