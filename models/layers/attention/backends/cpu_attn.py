@@ -21,12 +21,25 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 
 from distributed.utils import cdiv
-from models.layers.attention.backends.abstract import AttentionImpl, AttentionMetadata
+from models.layers.attention.backends.abstract import AttentionImpl, AttentionMetadata, gather_paged_kv
 from models.layers.attention.backends.decode_context import TOTAL_BYTES, DecodeContext
 from models.layers.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAImpl, TorchSDPAMetadata
 
 if TYPE_CHECKING:
     from models.layers.attention.layer import Attention
+
+# A shared prefix shorter than this is attended per sequence like the rest of the context.
+CASCADE_MIN_TOKENS = 64
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention and its log-sum-exp per query row (torch's CPU flash kernel, which
+    F.scaled_dot_product_attention calls without returning the second)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale
+    )[:2]
+    return out, lse
 
 
 @dataclass
@@ -81,6 +94,42 @@ class CPUAttentionMetadata(TorchSDPAMetadata):
         return masks[dtype]
 
 
+    @cached_property
+    def decode_shared_prefix(self) -> tuple[torch.Tensor, int] | None:
+        """The leading blocks every decode sequence shares (the prefix cache hands one
+        prompt's blocks to many requests), as (block ids, tokens), when there are at
+        least CASCADE_MIN_TOKENS of them and two sequences; each sequence keeps at least
+        one token of its own past them. None otherwise."""
+        seqs = self.decode_seqs
+        if len(seqs) < 2:
+            return None
+        max_shared = min((n - 1) // self.block_size for n in self.decode_lens)
+        if max_shared * self.block_size < CASCADE_MIN_TOKENS:
+            return None
+        rows = self.block_tables[torch.tensor(seqs, dtype=torch.long, device=self.block_tables.device), :max_shared]
+        differs = (rows != rows[0]).any(0)
+        num_shared = int(differs.int().argmax()) if bool(differs.any()) else max_shared
+        if num_shared * self.block_size < CASCADE_MIN_TOKENS:
+            return None
+        return rows[0, :num_shared].to(self.slot_mapping.device), num_shared * self.block_size
+
+    def decode_suffix_gather(self, prefix_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """The decode sequences' blocks after the shared prefix, padded to the longest and
+        flattened; that padded length; and its [1, G, 1, len] additive mask."""
+        cache: dict[torch.dtype, tuple] = self.__dict__.setdefault("_decode_suffix", {})
+        if dtype not in cache:
+            first = prefix_len // self.block_size
+            num_blocks = cdiv(max(self.decode_lens), self.block_size)
+            rows = torch.tensor(self.decode_seqs, dtype=torch.long, device=self.block_tables.device)
+            blocks = self.block_tables[rows, first:num_blocks].clamp(min=0).reshape(-1).to(self.slot_mapping.device)
+            ctx_len = (num_blocks - first) * self.block_size
+            own = torch.tensor(self.decode_lens, dtype=torch.long, device=blocks.device) - prefix_len
+            past = torch.arange(ctx_len, device=blocks.device) >= own.unsqueeze(1)
+            mask = torch.zeros(past.shape, dtype=dtype, device=blocks.device).masked_fill_(past, float("-inf"))
+            cache[dtype] = blocks, ctx_len, mask.view(1, len(self.decode_seqs), 1, ctx_len)
+        return cache[dtype]
+
+
 class CPUAttentionImpl(TorchSDPAImpl):
     def __init__(self, layer: Attention, decode_context_bytes: int) -> None:
         super().__init__(layer)
@@ -98,7 +147,33 @@ class CPUAttentionImpl(TorchSDPAImpl):
                 ctx_len = max(md.decode_lens)
                 return self.attend_padded(q, context[0, :, :, :ctx_len], context[1, :, :, :ctx_len],
                                           md.decode_mask(q.dtype))
+            shared = md.decode_shared_prefix
+            if shared is not None and kv_cache.device.type == "cpu":
+                return self.cascade_decode(q, kv_cache, md, *shared)
         return super().decode_attention(q, k, v, kv_cache, md)
+
+    def cascade_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: CPUAttentionMetadata,
+                       prefix_blocks: torch.Tensor, prefix_len: int) -> torch.Tensor:
+        """Decode attention in two parts merged by their log-sum-exp (cascade attention):
+        every query of the batch against the shared prefix, gathered once, in one call;
+        then each query against its own tokens after it. Exact up to rounding: softmax
+        over the union is the two softmaxes weighted by their normalisers."""
+        num_seqs, heads_per_kv, head_size = q.shape[0], self.num_heads // self.num_kv_heads, self.head_size
+        by_kv = q.view(num_seqs, self.num_kv_heads, heads_per_kv, head_size)
+        prefix = gather_paged_kv(kv_cache, prefix_blocks, 1, prefix_len).to(q.dtype)
+        q_prefix = by_kv.permute(1, 0, 2, 3).reshape(1, self.num_kv_heads, num_seqs * heads_per_kv, head_size)
+        out_p, lse_p = _flash(q_prefix, prefix[0].view(1, self.num_kv_heads, prefix_len, head_size),
+                              prefix[1].view(1, self.num_kv_heads, prefix_len, head_size), None, self.scale)
+        blocks, ctx_len, mask = md.decode_suffix_gather(prefix_len, q.dtype)
+        suffix = gather_paged_kv(kv_cache, blocks, num_seqs, ctx_len).to(q.dtype)
+        out_s, lse_s = _flash(by_kv.transpose(0, 1), suffix[0], suffix[1], mask, self.scale)
+        lse_p = lse_p.view(self.num_kv_heads, num_seqs, heads_per_kv, 1).float()
+        lse_s = lse_s.view(self.num_kv_heads, num_seqs, heads_per_kv, 1).float()
+        top = torch.maximum(lse_p, lse_s)
+        w_p, w_s = torch.exp(lse_p - top), torch.exp(lse_s - top)
+        out = (out_p.view(self.num_kv_heads, num_seqs, heads_per_kv, head_size).float() * w_p
+               + out_s.float() * w_s) / (w_p + w_s)
+        return out.to(q.dtype).transpose(0, 1).reshape(num_seqs, self.num_heads, head_size)
 
 
 class CPUAttentionBackend(TorchSDPABackend):

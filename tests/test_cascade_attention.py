@@ -1,0 +1,73 @@
+"""Cascade decode attention in the CPU backend (models/layers/attention/backends/cpu_attn.py).
+
+When a decode batch is too large for the per-layer decode context and its sequences
+share leading KV blocks (the prefix cache gives one system prompt's blocks to every
+request), the CPU backend attends the shared prefix once for the whole batch and each
+sequence's own tokens separately, merged by log-sum-exp. Its output must equal the SDPA
+backend's plain grouped gather over the same paged cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.layers.attention import Attention, AttentionMetadata
+from models.layers.attention.backends.cpu_attn import CASCADE_MIN_TOKENS, CPUAttentionBackend, CPUAttentionMetadata
+from models.layers.attention.backends.torch_sdpa import TorchSDPABackend
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 8, 2, 16, 16
+
+
+def decode_step(shared_blocks: int, own_lens: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Outputs of the CPU backend and of the SDPA backend for one decode step of
+    len(own_lens) sequences that share `shared_blocks` leading blocks."""
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = 512
+    cache = torch.randn(num_blocks, 2, BLOCK, KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    shared = list(range(shared_blocks))
+    next_block = shared_blocks
+    tables, lens = [], []
+    for own in own_lens:
+        count = -(-own // BLOCK)
+        tables.append(shared + list(range(next_block, next_block + count)))
+        next_block += count
+        lens.append(shared_blocks * BLOCK + own)
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.long)
+    slots = torch.tensor([t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, lens)])
+    common = AttentionMetadata(slot_mapping=slots, block_tables=block_tables, seq_lens=lens,
+                               query_start_loc=list(range(len(lens) + 1)), block_size=BLOCK,
+                               req_ids=tuple(f"r{i}" for i in range(len(lens))))
+    q = torch.randn(len(lens), HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    k = torch.randn(len(lens), KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    v = torch.randn(len(lens), KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    outs = []
+    # A decode-context budget of 0 bytes: the batch never fits, so the cascade path runs.
+    for backend in (CPUAttentionBackend(num_layers=1, decode_context_bytes=0), TorchSDPABackend()):
+        layer = Attention(HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS)
+        layer.bind_kv_cache(cache.clone(), backend.make_impl(layer))
+        md = backend.build_metadata(common)
+        outs.append(layer.impl.forward(q.clone(), k.clone(), v.clone(), layer.kv_cache, md))
+    return outs[0], outs[1], backend_md(common)
+
+
+def backend_md(common: AttentionMetadata) -> CPUAttentionMetadata:
+    return CPUAttentionBackend(num_layers=1).build_metadata(common)  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_cascade_equals_the_plain_gather(dtype: torch.dtype, atol: float) -> None:
+    own = [1, 5, 16, 17, 40, 3, 33, 2, 9, 64]
+    cascade, plain, md = decode_step(shared_blocks=8, own_lens=own, dtype=dtype)
+    assert md.decode_shared_prefix is not None and md.decode_shared_prefix[1] == 8 * BLOCK
+    torch.testing.assert_close(cascade.float(), plain.float(), atol=atol, rtol=0)
+
+
+def test_no_cascade_without_a_long_enough_shared_prefix() -> None:
+    short = CASCADE_MIN_TOKENS // BLOCK - 1
+    _, _, md = decode_step(shared_blocks=short, own_lens=[3, 4, 5], dtype=torch.float32)
+    assert md.decode_shared_prefix is None
+    cascade, plain, md = decode_step(shared_blocks=0, own_lens=[200, 100], dtype=torch.float32)
+    assert md.decode_shared_prefix is None
+    torch.testing.assert_close(cascade, plain, atol=2e-5, rtol=0)
