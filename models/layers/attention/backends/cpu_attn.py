@@ -2,8 +2,12 @@
 
 On the CPU, gathering every decode sequence's blocks each step costs about as much as
 the attention itself. Each layer's impl keeps the decode batch's K/V contiguously
-across steps (`DecodeContext`) and appends one token per step; any other step falls
-back to the SDPA backend's grouped gather. The paged cache stays the source of truth.
+across steps (`DecodeContext`) and appends one token per step. A batch too large for
+that buffer whose sequences share leading blocks (the prefix cache gives one system
+prompt's blocks to every request) is attended in cascade: the shared prefix once for
+the whole batch, each sequence's own tokens apart, merged by log-sum-exp. Any other
+step falls back to the SDPA backend's grouped gather. The paged cache stays the source
+of truth.
 
 To know that a batch "continues the previous step", the backend gives each live
 request a serial key: a finished, aborted or preempted request loses it (the runner
