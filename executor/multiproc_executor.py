@@ -24,14 +24,12 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
-import cloudpickle
-
 from executor.abstract import Executor
 from executor.errors import EngineDeadError, RemoteWorkerError, WorkerStartupError
 from executor.message_queue import MessageQueueOwner, QueueClosedError, QueueEndpoint
 from executor.message_queue_reader import MessageQueueReader
 from executor.message_queue_writer import MessageQueueWriter
-from executor.rpc import SHUTDOWN, ReadyMessage, RPCMethod, RPCReply, RPCRequest
+from executor.rpc import SHUTDOWN, ReadyMessage, RPCMethod, RPCReply, RPCRequest, plan_call
 from executor.worker_proc import WorkerProc
 
 logger = logging.getLogger(__name__)
@@ -206,18 +204,15 @@ class MultiprocExecutor(Executor):
         timeout: float | None = None,
         unique_reply_rank: int | None = None,
     ) -> Any:
-        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
-            raise ValueError(f"unique_reply_rank={unique_reply_rank} is outside [0, {self.world_size})")
-        name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
-        payload = method if isinstance(method, str) else cloudpickle.dumps(method)
+        plan = plan_call(method, unique_reply_rank, self.world_size)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._rpc_lock:
             self._call_id += 1
             call_id = self._call_id
-            self._enqueue(RPCRequest(call_id, payload, tuple(args), dict(kwargs or {}), unique_reply_rank), deadline, name)
-            ranks = [unique_reply_rank] if unique_reply_rank is not None else list(range(self.world_size))
-            results = self._collect_replies(ranks, call_id, name, deadline, timeout)
-        return results[unique_reply_rank] if unique_reply_rank is not None else [results[r] for r in ranks]
+            request = RPCRequest(call_id, plan.payload, tuple(args), dict(kwargs or {}), unique_reply_rank)
+            self._enqueue(request, deadline, plan.name)
+            results = self._collect_replies(plan.ranks, call_id, plan.name, deadline, timeout)
+        return plan.results(results, unique_reply_rank)
 
     def _collect_replies(
         self, ranks: list[int], call_id: int, name: str, deadline: float | None, timeout: float | None

@@ -31,13 +31,11 @@ import time
 import uuid
 from typing import Any
 
-import cloudpickle
-
 from executor.abstract import Executor
 from executor.errors import EngineDeadError, RemoteWorkerError, WorkerStartupError
 from executor.ray_utils import acquire_cluster, import_ray, node_local_ranks, release_cluster, tcp_url
 from executor.ray_worker import MONITOR_GROUP, RayNodeInfo, RayWorkerWrapper
-from executor.rpc import ReadyMessage, RPCMethod, RPCReply
+from executor.rpc import ReadyMessage, RPCMethod, RPCReply, plan_call
 
 logger = logging.getLogger(__name__)
 
@@ -252,21 +250,17 @@ class RayDistributedExecutor(Executor):
         timeout: float | None = None,
         unique_reply_rank: int | None = None,
     ) -> Any:
-        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
-            raise ValueError(f"unique_reply_rank={unique_reply_rank} is outside [0, {self.world_size})")
-        name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
-        payload = method if isinstance(method, str) else cloudpickle.dumps(method)
+        plan = plan_call(method, unique_reply_rank, self.world_size)
         # Pickled here, so unpicklable arguments raise in the caller, as on the mp backend.
-        request = pickle.dumps((payload, tuple(args), dict(kwargs or {})), protocol=pickle.HIGHEST_PROTOCOL)
+        request = pickle.dumps((plan.payload, tuple(args), dict(kwargs or {})), protocol=pickle.HIGHEST_PROTOCOL)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._rpc_lock:
             self.check_health()
             self._call_id += 1
             arg = self._ray.put(request) if len(request) > _INLINE_REQUEST_BYTES else request
             refs = [actor.execute_method.remote(self._call_id, arg, unique_reply_rank) for actor in self.actors]
-            ranks = [unique_reply_rank] if unique_reply_rank is not None else list(range(self.world_size))
-            results = self._collect_replies(refs, ranks, name, deadline, timeout)
-        return results[unique_reply_rank] if unique_reply_rank is not None else [results[r] for r in ranks]
+            results = self._collect_replies(refs, plan.ranks, plan.name, deadline, timeout)
+        return plan.results(results, unique_reply_rank)
 
     def _collect_replies(
         self, refs: list[Any], ranks: list[int], name: str, deadline: float | None, timeout: float | None

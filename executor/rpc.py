@@ -1,8 +1,9 @@
 """The executor's RPC vocabulary: the messages on its queues and how a worker runs one.
 
-Used by both executors: ``UniProcExecutor`` calls ``run_method`` in the engine's
+Used by every executor: ``UniProcExecutor`` calls ``run_method`` in the engine's
 process; ``MultiprocExecutor`` sends ``RPCRequest`` over the broadcast queue and each
-``WorkerProc`` runs it with ``run_method`` and answers with an ``RPCReply``. The
+``WorkerProc`` runs it with ``run_method`` and answers with an ``RPCReply`` (the Ray
+actors answer the same way); both prepare the call with ``plan_call``. The
 messages are pickled by the message queue, so their layout must be identical in the
 engine and every worker (they import this same module).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["SHUTDOWN", "RPCMethod", "RPCReply", "RPCRequest", "ReadyMessage", "run_method"]
+__all__ = ["SHUTDOWN", "CallPlan", "RPCMethod", "RPCReply", "RPCRequest", "ReadyMessage", "plan_call", "run_method"]
 
 # A Worker method name, or a picklable fn(worker, *args, **kwargs).
 RPCMethod = str | Callable[..., Any]
@@ -50,6 +51,35 @@ class ReadyMessage:
     timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     traceback: str | None = None
+
+
+class CallPlan(NamedTuple):
+    """What an executor that sends a call to worker processes needs before it sends it."""
+
+    name: str  # for error messages
+    payload: str | bytes  # a Worker method name, or the cloudpickled callable
+    ranks: list[int]  # whose replies the caller waits for, in order
+
+    def results(self, replies: dict[int, Any], unique_reply_rank: int | None) -> Any:
+        """collective_rpc's return value: that one rank's result, or every rank's in order."""
+        return replies[unique_reply_rank] if unique_reply_rank is not None else [replies[r] for r in self.ranks]
+
+
+def plan_call(method: RPCMethod, unique_reply_rank: int | None, world_size: int) -> CallPlan:
+    """Validate and prepare one collective_rpc of a process-based executor (mp, ray): the
+    callable is pickled here, so an unpicklable one raises in the caller. Raises
+    ValueError for a `unique_reply_rank` outside the world."""
+    if unique_reply_rank is not None and not 0 <= unique_reply_rank < world_size:
+        raise ValueError(f"unique_reply_rank={unique_reply_rank} is outside [0, {world_size})")
+    name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
+    if isinstance(method, str):
+        payload: str | bytes = method
+    else:
+        import cloudpickle
+
+        payload = cloudpickle.dumps(method)
+    ranks = [unique_reply_rank] if unique_reply_rank is not None else list(range(world_size))
+    return CallPlan(name, payload, ranks)
 
 
 def run_method(worker: Any, method: RPCMethod | bytes, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -51,6 +51,28 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 300.0) -> N
     raise RuntimeError(f"no healthy server on port {port} after {timeout:.0f}s")
 
 
+def run_bench_serve(vllm_python: str, port: int, model: Path, workload: list[str], out_dir: Path, env: dict,
+                    tag: str) -> dict:
+    """One `vllm bench serve` run of `workload` against the server on `port`; its saved
+    result (a dict of vLLM's field names)."""
+    name = f"{tag}-{time.monotonic_ns()}.json"
+    subprocess.run([vllm_python, str(RUN_PY), "bench-serve", "--base-url", f"http://127.0.0.1:{port}",
+                    "--model", str(model), "--tokenizer", str(model), *workload, "--disable-tqdm",
+                    "--save-result", "--result-dir", str(out_dir), "--result-filename", name],
+                   env=env, check=True, capture_output=True, text=True, timeout=1800)
+    return json.loads((out_dir / name).read_text())
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 60 s."""
+    server.terminate()
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
 def server_command(side: str, vllm_python: str, model: Path, port: int, dtype: str, tp: int,
                    ours_extra: list[str]) -> list[str]:
     if side == "ours":
@@ -70,19 +92,9 @@ def measure(side: str, vllm_python: str, model: Path, dtype: str, tp: int, out_d
                               cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_healthy(port, server)
-        name = f"{side}-{time.monotonic_ns()}.json"
-        subprocess.run([vllm_python, str(RUN_PY), "bench-serve", "--base-url", f"http://127.0.0.1:{port}",
-                        "--model", str(model), "--tokenizer", str(model), *WORKLOAD, "--disable-tqdm",
-                        "--save-result", "--result-dir", str(out_dir), "--result-filename", name],
-                       env=env, check=True, capture_output=True, text=True, timeout=1800)
-        result = json.loads((out_dir / name).read_text())
+        result = run_bench_serve(vllm_python, port, model, WORKLOAD, out_dir, env, side)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_server(server)
         log.close()
     if result.get("completed") != 64:
         raise RuntimeError(f"{side}: {result.get('completed')} of 64 requests completed")

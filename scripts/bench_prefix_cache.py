@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # siblings and the repo, also under the peer's run.py
 
 from bench_common import free_port  # noqa: E402
-from bench_online_vs_vllm import wait_healthy  # noqa: E402
+from bench_online_vs_vllm import run_bench_serve, stop_server, wait_healthy  # noqa: E402
 from bench_serve import MODEL_SPEC  # noqa: E402
 from bench_vs_vllm import KV_BYTES, RUN_PY, ensure_model, vllm_bind  # noqa: E402
 
@@ -159,20 +159,10 @@ def run_online(side: str, vllm_python: str, model: Path, dtype: str, out_dir: Pa
         try:
             wait_healthy(port, server)
             queries, hits = prefix_counters(port, engine)
-            name = f"{side}-{time.monotonic_ns()}.json"
-            subprocess.run([vllm_python, str(RUN_PY), "bench-serve", "--base-url", f"http://127.0.0.1:{port}",
-                            "--model", str(model), "--tokenizer", str(model), *ONLINE_WORKLOAD, "--disable-tqdm",
-                            "--save-result", "--result-dir", str(out_dir), "--result-filename", name],
-                           env=env, check=True, capture_output=True, text=True, timeout=1800)
+            result = run_bench_serve(vllm_python, port, model, ONLINE_WORKLOAD, out_dir, env, side)
             queries2, hits2 = prefix_counters(port, engine)
-            result = json.loads((out_dir / name).read_text())
         finally:
-            server.terminate()
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            stop_server(server)
     if result.get("completed") != NUM_REQUESTS:
         raise RuntimeError(f"{side}: {result.get('completed')} of {NUM_REQUESTS} requests completed")
     computed = result["total_input_tokens"] if not caching else int((queries2 - queries) - (hits2 - hits))
