@@ -264,17 +264,18 @@ class AsyncEngine:
     async def wake_up(self, tags: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """EngineCore.wake_up on the engine loop; once awake, the requests that waited
         are accepted in their order of arrival."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
-        self._submit(_CoreCall(lambda core: self._wake_up_on_loop(core, tags), loop, future))
-        return await future
+        return await self._on_loop(lambda core: self._wake_up_on_loop(core, tags))
 
     async def reset_prefix_cache(self) -> int:
         """Drop every cached KV block (EngineCore.reset_prefix_cache, run on the engine
         loop between steps); returns how many were cached. Raises EngineDeadError."""
+        return await self._on_loop(lambda core: core.reset_prefix_cache())
+
+    async def _on_loop(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """`fn(core)`'s result (or exception), run by the engine loop between steps."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
-        self._submit(_CoreCall(lambda core: core.reset_prefix_cache(), loop, future))
+        self._submit(_CoreCall(fn, loop, future))
         return await future
 
     def abort(self, request_id: str) -> None:
@@ -381,6 +382,7 @@ class AsyncEngine:
                 result: object = self.core.sleep(command.level, abort=command.abort)
             except Exception as e:  # noqa: BLE001 - the caller gets it
                 result = e
+                self._resume_if_awake()  # a sleep that failed must not hold new requests back
             self._deliver(self.core.step())  # what finished on the way: aborted requests' last outputs
             command.loop.call_soon_threadsafe(_resolve, command.future, result)
 
@@ -393,12 +395,16 @@ class AsyncEngine:
 
     def _wake_up_on_loop(self, core: EngineCore, tags: Sequence[str] | None) -> list[dict[str, Any]]:
         reports = core.wake_up(tags)
-        if not core.is_sleeping and not any(isinstance(c, _Sleep) for c in self._held):
+        self._resume_if_awake()
+        return reports
+
+    def _resume_if_awake(self) -> None:
+        """Once the core is awake and no sleep is pending, accept the requests that waited."""
+        if not self.core.is_sleeping and not any(isinstance(c, _Sleep) for c in self._held):
             self._sleeping = False
             deferred, self._deferred = self._deferred, []
             for command in deferred:
                 self._handle(command)
-        return reports
 
     def _handle(self, command: object) -> None:
         if isinstance(command, _Sleep):
