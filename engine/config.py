@@ -178,6 +178,8 @@ class EngineConfig:
     download_dir: str | None = None
     revision: str | None = None
     quantization: str | None = None
+    # A tokenizer directory other than the model's (vLLM's `tokenizer`); None: the model's.
+    tokenizer: str | None = None
     safetensors_load_strategy: str | None = None
     safetensors_prefetch_num_threads: int = 8
     safetensors_prefetch_block_size: int = 16 * MiB
