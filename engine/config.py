@@ -10,6 +10,7 @@ is picklable and is sent to every worker process.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,17 +48,71 @@ def _positive(field_name: str, value: int | float, allow_zero: bool = False) -> 
 
 
 def read_hf_config(model_dir: Path) -> SimpleNamespace:
-    """Parse `model_dir/config.json` into attribute access; transformers is never imported."""
+    """Parse `model_dir/config.json` into attribute access; transformers is never imported,
+    and nothing in it is run (`auto_map` and other remote-code keys are plain data here).
+    Raises ConfigError naming the file when it is missing, too large, not UTF-8 JSON, or
+    not an object; `_build_model_config` checks the fields."""
     path = model_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"model={str(model_dir)!r}: no config.json found at {path}")
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        size = path.stat().st_size
+        if size > _MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path} is {size} bytes, over the {_MAX_CONFIG_BYTES >> 20} MiB a config.json may have")
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ConfigError(f"cannot parse {path}: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} does not hold a JSON object")
     return SimpleNamespace(**raw)
+
+
+_MAX_CONFIG_BYTES = 64 * MiB  # config.json is a few KiB; a larger file is not a config
+# Fields every supported architecture reads, and optional ones checked when present.
+_REQUIRED_INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+_OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+# Larger than any real model's dimension, small enough that no allocation sized by it is attempted.
+_MAX_DIM = (1 << 31) - 1
+
+
+def check_hf_config(hf_config: SimpleNamespace, source: Path) -> None:
+    """Refuse a model config that no model could be built from, before any worker
+    starts: ConfigError naming `source` (config.json or the GGUF file), the field and
+    its value. Required: `architectures` (a non-empty list of names) and the integer
+    dimensions in `_REQUIRED_INT_FIELDS`; every dimension is an integer in [1, 2**31 - 1]
+    (not a bool or float); the attention heads split evenly (num_key_value_heads divides
+    num_attention_heads; without an explicit head_dim, num_attention_heads divides
+    hidden_size); rope_theta and rms_norm_eps, when set, are positive numbers."""
+    archs = getattr(hf_config, "architectures", None)
+    if archs is None:
+        raise ConfigError(f"{source} lacks the required key 'architectures'")
+    if not isinstance(archs, list) or not archs or not all(isinstance(a, str) and a for a in archs):
+        raise ConfigError(f"{source}: architectures={archs!r} must be a non-empty list of architecture names")
+    for key in _REQUIRED_INT_FIELDS + _OPTIONAL_INT_FIELDS:
+        value = getattr(hf_config, key, None)
+        if value is None:
+            if key in _REQUIRED_INT_FIELDS:
+                raise ConfigError(f"{source} lacks the required key {key!r}")
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{source}: {key}={value!r} must be an integer")
+        if not 1 <= value <= _MAX_DIM:
+            raise ConfigError(f"{source}: {key}={value!r} must be between 1 and {_MAX_DIM}")
+    heads, hidden = hf_config.num_attention_heads, hf_config.hidden_size
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % kv_heads:
+        raise ConfigError(
+            f"{source}: num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}"
+        )
+    if getattr(hf_config, "head_dim", None) is None and hidden % heads:
+        raise ConfigError(
+            f"{source}: num_attention_heads={heads} does not divide hidden_size={hidden} (and no head_dim is given)"
+        )
+    for key in ("rope_theta", "rms_norm_eps"):
+        value = getattr(hf_config, key, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise ConfigError(f"{source}: {key}={value!r} must be a positive number")
 
 
 @dataclass
@@ -117,6 +172,9 @@ class LoadConfig:
     model_loader_extra_config: dict[str, Any] = field(default_factory=dict)
     ignore_patterns: list[str] = field(default_factory=lambda: ["original/**/*"])
     use_tqdm_on_load: bool = True
+    # Scan every floating-point checkpoint tensor for NaN / Inf and warn naming it (costs one
+    # more read of the checkpoint; model_loader/default_loader.py).
+    check_weights_finite: bool = False
 
 
 @dataclass
@@ -188,6 +246,8 @@ class EngineConfig:
     use_tqdm_on_load: bool = True
     cpu_prepack_weights: bool = True
     cpu_threads_bind: str = "auto"
+    # Warn, naming each tensor and its file, about checkpoint weights that hold NaN or Inf.
+    check_weights_finite: bool = False
 
     model_config: ModelConfig = field(init=False)
     parallel_config: ParallelConfig = field(init=False)
@@ -255,6 +315,7 @@ class EngineConfig:
             model_loader_extra_config=dict(self.model_loader_extra_config or {}),
             ignore_patterns=list(self.ignore_patterns) if self.ignore_patterns is not None else ["original/**/*"],
             use_tqdm_on_load=self.use_tqdm_on_load,
+            check_weights_finite=bool(self.check_weights_finite),
         )
         self.cache_config = CacheConfig(
             self.block_size, self.gpu_memory_utilization, self.kv_cache_memory_bytes, self.num_gpu_blocks_override,
@@ -282,21 +343,21 @@ class EngineConfig:
 
             model_dir = find_gguf_file(self.model)
             hf_config = gguf_hf_config(model_dir)
+            source = model_dir
         elif not model_dir.is_dir():
             raise ConfigError(f"model={self.model!r} is not a local directory")
         else:
             hf_config = read_hf_config(model_dir)
-        for key in ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-            if getattr(hf_config, key, None) is None:
-                raise ConfigError(f"{model_dir / 'config.json'} lacks the required key {key!r}")
+            source = model_dir / "config.json"
+        check_hf_config(hf_config, source)
         if self.dtype == "auto":
             ckpt_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None) or "float32"
-            if ckpt_dtype not in _DTYPES:
-                raise ConfigError(f"{model_dir / 'config.json'}: torch_dtype={ckpt_dtype!r} is not one of {list(_DTYPES)}")
+            if not isinstance(ckpt_dtype, str) or ckpt_dtype not in _DTYPES:
+                raise ConfigError(f"{source}: torch_dtype={ckpt_dtype!r} is not one of {list(_DTYPES)}")
             dtype = _DTYPES[ckpt_dtype]
         else:
             dtype = _DTYPES[self.dtype]
-        max_positions = int(getattr(hf_config, "max_position_embeddings", 2048))
+        max_positions = getattr(hf_config, "max_position_embeddings", None) or 2048
         max_len = self.max_model_len if self.max_model_len is not None else max_positions
         if max_len < 2:
             raise ConfigError(f"max_model_len={max_len!r} must be >= 2 (one prompt token and one generated token)")
@@ -307,7 +368,7 @@ class EngineConfig:
         window = getattr(hf_config, "sliding_window", None)
         if window is not None and getattr(hf_config, "use_sliding_window", True) and window < max_len:
             raise ConfigError(
-                f"sliding_window={window} in {model_dir / 'config.json'} is shorter than max_model_len={max_len}; "
+                f"sliding_window={window} in {source} is shorter than max_model_len={max_len}; "
                 "sliding-window attention is not supported, set max_model_len <= the window"
             )
         return ModelConfig(self.model, dtype, hf_config, max_len, self.seed, self.revision, self.quantization)

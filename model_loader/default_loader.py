@@ -7,11 +7,15 @@ load_format -> files and iterator:
   "npcache"       `*.bin`, converted once to a memory-mapped numpy cache (npcache.py)
 With `model_loader_extra_config={"enable_multithread_load": True, "num_threads": N}`
 safetensors and pt files are read by N parallel threads (multithread.py).
+With `EngineConfig(check_weights_finite=True)` every floating-point tensor is scanned
+for NaN and Inf, and each one that has any is logged as a warning naming the tensor and
+its file (off by default: it reads every byte of the checkpoint once more).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -34,6 +38,10 @@ from models.utils import format_names
 
 if TYPE_CHECKING:
     from engine.config import LoadConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+# Elements scanned per step by the finite check: bounds its temporary masks to a few MiB.
+_FINITE_CHECK_CHUNK = 1 << 22
 
 
 class DefaultModelLoader(BaseModelLoader):
@@ -85,7 +93,10 @@ class DefaultModelLoader(BaseModelLoader):
             and not self.multithread
             and self.load_config.safetensors_load_strategy != "eager"
         )
-        return check_float_weights(weights, model_dir), file_mapped
+        weights = check_float_weights(weights, model_dir)
+        if self.load_config.check_weights_finite:
+            weights = warn_non_finite_weights(weights, files, use_safetensors and load_format != "npcache")
+        return weights, file_mapped
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         """Whole, unsliced weights become views of the mapped file rather than copies
@@ -114,6 +125,61 @@ def check_float_weights(
                 "point: the checkpoint is corrupt or not for this model"
             )
         yield name, tensor
+
+
+def count_non_finite(tensor: torch.Tensor) -> tuple[int, int]:
+    """(NaN count, Inf count) of a floating-point tensor, scanned in chunks so that the
+    temporary masks stay small whatever the tensor's size. float8 values are widened
+    chunk by chunk (torch has no isnan for them on every device)."""
+    flat = tensor.detach().reshape(-1)
+    nan = inf = 0
+    for start in range(0, flat.numel(), _FINITE_CHECK_CHUNK):
+        chunk = flat[start:start + _FINITE_CHECK_CHUNK]
+        if chunk.element_size() == 1:
+            chunk = chunk.float()
+        if bool(torch.isfinite(chunk).all()):
+            continue
+        nan += int(torch.isnan(chunk).sum())
+        inf += int(torch.isinf(chunk).sum())
+    return nan, inf
+
+
+def warn_non_finite_weights(
+    weights: Iterator[tuple[str, torch.Tensor]], files: list[Path], safetensors: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass `weights` through; log one warning for every floating-point tensor that holds
+    NaN or Inf, naming it, its file (among `files`) and the counts. A warning, not an
+    error: some checkpoints carry such values on purpose (masks, unused rows); garbage
+    logits from a corrupt download are what this is for."""
+    for name, tensor in weights:
+        if tensor.is_floating_point() and tensor.numel():
+            nan, inf = count_non_finite(tensor)
+            if nan or inf:
+                logger.warning(
+                    "checkpoint tensor %r in %s has %d NaN and %d Inf value(s) out of %d: the checkpoint is "
+                    "probably corrupt, and outputs that use it will be garbage",
+                    name, _file_holding(name, files, safetensors), nan, inf, tensor.numel(),
+                )
+        yield name, tensor
+
+
+def _file_holding(name: str, files: list[Path], safetensors: bool) -> str:
+    """The file among `files` that holds tensor `name` (found only on this rare path:
+    headers for safetensors, a memory-mapped load for `.bin`)."""
+    if len(files) == 1:
+        return str(files[0])
+    from model_loader.pt_weights import load_pt_file
+    from model_loader.safetensors_reader import read_safetensors_header
+
+    for path in files:
+        try:
+            names = ([e.name for e in read_safetensors_header(path)[0]] if safetensors
+                     else list(load_pt_file(path)))
+        except WeightLoadError:
+            continue
+        if name in names:
+            return str(path)
+    return f"one of {[str(f) for f in files]}"
 
 
 def check_all_weights_loaded(model: nn.Module, loaded: set[str], source: str) -> None:

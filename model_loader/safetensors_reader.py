@@ -56,8 +56,13 @@ class TensorEntry:
 
 
 def read_safetensors_header(path: Path) -> tuple[list[TensorEntry], dict[str, str]]:
-    """Parse and validate the header; raises WeightLoadError naming `path` when the file
-    is truncated, corrupt, or uses an unknown dtype. Entries come in file order."""
+    """Parse and validate the header; raises WeightLoadError naming `path` (and the
+    tensor at fault) when the file is truncated or corrupt, or uses an unknown dtype.
+
+    Checked before anything is allocated or mapped: the 8-byte header length (at most
+    100 MiB, and inside the file), then per tensor its dtype, shape (integers >= 0) and
+    byte range (inside the data section, matching the shape); ranges of different
+    tensors must not overlap. Entries come in file order."""
     try:
         file_size = path.stat().st_size
         with open(path, "rb") as f:
@@ -65,35 +70,72 @@ def read_safetensors_header(path: Path) -> tuple[list[TensorEntry], dict[str, st
             if len(prefix) < 8:
                 raise WeightLoadError(f"{path} is truncated: {file_size} bytes, no safetensors header")
             (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > min(_MAX_HEADER_BYTES, file_size - 8):
-                raise WeightLoadError(f"{path} is corrupt or truncated: header length {header_len} > file size {file_size}")
+            # Both checks come before the read: a corrupt length must not allocate its size.
+            if header_len > _MAX_HEADER_BYTES:
+                raise WeightLoadError(
+                    f"{path} is corrupt or not a safetensors file: its header length {header_len} exceeds the "
+                    f"{_MAX_HEADER_BYTES >> 20} MiB limit"
+                )
+            if header_len > file_size - 8:
+                raise WeightLoadError(
+                    f"{path} is corrupt or truncated: header length {header_len} > file size {file_size}"
+                )
             header = json.loads(f.read(header_len))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise WeightLoadError(f"{path} is not a readable safetensors file: {e}") from None
     if not isinstance(header, dict):
         raise WeightLoadError(f"{path} is corrupt: header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise WeightLoadError(f"{path} is corrupt: __metadata__ is not a map of strings to strings")
     data_start = 8 + header_len
+    data_size = file_size - data_start
     entries = []
     for name, info in header.items():
         try:
             dtype = SAFETENSORS_DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(_header_int(d) for d in info["shape"])
+            begin, end = (_header_int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
             raise WeightLoadError(f"{path} is corrupt or uses an unsupported dtype at tensor {name!r}: {e!r}") from None
         numel = 1
         for d in shape:
             numel *= d
         if end - begin != numel * dtype.itemsize or begin > end:
-            raise WeightLoadError(f"{path} is corrupt: tensor {name!r} byte range does not match its shape {shape}")
-        if data_start + end > file_size:
             raise WeightLoadError(
-                f"{path} is truncated: tensor {name!r} ends at byte {data_start + end} but the file has {file_size}"
+                f"{path} is corrupt: tensor {name!r} byte range [{begin}, {end}) does not match its shape {shape} "
+                f"and dtype {info['dtype']}"
+            )
+        if end > data_size:
+            raise WeightLoadError(
+                f"{path} is truncated or corrupt: tensor {name!r} ends at byte {data_start + end} but the file has "
+                f"{file_size}"
             )
         entries.append(TensorEntry(name, dtype, shape, data_start + begin, data_start + end))
-    entries.sort(key=lambda e: e.begin)
+    entries.sort(key=lambda e: (e.begin, e.end))
+    # Overlapping ranges would alias two parameters' bytes (and our in-place consumers would
+    # corrupt each other); the format forbids them.
+    previous: TensorEntry | None = None
+    for entry in entries:
+        if entry.end == entry.begin:
+            continue
+        if previous is not None and entry.begin < previous.end:
+            raise WeightLoadError(
+                f"{path} is corrupt: tensors {previous.name!r} (bytes [{previous.begin - data_start}, "
+                f"{previous.end - data_start})) and {entry.name!r} (bytes [{entry.begin - data_start}, "
+                f"{entry.end - data_start})) overlap"
+            )
+        previous = entry
     return entries, metadata
+
+
+def _header_int(value: object) -> int:
+    """A shape dimension or byte offset: a JSON integer >= 0 (not a bool, float or string)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{value!r} is not an integer")
+    if value < 0:
+        raise ValueError(f"{value!r} is negative")
+    return value
 
 
 def _tensor_from_buffer(buffer: object, entry: TensorEntry, base: int = 0) -> torch.Tensor:

@@ -256,12 +256,17 @@ class ShardedStateLoader(BaseModelLoader):
         expected = shardable_state(model)
         loaded: set[str] = set()
         unexpected: list[str] = []
-        for name, tensor in safetensors_weights_iterator(
+        weights = safetensors_weights_iterator(
             files,
             strategy=self.load_config.safetensors_load_strategy,
             prefetch_num_threads=self.load_config.safetensors_prefetch_num_threads,
             prefetch_block_size=self.load_config.safetensors_prefetch_block_size,
-        ):
+        )
+        if self.load_config.check_weights_finite:
+            from model_loader.default_loader import warn_non_finite_weights
+
+            weights = warn_non_finite_weights(weights, files, safetensors=True)
+        for name, tensor in weights:
             target = expected.get(name)
             if target is None:
                 unexpected.append(name)

@@ -64,14 +64,31 @@ def _is_ignored(rel_path: str, ignore_patterns: list[str]) -> bool:
 
 def filter_by_safetensors_index(model_dir: Path, files: list[Path]) -> list[Path]:
     """Keep only the shards that the index's weight_map names (drops stray or
-    consolidated duplicates); a shard named by the index but absent is an error."""
+    consolidated duplicates). Raises WeightLoadError naming the index when it is not
+    valid JSON, when an entry is not a bare file name of `model_dir` (`../x`, an
+    absolute path or a subdirectory: nothing outside the model directory is ever
+    opened), or when a shard it names does not exist."""
     index_path = model_dir / SAFETENSORS_INDEX
     if not index_path.is_file():
         return files
     try:
         weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError(f"weight_map is a {type(weight_map).__name__}, not an object")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise WeightLoadError(f"{index_path} is not a valid safetensors index: {e!r}") from None
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise WeightLoadError(
+                f"{index_path} is not a valid safetensors index: weight_map[{tensor!r}] is {shard!r}, not a file name"
+            )
+        # Checked on the name, not the resolved path: Hub snapshots are symlinks into a blob
+        # store, which is fine; a name that leaves the directory is not.
+        if shard in ("", ".", "..") or "/" in shard or "\\" in shard or shard != Path(shard).name:
+            raise WeightLoadError(
+                f"{index_path}: weight_map[{tensor!r}] = {shard!r} points outside the model directory {model_dir}; "
+                "shards must be file names in that directory"
+            )
     wanted = set(weight_map.values())
     missing = sorted(name for name in wanted if not (model_dir / name).is_file())
     if missing:

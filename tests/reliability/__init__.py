@@ -1,0 +1,1 @@
+"""Reliability and security: faults, bad input, soak (issue 12)."""
