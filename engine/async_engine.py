@@ -65,9 +65,13 @@ class RequestStream:
         self._loop = loop
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._accepted: asyncio.Future[None] = loop.create_future()
-        # Owned by the engine-loop thread:
+        # Owned by the engine-loop thread (the request's timeline, for the metrics):
         self.arrival_time = time.monotonic()
+        self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_tokens_seen = 0
+        self.num_preemptions = 0
 
     def _receive(self, item: object) -> None:
         """On the consumer's loop: take one item posted by the engine thread."""
@@ -153,8 +157,9 @@ class AsyncEngine:
         log_stats: bool = True,
     ) -> None:
         self.core = core
-        self.metrics = metrics or EngineMetrics()
-        self._stat_logger = LoggingStatLogger(self.metrics) if log_stats else None
+        self.metrics = metrics or EngineMetrics(core.config.model, core.config.scheduler_config.max_model_len)
+        device = core.config.device_config.device_type
+        self._stat_logger = LoggingStatLogger(self.metrics, device_type=device) if log_stats else None
         self.dead_event = threading.Event()  # set once the engine died (not at a clean shutdown)
         self._health_check_interval_s = health_check_interval_s
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -424,7 +429,8 @@ class AsyncEngine:
                 self._post(stream, e)
                 return
             self._streams[stream.request_id] = stream
-            self.metrics.on_request_added(len(stream.prompt_token_ids))
+            params = command.sampling_params
+            self.metrics.on_request_added(len(stream.prompt_token_ids), params.max_tokens, getattr(params, "n", 1))
             self._post(stream, _ACCEPTED)
         elif isinstance(command, _CoreCall):
             self._call(command)
@@ -432,29 +438,66 @@ class AsyncEngine:
             self.core.abort_request(command.request_id)
             aborted = self._streams.pop(command.request_id, None)
             if aborted is not None:
-                self.metrics.on_request_finished("abort", time.monotonic() - aborted.arrival_time)
+                self._on_finished(aborted, "abort", aborted.num_tokens_seen, time.monotonic())
                 self._post(aborted, RequestAbortedError(f"request {command.request_id} was aborted"))
 
     def _step(self) -> None:
-        start = time.perf_counter()
+        start, started = time.perf_counter(), time.monotonic()
         outputs = self.core.step()
         self.metrics.on_step(time.perf_counter() - start, len(outputs))
-        self._deliver(outputs)
+        self._track_scheduling(started)
+        self._deliver(outputs, started)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _track_scheduling(self, step_started: float) -> None:
+        """Metrics: when each request was first scheduled, and its preemptions."""
+        scheduler = self.core.scheduler
+        for request in scheduler.running:
+            stream = self._streams.get(request.request_id)
+            if stream is not None and stream.scheduled_time is None:
+                stream.scheduled_time = step_started
+        for request in scheduler.waiting:  # preempted requests wait again
+            stream = self._streams.get(request.request_id)
+            if stream is not None and request.num_preemptions > stream.num_preemptions:
+                self.metrics.on_preemptions(request.num_preemptions - stream.num_preemptions)
+                stream.num_preemptions = request.num_preemptions
+
+    def _deliver(self, outputs: list[RequestOutput], step_started: float | None = None) -> None:
         now = time.monotonic()
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            if stream.first_token_time is None and output.token_ids:
-                stream.first_token_time = now
-                self.metrics.on_first_token(now - stream.arrival_time)
+            if stream.scheduled_time is None:  # scheduled and done within this step
+                stream.scheduled_time = step_started if step_started is not None else now
+            if len(output.token_ids) > stream.num_tokens_seen:
+                if stream.first_token_time is None:
+                    stream.first_token_time = now
+                    self.metrics.on_first_token(now - stream.arrival_time)
+                    self.metrics.on_prefilled(len(stream.prompt_token_ids))
+                else:
+                    self.metrics.on_token(now - (stream.last_token_time or now))
+                stream.last_token_time = now
+                stream.num_tokens_seen = len(output.token_ids)
             if output.finished:
                 del self._streams[output.request_id]
-                self.metrics.on_request_finished(output.finish_reason, now - stream.arrival_time)
+                self._on_finished(stream, output.finish_reason, len(output.token_ids), now)
             self._post(stream, output)
         self._update_gauges()
+
+    def _on_finished(self, stream: RequestStream, finish_reason: str | None, num_tokens: int, now: float) -> None:
+        """Metrics: a request's end, with vLLM's request phases where they happened."""
+        if stream.first_token_time is None and finish_reason != "abort":
+            self.metrics.on_prefilled(len(stream.prompt_token_ids))  # scored, nothing generated
+        scheduled, first, last = stream.scheduled_time, stream.first_token_time, stream.last_token_time
+        self.metrics.on_request_finished(
+            finish_reason, now - stream.arrival_time,
+            num_prompt_tokens=len(stream.prompt_token_ids), num_generation_tokens=num_tokens,
+            queue_seconds=None if scheduled is None else scheduled - stream.arrival_time,
+            prefill_seconds=None if scheduled is None or first is None else first - scheduled,
+            decode_seconds=None if first is None or last is None else last - first,
+            inference_seconds=None if scheduled is None else (last or now) - scheduled,
+            num_preemptions=stream.num_preemptions,
+        )
 
     def _update_gauges(self) -> None:
         scheduler = self.core.scheduler

@@ -51,7 +51,7 @@ class EngineCore:
             self.kv_cache_config = self._initialize_kv_caches()
             self.startup_timings = self._gather_startup_timings(time.perf_counter() - start)
             # Inside the try: a bad tokenizer.json must not leave the workers running.
-            self.tokenizer = load_tokenizer(config.model, config.load_format)
+            self.tokenizer = load_tokenizer(getattr(config, "tokenizer", None) or config.model, config.load_format)
             self.scheduler = Scheduler(
                 max_num_seqs=config.scheduler_config.max_num_seqs,
                 max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
@@ -99,18 +99,38 @@ class EngineCore:
         return kv_cache_config
 
     def _gather_startup_timings(self, total: float) -> dict[str, Any]:
+        """Each phase's time (the slowest rank's; "spawn" the executor's), "total", and
+        "per_rank" (each rank's own phases). Logs, as vLLM does at start-up, the weights
+        and KV cache of each rank in GiB, the KV capacity in tokens and the maximum
+        concurrency at max_model_len, then the phase timings."""
         per_rank = self.model_executor.worker_timings()
         timings: dict[str, Any] = {"total": total, "spawn": self.model_executor.startup_timings.get("spawn", 0.0)}
         for phase in STARTUP_PHASES[1:]:
             timings[phase] = max(rank.get(phase, 0.0) for rank in per_rank)
         timings["per_rank"] = per_rank
+        kv = self.kv_cache_config
+        # Each rank's parameter bytes, as it measured them after loading (packed CPU copies aside).
+        weights = self.collective_rpc(lambda worker: getattr(worker, "model_memory_usage", None))
+        if len(weights) != len(per_rank):  # external_launcher: only this rank answers
+            weights = [None] * len(per_rank)
         logger.info(
-            "EngineCore ready in %.2fs (tp=%d, num_blocks=%d): %s; per rank: %s",
+            "Memory per rank: %s; KV cache %.4f GiB each (%d blocks of %d tokens)",
+            ", ".join(f"rank {r}: weights {w / GiB:.4f} GiB" if w is not None else f"rank {r}: weights unknown"
+                      for r, w in enumerate(weights)),
+            kv.num_blocks * kv.block_bytes / GiB, kv.num_blocks, kv.block_size,
+        )
+        max_len = self.config.scheduler_config.max_model_len
+        device = "GPU" if self.config.device_config.device_type == "cuda" else "CPU"
+        logger.info("%s KV cache size: %s tokens; maximum concurrency for %d tokens per request: %.2fx",
+                    device, f"{kv.num_tokens:,}", max_len, kv.num_tokens / max_len)
+        logger.info(
+            "EngineCore ready in %.2fs (tp=%d, num_blocks=%d): %s (the slowest rank's); per rank: %s",
             total,
             self.config.tensor_parallel_size,
-            self.kv_cache_config.num_blocks,
+            kv.num_blocks,
             " | ".join(f"{p} {timings[p]:.3f}s" for p in STARTUP_PHASES),
-            per_rank,
+            "; ".join(f"rank {r}: " + ", ".join(f"{p} {t:.3f}s" for p, t in rank.items())
+                      for r, rank in enumerate(per_rank)),
         )
         return timings
 

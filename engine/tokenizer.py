@@ -179,6 +179,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        """Each id's token string as the vocabulary spells it (e.g. "Ġworld"); "" for an unknown id."""
+        return [self._tok.id_to_token(int(i)) or "" for i in ids]
+
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:

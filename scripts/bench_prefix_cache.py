@@ -132,7 +132,7 @@ def run_offline(side: str, vllm_python: str | None, model: Path, dtype: str) -> 
 def prefix_counters(port: int, engine: str) -> tuple[float, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
-    names = {"ours": ("tp_runtime_prefix_cache_queries_total", "tp_runtime_prefix_cache_hits_total"),
+    names = {"ours": ("tp_runtime:prefix_cache_queries_total", "tp_runtime:prefix_cache_hits_total"),
              "vllm": ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")}[engine]
     values = dict.fromkeys(names, 0.0)
     for line in text.splitlines():

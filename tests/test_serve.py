@@ -23,11 +23,13 @@ import httpx
 import openai
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
 from tests.conftest import REPO, free_port, tiny_llama_with_tokenizer
 
 MODEL_NAME = "tiny-serve"
+MODEL_ALIAS = "tiny-alias"  # the shared server's second --served-model-name
 MAX_MODEL_LEN = 256
 STARTUP_TIMEOUT_S = 180.0
 PROMPTS = [
@@ -166,11 +168,26 @@ def start_server(tmp_path: Path) -> Iterator[Any]:
         server.stop()
 
 
+def _vllm_style_server_args(model: Path, chat_template: Path) -> list[str]:
+    """The shared server's command line, in vLLM's spellings (the other servers use ours:
+    --tp, --kv-cache-memory, --no-access-log). --tokenizer and --chat-template name the
+    model's own, so the rendering the chat tests expect is unchanged."""
+    return ["--model", str(model), "-tp", "2", "--device", "cpu", "--dtype", "float", "--kv-cache-memory-bytes",
+            "16MiB", "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL_NAME, MODEL_ALIAS,
+            "--disable-uvicorn-access-log", "--enforce-eager", "--disable-log-requests", "--block-size", "16",
+            "--max-num-batched-tokens", "2K", "--enable-prefix-caching", "--gpu-memory-utilization", "0.9",
+            "--generation-config", "vllm", "--max-logprobs", "20", "--uvicorn-log-level", "info",
+            "--tokenizer", str(model), "--chat-template", str(chat_template)]
+
+
 @pytest.fixture(scope="module")
 def server(serve_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The shared TP=2 server."""
+    logs = tmp_path_factory.mktemp("serve_log")
+    template = logs / "template.jinja"
+    template.write_text(json.loads((serve_model / "tokenizer_config.json").read_text())["chat_template"])
     # A 1 s stats interval, so that test_prefix_cache_metrics_reset_and_log_line sees the line.
-    proc = ServerProcess(_server_args(serve_model), tmp_path_factory.mktemp("serve_log") / "server.log",
+    proc = ServerProcess(_vllm_style_server_args(serve_model, template), logs / "server.log",
                          env={"TP_LOG_STATS_INTERVAL": "1"}).start()
     yield proc
     proc.stop()
@@ -181,11 +198,15 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"metric {name} not found in:\n{text}")
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The value of sample `name` (e.g. "tp_runtime:prompt_tokens_total") whose labels
+    include `labels`, in Prometheus text `text`; every sample must carry model_name."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                assert sample.labels.get("model_name") == MODEL_NAME, sample
+                return sample.value
+    raise AssertionError(f"metric {name}{labels or ''} not found in:\n{text}")
 
 
 def _sse_payloads(body: str) -> list[Any]:
@@ -276,7 +297,47 @@ def test_chat_completion(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
 
 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
-    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME, MODEL_ALIAS]
+
+
+def test_every_served_name_is_the_model_and_the_first_is_reported(client: openai.OpenAI) -> None:
+    kwargs = dict(prompt="The quick brown fox", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    by_name = client.completions.create(model=MODEL_NAME, **kwargs)
+    by_alias = client.completions.create(model=MODEL_ALIAS, **kwargs)
+    assert by_alias.model == MODEL_NAME
+    assert by_alias.choices[0].text == by_name.choices[0].text
+    chat = client.chat.completions.create(model=MODEL_ALIAS, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=2)
+    assert chat.model == MODEL_NAME
+
+
+def test_version_and_ping(server: ServerProcess) -> None:
+    from importlib.metadata import version
+
+    assert httpx.get(f"{server.url}/version").json() == {"version": version("tp-runtime")}
+    for method in ("GET", "POST"):
+        response = httpx.request(method, f"{server.url}/ping")
+        assert response.status_code == 200 and response.json() == {"status": "ok"}, method
+
+
+def test_start_up_log_lines(server: ServerProcess) -> None:
+    log = server.log()
+    config = next(x for x in log.splitlines() if "with config:" in x)
+    for part in ("architecture=LlamaForCausalLM", "dtype=torch.float32", f"max_model_len={MAX_MODEL_LEN}",
+                 "tensor_parallel_size=2", "distributed_executor_backend=mp", "load_format=auto",
+                 f"served_model_name=['{MODEL_NAME}', '{MODEL_ALIAS}']"):
+        assert part in config, (part, config)
+    memory = next(x for x in log.splitlines() if "Memory per rank:" in x)
+    assert "rank 0: weights " in memory and "rank 1: weights " in memory and " GiB" in memory, memory
+    assert "KV cache 0.0156 GiB each" in memory, memory  # 16 MiB per rank
+    size = next(x for x in log.splitlines() if "KV cache size:" in x)
+    num_tokens = int(size.split("KV cache size: ")[1].split(" tokens")[0].replace(",", ""))
+    concurrency = float(size.split("per request: ")[1].rstrip("x"))
+    assert f"maximum concurrency for {MAX_MODEL_LEN} tokens per request" in size
+    assert concurrency == pytest.approx(num_tokens / MAX_MODEL_LEN, abs=0.01)
+    ready = next(x for x in log.splitlines() if "EngineCore ready in" in x)
+    assert "rank 0: distributed_init " in ready and "rank 1: distributed_init " in ready, ready
+    assert ", load " in ready.split("per rank: ")[1] and "{" not in ready, ready  # formatted, not a dict
 
 
 # ------------------------------------------------------------------------------- errors
@@ -288,18 +349,20 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
         ({"max_tokens": -1}, "max_tokens"),
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),  # 0 only with echo, to score the prompt
         ({"logprobs": 1000}, "logprobs"),
         ({"prompt": "word " * 300}, "prompt"),  # longer than max_model_len
         ({"prompt": list(range(MAX_MODEL_LEN - 4)), "max_tokens": 16}, "prompt"),  # prompt + max_tokens too long
         ({"prompt": [1, 2, 10**6]}, "prompt"),  # outside the vocabulary
         ({"prompt": []}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),  # batched prompts
+        ({"prompt": ["a", []]}, "prompt"),  # a list mixing text and ids
         ({"prompt": {"text": "hi"}}, "prompt"),  # wrong types
         ({"max_tokens": "many"}, "max_tokens"),
         ({"max_tokens": True}, "max_tokens"),
         ({"stream": "yes"}, "stream"),
-        ({"stop": ["\n"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": 5}, "stop"),
     ],
 )
 def test_bad_completion_request_is_a_400(server: ServerProcess, body: dict[str, Any], param: str) -> None:
@@ -318,7 +381,7 @@ def test_server_survives_bad_requests(server: ServerProcess, client: openai.Open
     unknown_model = httpx.post(url, json={"model": "nope", "prompt": "hi"})
     assert unknown_model.status_code == 404 and unknown_model.json()["error"]["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL_NAME, prompt="hi", n=2)
+        client.completions.create(model=MODEL_NAME, prompt="hi", n=2, best_of=1)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=0)
@@ -368,23 +431,31 @@ def test_health_and_metrics(server: ServerProcess, client: openai.OpenAI) -> Non
     after = httpx.get(f"{server.url}/metrics")
     assert after.status_code == 200 and after.headers["content-type"].startswith("text/plain")
     text = after.text
-    for name, grew_by in (("tp_runtime_requests_received_total", 1), ("tp_runtime_generation_tokens_total", 5)):
-        assert _metric(text, name) >= _metric(before.text, name) + grew_by
-    assert _metric(text, "tp_runtime_prompt_tokens_total") > 0
-    assert _metric(text, 'tp_runtime_requests_finished_total{finish_reason="length"}') >= 1
-    assert _metric(text, "tp_runtime_requests_rejected_total") >= 0
-    assert _metric(text, "tp_runtime_num_requests_running") == 0
-    assert _metric(text, "tp_runtime_num_requests_waiting") == 0
-    assert 0.0 <= _metric(text, "tp_runtime_kv_cache_usage_ratio") <= 1.0
-    assert _metric(text, "tp_runtime_engine_step_seconds_count") > 0
-    assert "# TYPE tp_runtime_engine_step_seconds histogram" in text
+    for name, grew_by in (("tp_runtime:requests_received_total", 1), ("tp_runtime:generation_tokens_total", 5),
+                          ("tp_runtime:e2e_request_latency_seconds_count", 1),
+                          ("tp_runtime:time_to_first_token_seconds_count", 1),
+                          ("tp_runtime:inter_token_latency_seconds_count", 4),
+                          ("tp_runtime:request_queue_time_seconds_count", 1),
+                          ("tp_runtime:request_decode_time_seconds_count", 1),
+                          ("tp_runtime:request_generation_tokens_sum", 5)):
+        assert _metric(text, name) >= _metric(before.text, name) + grew_by, name
+    assert _metric(text, "tp_runtime:prompt_tokens_total") > 0
+    assert _metric(text, "tp_runtime:request_success_total", finished_reason="length") >= 1
+    assert _metric(text, "tp_runtime:requests_rejected_total") >= 0
+    assert _metric(text, "tp_runtime:num_requests_running") == 0
+    assert _metric(text, "tp_runtime:num_requests_waiting") == 0
+    assert _metric(text, "tp_runtime:num_preemptions_total") == 0
+    assert 0.0 <= _metric(text, "tp_runtime:kv_cache_usage_perc") <= 1.0
+    assert _metric(text, "tp_runtime:engine_step_seconds_count") > 0
+    assert "# TYPE tp_runtime:time_to_first_token_seconds histogram" in text
+    assert "# TYPE tp_runtime:engine_step_seconds histogram" in text
 
 
 def test_prefix_cache_metrics_reset_and_log_line(server: ServerProcess, client: openai.OpenAI) -> None:
     prompt = "A long shared system prompt, " * 6 + "and then a question"
 
     def hits() -> float:
-        return _metric(httpx.get(f"{server.url}/metrics").text, "tp_runtime_prefix_cache_hits_total")
+        return _metric(httpx.get(f"{server.url}/metrics").text, "tp_runtime:prefix_cache_hits_total")
 
     def complete() -> str:
         out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
@@ -400,19 +471,21 @@ def test_prefix_cache_metrics_reset_and_log_line(server: ServerProcess, client: 
     after_reset = hits()
     assert complete() == first
     assert hits() == after_reset
-    queries = _metric(httpx.get(f"{server.url}/metrics").text, "tp_runtime_prefix_cache_queries_total")
+    queries = _metric(httpx.get(f"{server.url}/metrics").text, "tp_runtime:prefix_cache_queries_total")
     assert queries >= hits()
     deadline = time.monotonic() + 30
     while "Prefix cache hit rate:" not in server.log() and time.monotonic() < deadline:
         time.sleep(0.2)
     line = next(x for x in server.log().splitlines() if "Prefix cache hit rate:" in x)
-    assert "Avg prompt throughput:" in line and "Avg generation throughput:" in line and "KV cache usage:" in line
+    assert line.split("engine.stats: ")[1].startswith("Engine 000: Avg prompt throughput: ")
+    for part in ("Avg generation throughput:", "Running:", "Waiting:", "CPU KV cache usage:"):
+        assert part in line, (part, line)
 
 
 def test_client_disconnect_aborts_the_request(server: ServerProcess) -> None:
     def aborted() -> float:
         text = httpx.get(f"{server.url}/metrics").text
-        return _metric(text, 'tp_runtime_requests_finished_total{finish_reason="abort"}')
+        return _metric(text, "tp_runtime:request_success_total", finished_reason="abort")
 
     start = aborted()
     long = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
@@ -428,7 +501,7 @@ def test_client_disconnect_aborts_the_request(server: ServerProcess) -> None:
         time.sleep(0.2)
     assert aborted() == start + 2, httpx.get(f"{server.url}/metrics").text
     metrics = httpx.get(f"{server.url}/metrics").text
-    assert _metric(metrics, "tp_runtime_num_requests_running") == 0
+    assert _metric(metrics, "tp_runtime:num_requests_running") == 0
 
 
 # -------------------------------------------------------- AsyncEngine, in process

@@ -1,11 +1,15 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine (FastAPI).
 
-`build_app(async_engine, served_model_name, api_key=None)` returns the app;
-`python -m engine.serve` runs it under uvicorn. Routes: `GET /v1/models`,
+`build_app(async_engine, served_model_name, api_key=None, *, generation_config="auto",
+max_logprobs=20)` returns the app; `python -m engine.serve` runs it under uvicorn.
+`served_model_name` is one name or several (vLLM's `--served-model-name a b`): a request
+may name any of them, responses and metrics report the first. Routes: `GET /v1/models`,
 `POST /v1/completions`, `POST /v1/chat/completions` (models with a chat template),
-`GET /health` (503 once a worker is dead), `GET /metrics` (Prometheus text) and
-`POST /reset_prefix_cache` (drops every cached KV block, as vLLM's route); with
---enable-sleep-mode also `POST /sleep`, `POST /wake_up` and `GET /is_sleeping`.
+`POST /tokenize`, `POST /detokenize` (serving_tokenization.py), `GET /health` and
+`GET|POST /ping` (503 once a worker is dead), `GET /version`, `GET /metrics`
+(Prometheus text, engine/metrics.py) and `POST /reset_prefix_cache` (drops every
+cached KV block, as vLLM's route); with --enable-sleep-mode also `POST /sleep`,
+`POST /wake_up` and `GET /is_sleeping`.
 
 Every error body is OpenAI-shaped (errors.py). Streams are server-sent events ending
 in `data: [DONE]` (sse.py); a client that goes away, streaming or not, has its request
@@ -14,6 +18,7 @@ aborted in the engine.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
@@ -25,23 +30,55 @@ from engine.entrypoints.openai.errors import error_response, install_error_handl
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, dump
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from engine.metrics import CONTENT_TYPE
 from executor.errors import EngineDeadError
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving `async_engine` as model `served_model_name`; with
-    `api_key`, every /v1 route needs `Authorization: Bearer api_key`."""
+def _model_names(served_model_name: str | Sequence[str] | None, served_model_names: Sequence[str] | None) -> list[str]:
+    names = list(served_model_names) if served_model_names is not None else (
+        [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or []))
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"served model names must be non-empty strings, got {names!r}")
+    return names
+
+
+def build_app(
+    async_engine: AsyncEngine,
+    served_model_name: str | Sequence[str] | None = None,
+    api_key: str | None = None,
+    *,
+    served_model_names: Sequence[str] | None = None,
+    generation_config: str = "auto",
+    max_logprobs: int = 20,
+) -> FastAPI:
+    """The FastAPI app serving `async_engine` under `served_model_name` (one name or a
+    list; `served_model_names` is the same as a keyword); with `api_key`, every /v1
+    route needs `Authorization: Bearer api_key`. `generation_config` ("auto", "vllm" or
+    a directory) and `max_logprobs` (-1: no limit) are vLLM's flags of those names,
+    kept in `app.state`."""
+    names = _model_names(served_model_name, served_model_names)
+    main_name, aliases = names[0], set(names[1:])
     app = FastAPI(title="tp-runtime", summary="OpenAI-compatible tensor-parallel inference server")
-    completions = OpenAIServingCompletion(async_engine, served_model_name)
-    chat = OpenAIServingChat(async_engine, served_model_name)
+    completions = OpenAIServingCompletion(async_engine, main_name)
+    chat = OpenAIServingChat(async_engine, main_name)
+    tokenization = OpenAIServingTokenization(async_engine, names)
     metrics = async_engine.metrics
     app.state.serving_completion, app.state.serving_chat = completions, chat
+    app.state.serving_tokenization = tokenization
+    app.state.served_model_names = names
+    app.state.generation_config, app.state.max_logprobs = generation_config, max_logprobs
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     install_error_handlers(app, metrics)
 
-    @app.get("/health")
+    def as_main_name(body: Any) -> Any:
+        # Any served name is the model; the handlers know it by the first one, which
+        # responses report (as vLLM does).
+        if getattr(body, "model", None) in aliases:
+            body.model = main_name
+        return body
+
     async def health() -> JSONResponse:
         try:
             async_engine.check_health()
@@ -49,6 +86,15 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             metrics.set_healthy(False)
             return JSONResponse({"status": "dead", "message": str(e)}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's (SageMaker's) health route
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        from engine.entrypoints.cli import package_version
+
+        return JSONResponse({"version": package_version()})
 
     @app.get("/metrics")
     async def get_metrics() -> PlainTextResponse:
@@ -67,17 +113,25 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        card = ModelCard(id=served_model_name, root=async_engine.core.config.model,
-                         max_model_len=async_engine.max_model_len)
-        return JSONResponse(dump(ModelList(data=[card])))
+        cards = [ModelCard(id=name, root=async_engine.core.config.model, max_model_len=async_engine.max_model_len)
+                 for name in names]
+        return JSONResponse(dump(ModelList(data=cards)))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Any:
-        return await completions.create_completion(body, request)
+        return await completions.create_completion(as_main_name(body), request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
-        return await chat.create_chat_completion(body, request)
+        return await chat.create_chat_completion(as_main_name(body), request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        return await tokenization.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        return await tokenization.detokenize(request)
 
     return app
 
