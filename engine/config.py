@@ -19,7 +19,16 @@ from typing import Any
 
 import torch
 
+# The KV budget per rank on the CPU when neither kv_cache_memory_bytes nor
+# gpu_memory_utilization is given: a fixed space like vLLM's CPU backend, never a share
+# of host memory (0.9 of a shared host's RAM took 19.6 GB and 5 s of zeroing). The
+# server (engine.serve) should use this same constant.
+from worker.platform import CPU_DEFAULT_KV_CACHE_BYTES
+
 MiB = 1 << 20
+# How long a busy rank may show no sign of progress, or any rank no heartbeat, before
+# the engine names it hung (EngineConfig.worker_liveness_timeout_s).
+DEFAULT_WORKER_LIVENESS_TIMEOUT_S = 10.0
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -227,10 +236,18 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     block_size: int = 16
-    gpu_memory_utilization: float = 0.9
+    # None: 0.9 on CUDA; on the CPU, None (with no kv_cache_memory_bytes) means a fixed
+    # CPU_DEFAULT_KV_CACHE_BYTES per rank, and a value given here asks for the share rule
+    # (a profile run, then that share of this rank's part of host memory).
+    gpu_memory_utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # Liveness (mp backend): a rank busy in a step with no progress (its main thread used
+    # no CPU and entered no collective), or any rank whose heartbeat stopped, for this
+    # many seconds is declared hung: the engine fails naming it instead of waiting for
+    # the step timeout. 0 disables the check.
+    worker_liveness_timeout_s: float = DEFAULT_WORKER_LIVENESS_TIMEOUT_S
     # EngineCore.sleep / wake_up (and engine.serve's /sleep routes), as vLLM's flag.
     enable_sleep_mode: bool = False
     download_dir: str | None = None
@@ -272,8 +289,9 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("safetensors_prefetch_num_threads", self.safetensors_prefetch_num_threads)
         _positive("safetensors_prefetch_block_size", self.safetensors_prefetch_block_size)
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+        _positive("worker_liveness_timeout_s", self.worker_liveness_timeout_s, allow_zero=True)
         if self.kv_cache_memory_bytes is not None:
             _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         if self.num_gpu_blocks_override is not None:
@@ -317,9 +335,13 @@ class EngineConfig:
             use_tqdm_on_load=self.use_tqdm_on_load,
             check_weights_finite=bool(self.check_weights_finite),
         )
+        kv_bytes = self.kv_cache_memory_bytes
+        if (self.device_config.device_type == "cpu" and kv_bytes is None and self.gpu_memory_utilization is None
+                and self.num_gpu_blocks_override is None):
+            kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES
         self.cache_config = CacheConfig(
-            self.block_size, self.gpu_memory_utilization, self.kv_cache_memory_bytes, self.num_gpu_blocks_override,
-            bool(self.enable_prefix_caching),
+            self.block_size, 0.9 if self.gpu_memory_utilization is None else self.gpu_memory_utilization,
+            kv_bytes, self.num_gpu_blocks_override, bool(self.enable_prefix_caching),
         )
         # A Hub repo id is resolved here, once, in the engine process (download or cache
         # lookup under a file lock, honouring revision / download_dir / ignore_patterns):

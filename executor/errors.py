@@ -22,3 +22,8 @@ class RemoteWorkerError(RuntimeError):
         self.method = method
         self.error = error
         self.remote_traceback = remote_traceback
+
+
+class ShmSpaceError(WorkerStartupError):
+    """The shared-memory directory (/dev/shm) cannot hold the worker group's segments;
+    the message names the directory, the bytes free and the bytes needed."""

@@ -9,7 +9,25 @@ sentinels: any rank exiting marks the executor failed and cancels pending calls.
 Processes: forkserver with torch and the worker stack preloaded (set
 TP_WORKER_MULTIPROC_METHOD=spawn to change), so a rank forks from a warm interpreter.
 Each worker holds the read end of a death pipe and sets PR_SET_PDEATHSIG, so it exits
-when the engine process dies, however it dies.
+when the engine process dies, however it dies. Workers take the engine's TP_*
+environment variables at start (the forkserver's own were fixed when it started).
+
+Nothing on disk: the queues' sockets are in Linux's abstract namespace, the
+torch.distributed rendezvous is a TCPStore this process serves on 127.0.0.1 (port chosen
+by the kernel), and the forkserver listens on an abstract socket too, so a SIGKILLed
+engine leaves no file, socket or directory behind (the resource tracker removes any
+segment not yet unlinked). Before anything starts, /dev/shm must hold every segment of
+the group (ShmSpaceError names the directory and the bytes).
+
+Liveness (executor/liveness.py): every rank writes a status row (heartbeat, current
+call, progress, collective entry) to a shared board. The monitor thread fails the
+executor, naming the rank, when a rank dies, stops beating, or hangs in a step (busy,
+outside any collective, no progress) for `worker_liveness_timeout_s`; a failed executor
+SIGKILLs its workers, and every pending and later call raises EngineDeadError at once.
+A call that failed on one rank while another still runs it is settled before the next
+call is sent: if the other rank is stuck waiting in a collective the failed rank left,
+the group is out of step and the executor fails (within about a second) instead of
+sending a call whose collectives would pair with the stuck one.
 """
 
 from __future__ import annotations
@@ -17,19 +35,22 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import shutil
-import tempfile
+import sys
 import threading
 import time
+import uuid
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
+from executor import liveness
 from executor.abstract import Executor
-from executor.errors import EngineDeadError, RemoteWorkerError, WorkerStartupError
+from executor.errors import EngineDeadError, RemoteWorkerError, ShmSpaceError, WorkerStartupError
+from executor.liveness import StatusBoard
 from executor.message_queue import MessageQueueOwner, QueueClosedError, QueueEndpoint
 from executor.message_queue_reader import MessageQueueReader
 from executor.message_queue_writer import MessageQueueWriter
 from executor.rpc import SHUTDOWN, ReadyMessage, RPCMethod, RPCReply, RPCRequest, plan_call
+from executor.shm_ring import RingLayout, RingSpec
 from executor.worker_proc import WorkerProc
 
 logger = logging.getLogger(__name__)
@@ -40,6 +61,16 @@ SHUTDOWN_GRACE_S = 5.0
 # failure this often.
 _ERROR_POLL_S = 0.1
 _FORKSERVER_PRELOAD = ["torch", "executor.worker_proc"]
+# How often the monitor thread checks deaths and the liveness board.
+_MONITOR_POLL_S = 0.1
+# After a call failed on one rank, another rank still running it that waits in a
+# collective (or shows no progress) this long is taken as stuck for good.
+_SETTLE_GRACE_S = 1.0
+# Calls whose silence the liveness check judges (a user's callable may sleep at will).
+_LIVENESS_CHECKED = frozenset({"execute_model", "check_health"})
+# Queue geometry (MessageQueueOwner's defaults), also used to size /dev/shm's needs.
+_MQ_CHUNK_BYTES = 4 * 1024 * 1024
+_MQ_CHUNKS = 8
 
 _Q = TypeVar("_Q", bound="MessageQueueOwner | QueueEndpoint")
 
@@ -51,7 +82,89 @@ def _mp_context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+        _ensure_forkserver_without_files()
     return ctx
+
+
+_forkserver_lock = threading.Lock()
+
+
+def _ensure_forkserver_without_files() -> None:
+    """Start this interpreter's forkserver (if it is not running) listening on an abstract
+    socket. Python 3.11 puts its listener in a `pymp-*` directory that only a clean exit
+    removes, so every engine killed by a signal left one in the temp directory."""
+    from multiprocessing import connection, forkserver
+
+    if not sys.platform.startswith("linux"):
+        return
+    with _forkserver_lock:
+        real = connection.arbitrary_address
+
+        def abstract_address(family: str) -> Any:
+            if family == "AF_UNIX":
+                return f"\0tp-forkserver-{os.getpid()}-{uuid.uuid4().hex}"
+            return real(family)
+
+        connection.arbitrary_address = abstract_address  # type: ignore[assignment]
+        try:
+            forkserver.ensure_running()
+        finally:
+            connection.arbitrary_address = real  # type: ignore[assignment]
+
+
+def _pid_alive(pid: int | None) -> bool:
+    """Whether `pid` runs. Read off /proc, not the Process object: a forkserver child is
+    reaped by the forkserver, whose report reaches us some time after the death."""
+    if pid is None:
+        return False
+    if not os.path.isdir("/proc"):
+        return True  # no way to tell here; the monitor's sentinel wait will
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:
+        return True
+
+
+def shm_dir() -> str:
+    """Where POSIX shared memory lives (glibc: /dev/shm); TP_SHM_DIR names another
+    mount for the start-up space check."""
+    return os.environ.get("TP_SHM_DIR", "/dev/shm")
+
+
+def shm_bytes_needed(config: Any, world_size: int) -> dict[str, int]:
+    """Bytes of shared memory one worker group maps, by user."""
+    ring = RingLayout.of(RingSpec("size", world_size, _MQ_CHUNK_BYTES, _MQ_CHUNKS)).total
+    reply = RingLayout.of(RingSpec("size", 1, _MQ_CHUNK_BYTES, _MQ_CHUNKS)).total
+    needs = {"message queues": ring + world_size * reply}
+    if config.device_config.device_type == "cpu" and os.environ.get("TP_CPU_SHM_ALLREDUCE", "1") != "0":
+        from distributed.device_communicators.shm_allreduce import DEFAULT_SLOT_BYTES
+
+        needs["CPU all-reduce"] = world_size * 2 * DEFAULT_SLOT_BYTES + 2 * world_size * 64
+    return needs
+
+
+def check_shm_space(config: Any, world_size: int) -> None:
+    """Raise ShmSpaceError unless the shared-memory directory can hold the group's
+    segments. (tmpfs accepts a segment larger than its free space and the writer gets
+    SIGBUS later, at the first touch of a missing page: so look first.)"""
+    path = shm_dir()
+    try:
+        st = os.statvfs(path)
+    except OSError as e:
+        raise ShmSpaceError(f"cannot check the shared-memory directory {path} (TP_SHM_DIR): {e}") from None
+    free = st.f_bavail * st.f_frsize
+    needs = shm_bytes_needed(config, world_size)
+    needed = sum(needs.values())
+    if free < needed:
+        parts = ", ".join(f"{k} {v}" for k, v in needs.items())
+        raise ShmSpaceError(
+            f"{path} has {free} bytes free, but tensor_parallel_size={world_size} needs {needed} bytes of shared "
+            f"memory there ({parts}): free some space in {path} (in Docker: --shm-size), or set "
+            "TP_CPU_SHM_ALLREDUCE=0 to keep the CPU all-reduce out of it"
+        )
 
 
 class MultiprocExecutor(Executor):
@@ -64,8 +177,18 @@ class MultiprocExecutor(Executor):
         self._death_writers: list[Connection] = []
         self._queues: list[MessageQueueOwner | QueueEndpoint] = []
         self._monitor: threading.Thread | None = None
-        self._ipc_dir = tempfile.mkdtemp(prefix="tp-engine-")
+        self._fail_lock = threading.Lock()
+        # None: this executor keeps nothing on disk (attribute kept for callers that check one).
+        self._ipc_dir: str | None = None
+        self._store: Any = None
+        self._board: StatusBoard | None = None
+        self._liveness_s = float(self.config.worker_liveness_timeout_s)
+        # A call that failed on some rank while others may still be running it:
+        # (call_id, name, failed rank, when); settled before the next call goes out.
+        self._unsettled: tuple[int, str, int, float] | None = None
+        self._checked_calls: set[int] = set()  # ids of calls the liveness check judges
         try:
+            check_shm_space(self.config, self.world_size)
             self._start_workers()
         except BaseException:
             self.shutdown()
@@ -74,15 +197,22 @@ class MultiprocExecutor(Executor):
     def _start_workers(self) -> None:
         start = time.perf_counter()
         ws = self.world_size
-        # A FileStore in our private directory: no port to pick, nothing on the network.
-        init_method = f"file://{os.path.join(self._ipc_dir, 'dist_store')}"
+        # The rendezvous: a TCPStore served here on loopback, on a port the kernel picks
+        # (no race for a free port, no file to leave behind). Workers only connect.
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+        init_method = f"tcpstore://127.0.0.1:{self._store.port}"
+        self._board = StatusBoard(ws)
         # Each queue is recorded as soon as it exists, so a failure part-way still releases it.
-        self._broadcast_owner = self._track(MessageQueueOwner(ws, ipc_dir=self._ipc_dir))
-        self._reply_owners = [self._track(MessageQueueOwner(1, ipc_dir=self._ipc_dir)) for _ in range(ws)]
+        mq = dict(max_chunk_bytes=_MQ_CHUNK_BYTES, max_chunks=_MQ_CHUNKS, abstract_sockets=True)
+        self._broadcast_owner = self._track(MessageQueueOwner(ws, **mq))
+        self._reply_owners = [self._track(MessageQueueOwner(1, **mq)) for _ in range(ws)]
         self._broadcast = self._track(MessageQueueWriter(self._broadcast_owner.export_handle()))
         self._replies = [self._track(MessageQueueReader(q.export_handle(), 0)) for q in self._reply_owners]
 
         ctx = _mp_context()
+        env = {k: v for k, v in os.environ.items() if k.startswith("TP_")}
         ready_readers: list[Connection] = []
         for rank in range(ws):
             ready_r, ready_w = ctx.Pipe(duplex=False)
@@ -91,7 +221,7 @@ class MultiprocExecutor(Executor):
                 target=WorkerProc.worker_main,
                 name=f"WorkerProc-TP{rank}",
                 args=(self.config, rank, rank, init_method, self._broadcast_owner.export_handle(),
-                      self._reply_owners[rank].export_handle(), ready_w, death_r, self._ipc_dir),
+                      self._reply_owners[rank].export_handle(), ready_w, death_r, self._board.name, env),
                 daemon=True,
             )
             proc.start()
@@ -106,6 +236,7 @@ class MultiprocExecutor(Executor):
         self._broadcast.wait_until_ready(timeout=60)
         for queue in (self._broadcast_owner, *self._reply_owners):
             queue.unlink()
+        self._board.unlink()
         self.startup_timings["startup_total"] = time.perf_counter() - start
         self._monitor = threading.Thread(target=self._monitor_workers, name="worker-monitor", daemon=True)
         self._monitor.start()
@@ -165,21 +296,106 @@ class MultiprocExecutor(Executor):
 
     def _monitor_workers(self) -> None:
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.processes)}
-        died = wait(list(sentinels))
-        if self._shutdown_started:
-            return
-        rank = sentinels[died[0]]
-        self._failure = self._death_message(rank, "unexpectedly")
-        logger.error("%s; the executor is dead", self._failure)
-        # Wakes any caller blocked on a reply so it raises EngineDeadError now.
+        while not self._shutdown_started and self._failure is None:
+            died = wait(list(sentinels), timeout=_MONITOR_POLL_S)
+            if self._shutdown_started or self._failure is not None:
+                return
+            if died:
+                self._fail(self._death_message(sentinels[died[0]], "unexpectedly"))
+                return
+            hung = self._find_hung_rank()
+            if hung is not None:
+                self._fail(hung)
+                return
+
+    def _fail(self, reason: str) -> None:
+        """Mark the executor dead for `reason` (the first reason wins), wake every caller
+        blocked on a reply (it raises EngineDeadError now) and SIGKILL the workers: a
+        group with a dead, hung or out-of-step rank can run nothing more, and its other
+        ranks would otherwise spin in a collective until shutdown."""
+        with self._fail_lock:
+            if self._failure is not None:
+                return
+            self._failure = reason
+        logger.error("%s; the executor is dead", reason)
         for queue in self._replies:
             queue.shutdown()
+        for proc in self.processes:
+            if proc.exitcode is None:
+                try:
+                    proc.kill()
+                except (OSError, ValueError):
+                    pass  # already gone
+
+    def _find_hung_rank(self) -> str | None:
+        """The liveness verdict on the board, or None while every rank looks alive."""
+        limit = self._liveness_s
+        if not limit or self._board is None:
+            return None
+        now = time.monotonic()
+        for rank in range(self.world_size):
+            row = self._board.row(rank)
+            pid = int(row[liveness.PID])
+            beat = row[liveness.HEARTBEAT]
+            if beat and now - beat > limit:
+                return (f"worker rank {rank} (pid {pid}) sent no heartbeat for {now - beat:.1f}s "
+                        f"(worker_liveness_timeout_s={limit:g}): its process is stopped or frozen")
+            call = int(row[liveness.BUSY_CALL])
+            if (call and call in self._checked_calls and not row[liveness.IN_COLLECTIVE]
+                    and now - row[liveness.PROGRESS] > limit):
+                return (f"worker rank {rank} (pid {pid}) is hung: busy in a step for {now - row[liveness.BUSY_SINCE]:.1f}s "
+                        f"with no progress for {now - row[liveness.PROGRESS]:.1f}s (its main thread used no CPU "
+                        f"and entered no collective; worker_liveness_timeout_s={limit:g})")
+        return None
 
     def check_health(self) -> None:
         if self._failure is not None:
             raise EngineDeadError(self._failure)
         if self._shutdown_started:
             raise EngineDeadError("the executor has been shut down")
+        if self._unsettled is not None:
+            self._settle(wait=False)
+
+    def _note_failure(self, call_id: int, name: str, rank: int) -> None:
+        """Rank `rank` failed in `call_id`: remember it if another rank has not finished it."""
+        if self._board is None:
+            return
+        if any(self._board.row(r)[liveness.DONE_CALL] < call_id for r in range(self.world_size)):
+            self._unsettled = (call_id, name, rank, time.monotonic())
+
+    def _settle(self, wait: bool = True) -> None:
+        """Before the next call: every rank must have finished the failed call. Waits while
+        a rank still runs it and makes progress (with `wait`); fails the executor when
+        each rank still in it is stuck (waiting in a collective, or no progress, for
+        _SETTLE_GRACE_S), since the failed rank will never join that collective."""
+        assert self._unsettled is not None and self._board is not None
+        call_id, name, failed_rank, failed_at = self._unsettled
+        while True:
+            if self._failure is not None:
+                raise EngineDeadError(self._failure)
+            now = time.monotonic()
+            pending = [r for r in range(self.world_size) if self._board.row(r)[liveness.DONE_CALL] < call_id]
+            if not pending:
+                self._unsettled = None
+                return
+            stuck = []
+            for r in pending:
+                row = self._board.row(r)
+                entered = row[liveness.IN_COLLECTIVE]
+                silent = now - row[liveness.PROGRESS]
+                in_failed_call = int(row[liveness.BUSY_CALL]) == call_id
+                if (in_failed_call and ((entered and now - entered > _SETTLE_GRACE_S) or silent > _SETTLE_GRACE_S)) \
+                        or (self._liveness_s and silent > self._liveness_s):
+                    stuck.append(r)
+            if len(stuck) == len(pending) and now - failed_at > _SETTLE_GRACE_S:
+                self._fail(
+                    f"rank(s) {pending} can never finish {name!r} (call {call_id}): rank {failed_rank} failed in it "
+                    "while they wait in a collective it left; the ranks are out of step, so the executor is dead"
+                )
+                raise EngineDeadError(self._failure)
+            if not wait:
+                return
+            time.sleep(0.02)
 
     def _enqueue(self, request: RPCRequest, deadline: float | None, name: str) -> None:
         while True:
@@ -207,11 +423,18 @@ class MultiprocExecutor(Executor):
         plan = plan_call(method, unique_reply_rank, self.world_size)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._rpc_lock:
+            if self._unsettled is not None:
+                self._settle()
             self._call_id += 1
             call_id = self._call_id
             request = RPCRequest(call_id, plan.payload, tuple(args), dict(kwargs or {}), unique_reply_rank)
+            checked = plan.name in _LIVENESS_CHECKED
+            if checked:
+                self._checked_calls.add(call_id)
             self._enqueue(request, deadline, plan.name)
             results = self._collect_replies(plan.ranks, call_id, plan.name, deadline, timeout)
+            if checked:
+                self._checked_calls.discard(call_id)
         return plan.results(results, unique_reply_rank)
 
     def _collect_replies(
@@ -228,7 +451,7 @@ class MultiprocExecutor(Executor):
             slice_s = _ERROR_POLL_S if remaining is None else min(_ERROR_POLL_S, remaining)
             reply = self._next_reply(rank, call_id, slice_s)
             if reply is not None:
-                results[rank] = self._result_of(reply, name)
+                results[rank] = self._result_of(reply, name, call_id)
                 waiting.remove(rank)
                 continue
             for other in range(self.world_size):
@@ -237,7 +460,7 @@ class MultiprocExecutor(Executor):
                 early = self._next_reply(other, call_id, 0.0)
                 if early is not None:
                     # Only a failure arrives from a rank that was not asked.
-                    results[other] = self._result_of(early, name)
+                    results[other] = self._result_of(early, name, call_id)
                     if other in waiting:
                         waiting.remove(other)
             if deadline is not None and time.monotonic() >= deadline:
@@ -258,15 +481,21 @@ class MultiprocExecutor(Executor):
             if reply.call_id == call_id:
                 return reply
 
-    @staticmethod
-    def _result_of(reply: RPCReply, name: str) -> Any:
+    def _result_of(self, reply: RPCReply, name: str, call_id: int) -> Any:
         if not reply.ok:
+            # A peer of a rank that just died may report the death (a collective that
+            # saw it) before the monitor does: the death is the cause, say so.
+            for rank, proc in enumerate(self.processes):
+                if not _pid_alive(proc.pid):
+                    self._fail(self._death_message(rank, "unexpectedly"))
+                    raise EngineDeadError(self._failure)
+            self._note_failure(call_id, name, reply.rank)
             raise RemoteWorkerError(reply.rank, name, reply.error or "", reply.traceback or "")
         return reply.result
 
     def shutdown(self) -> None:
         """Ask the workers to stop, close the death pipes, then SIGKILL whatever is left
-        after the grace period; release every queue, segment and socket file."""
+        after the grace period; release every queue, segment and socket, and the store."""
         if self._shutdown_started:
             return
         self._shutdown_started = True
@@ -286,6 +515,10 @@ class MultiprocExecutor(Executor):
                 proc.kill()
         for proc in self.processes:
             proc.join()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=2 * _MONITOR_POLL_S + 1.0)
         for queue in self._queues:
             queue.shutdown()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._board is not None:
+            self._board.close()
+        self._store = None  # closes its listening socket

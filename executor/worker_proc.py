@@ -1,9 +1,11 @@
 """WorkerProc: the body of one worker process (one TP rank).
 
 Started by MultiprocExecutor. In order: arm the parent-death signal and the death-pipe
-watcher, attach to the broadcast queue (reader) and to this rank's reply queue
-(writer), build the Worker, init_device(), load_model(), report READY (or FAILED with
-the traceback) over the ready pipe, then serve RPCs until told to stop. A worker
+watcher, take the engine's TP_* environment, map the liveness board (heartbeat thread;
+see executor/liveness.py), attach to the broadcast queue (reader) and to this rank's
+reply queue (writer), build the Worker, init_device() (its collectives then report to
+the board), load_model(), report READY (or FAILED with the traceback) over the ready
+pipe, then serve RPCs until told to stop, marking each call's start and end on the board. A worker
 exception is sent back as a reply and the loop goes on; only the death of the engine,
 a SHUTDOWN message or a signal ends the process.
 """
@@ -13,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -26,6 +27,8 @@ from tqdm import tqdm
 from executor.message_queue import MessageQueueHandle, QueueClosedError
 from executor.message_queue_reader import MessageQueueReader
 from executor.message_queue_writer import MessageQueueWriter
+from distributed.parallel_state import observe_collectives
+from executor.liveness import WorkerStatus
 from executor.rpc import SHUTDOWN, ReadyMessage, RPCReply, RPCRequest, run_method
 from worker.worker import Worker
 
@@ -43,36 +46,50 @@ def _set_parent_death_signal() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def _watch_death_pipe(death_conn: Connection, ipc_dir: str) -> None:
+def _watch_death_pipe(death_conn: Connection) -> None:
     """EOF on the death pipe means the engine closed it (shutdown) or died: leave now.
     os._exit skips interpreter teardown, which could block on a half-dead group.
-
-    A dead engine cannot remove its private directory (socket files, rendezvous store),
-    so every rank does; on a normal shutdown the engine has no more use for it either."""
+    (Nothing on disk needs removing: the sockets are abstract, the store is TCP.)"""
     try:
         death_conn.recv()
     except (EOFError, OSError):
         pass
-    shutil.rmtree(ipc_dir, ignore_errors=True)
     os._exit(0)
+
+
+def _adopt_engine_env(env: dict[str, str]) -> None:
+    """Make this process's TP_* variables the engine's: the forkserver's environment was
+    fixed when it started, possibly before the engine set them."""
+    for key in [k for k in os.environ if k.startswith("TP_") and k not in env]:
+        del os.environ[key]
+    os.environ.update(env)
 
 
 class WorkerProc:
     def __init__(self, config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str | None,
-                 broadcast_handle: MessageQueueHandle, reply_handle: MessageQueueHandle) -> None:
+                 broadcast_handle: MessageQueueHandle, reply_handle: MessageQueueHandle,
+                 status_board: str | None = None) -> None:
         self.rank = rank
+        # First: the engine reads liveness (heartbeat, progress) off this from now on.
+        self.status = (WorkerStatus(status_board, config.parallel_config.world_size, rank)
+                       if status_board is not None else None)
         self.broadcast = MessageQueueReader(broadcast_handle, rank)
         self.reply = MessageQueueWriter(reply_handle)
         self.worker = Worker(config, local_rank=local_rank, rank=rank, distributed_init_method=distributed_init_method)
         self.worker.init_device()
+        if self.status is not None:
+            observe_collectives(self.status.enter_collective, self.status.exit_collective)
         self.worker.load_model()
 
     @staticmethod
     def worker_main(config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str | None,
                     broadcast_handle: MessageQueueHandle, reply_handle: MessageQueueHandle,
-                    ready_conn: Connection, death_conn: Connection, ipc_dir: str) -> None:
+                    ready_conn: Connection, death_conn: Connection, status_board: str | None = None,
+                    env: dict[str, str] | None = None) -> None:
         """Process entry point (the multiprocessing target)."""
         _set_parent_death_signal()
+        if env is not None:
+            _adopt_engine_env(env)
         # Ctrl-C, and a SIGTERM sent to the whole process group (systemd, `timeout`),
         # reach us too; the engine owns our lifetime and stops us itself.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -80,9 +97,10 @@ class WorkerProc:
         # tqdm's default lock is a multiprocessing semaphore that a worker ending in
         # os._exit would leak to the resource tracker; one process needs only a thread lock.
         tqdm.set_lock(threading.RLock())
-        threading.Thread(target=_watch_death_pipe, args=(death_conn, ipc_dir), name="death-pipe", daemon=True).start()
+        threading.Thread(target=_watch_death_pipe, args=(death_conn,), name="death-pipe", daemon=True).start()
         try:
-            proc = WorkerProc(config, rank, local_rank, distributed_init_method, broadcast_handle, reply_handle)
+            proc = WorkerProc(config, rank, local_rank, distributed_init_method, broadcast_handle, reply_handle,
+                              status_board)
             proc.reply.wait_until_ready(timeout=60)
         except BaseException as e:
             ready_conn.send(ReadyMessage(rank, False, os.getpid(), error=f"{type(e).__name__}: {e}",
@@ -107,12 +125,17 @@ class WorkerProc:
             if request.method == SHUTDOWN:
                 return
             must_reply = request.reply_rank is None or request.reply_rank == self.rank
+            if self.status is not None:
+                self.status.begin_call(request.call_id)
             try:
                 result = run_method(self.worker, request.method, request.args, request.kwargs)
                 reply = RPCReply(request.call_id, self.rank, True, result=result if must_reply else None)
             except Exception as e:
                 reply = RPCReply(request.call_id, self.rank, False, error=f"{type(e).__name__}: {e}",
                                  traceback=traceback.format_exc())
+            finally:
+                if self.status is not None:
+                    self.status.end_call(request.call_id)
             # A rank that is not asked stays silent unless it failed: the engine looks for
             # such failures while it waits (the failed rank's peers may be stuck in a
             # collective), and drains them. Results nobody asked for are never sent.
@@ -125,6 +148,8 @@ class WorkerProc:
                                                 traceback=traceback.format_exc()))
 
     def close(self) -> None:
+        if self.status is not None:
+            self.status.close()
         self.worker.shutdown()
         self.broadcast.shutdown()
         self.reply.shutdown()

@@ -1,9 +1,10 @@
 """End-to-end EngineCore failure and cleanup tests with real worker processes (issue 3).
 
 A SIGKILLed worker becomes EngineDeadError naming the rank within seconds; a SIGKILLed
-engine takes its workers with it; shutdown (also after 20 back-to-back start/stops)
-leaves no process, /dev/shm segment, socket file, fd or thread behind; a corrupt shard
-and a too-small KV budget fail start-up cleanly with a clear error.
+engine takes its workers with it and leaves nothing in its temp directory; shutdown
+(also after 20 back-to-back start/stops) leaves no process, /dev/shm segment, socket,
+file, fd or thread behind; a corrupt shard and a too-small KV budget fail start-up
+cleanly with a clear error. The wider fault matrix is in tests/reliability/.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import gc
 import os
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
@@ -46,31 +46,28 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def engine_ipc_dirs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Records the private directories engines create (also those of a failed start-up,
-    which the test never gets a handle on)."""
-    created: list[str] = []
-    real_mkdtemp = tempfile.mkdtemp
-
-    def recording_mkdtemp(*args, **kwargs):
-        path = real_mkdtemp(*args, **kwargs)
-        if os.path.basename(path).startswith("tp-engine-"):
-            created.append(path)
-        return path
-
-    monkeypatch.setattr(tempfile, "mkdtemp", recording_mkdtemp)
-    return created
+def engine_ipc_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private, empty temp directory for this process and its children: whatever an
+    engine (also one whose start-up failed, which the test never gets a handle on)
+    would leave in the temp directory lands here."""
+    root = tmp_path / "engine_tmp"
+    root.mkdir()
+    monkeypatch.setenv("TMPDIR", str(root))
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    return root
 
 
-def _assert_failed_start_left_nothing(children_before: set[int], shm_before: set[str], ipc_dirs: list[str]) -> None:
+def _assert_failed_start_left_nothing(children_before: set[int], shm_before: set[str], tmpdir: Path) -> None:
+    from tests.reliability.helpers import abstract_sockets
+
     deadline = time.monotonic() + DEATH_BOUND_S
     while live_children() - children_before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not live_children() - children_before, "worker processes left after a failed start-up"
     assert shm_segments() == shm_before, "shared-memory segments left after a failed start-up"
-    assert ipc_dirs, "the executor created no private directory?"
-    left = [d for d in ipc_dirs if os.path.exists(d)]
-    assert not left, f"private directories left after a failed start-up: {left}"
+    assert not abstract_sockets(), f"sockets left after a failed start-up: {abstract_sockets()}"
+    left = sorted(p.name for p in tmpdir.iterdir())
+    assert not left, f"left in the temp directory after a failed start-up: {left}"
 
 
 # ---------------------------------------------------------------- a worker dies
@@ -155,7 +152,7 @@ _ENGINE_SCRIPT = textwrap.dedent(
         model, mode = sys.argv[1], sys.argv[2]
         core = EngineCore(engine_config(model, tp=2))
         print("PIDS", *[p.pid for p in core.model_executor.processes], flush=True)
-        print("IPC", core.model_executor._ipc_dir, flush=True)
+        print("IPC", core.model_executor._ipc_dir, flush=True)  # None: nothing on disk
         print("READY", flush=True)
         if mode == "sleep":
             time.sleep(600)
@@ -216,7 +213,7 @@ def _wait_ready(proc: subprocess.Popen, stderr_path: Path) -> tuple[list[int], s
     return _parse_ready(lines)
 
 
-def test_sigkill_engine_process_kills_workers(tiny_models, tmp_path):
+def test_sigkill_engine_process_kills_workers(tiny_models, tmp_path, engine_ipc_dirs):
     proc, stderr_path = _start_engine_script(tmp_path, tiny_models["llama"], "sleep")
     ipc_dir = None
     try:
@@ -236,24 +233,25 @@ def test_sigkill_engine_process_kills_workers(tiny_models, tmp_path):
         assert not alive, f"helper processes {alive} outlived the SIGKILLed engine"
         # The queues' segments were unlinked as soon as every rank attached: none can leak.
         assert not shm_segments(proc.pid)
-        # The workers remove the dead engine's private directory on their way out.
-        assert not os.path.exists(ipc_dir), f"{ipc_dir} outlived the SIGKILLed engine"
+        # Nothing on disk: abstract sockets, a TCP store, a forkserver on an abstract socket.
+        assert ipc_dir == "None", ipc_dir
+        left = sorted(p.name for p in engine_ipc_dirs.iterdir())
+        assert not left, f"the SIGKILLed engine left {left} in its temp directory"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        if ipc_dir is not None:
-            shutil.rmtree(ipc_dir, ignore_errors=True)  # a SIGKILLed engine cannot clean it
 
 
-def test_interpreter_exit_shuts_down(tiny_models, tmp_path):
+def test_interpreter_exit_shuts_down(tiny_models, tmp_path, engine_ipc_dirs):
     proc, stderr_path = _start_engine_script(tmp_path, tiny_models["llama"], "exit")
     try:
         pids, ipc_dir = _wait_ready(proc, stderr_path)
         assert proc.wait(timeout=120) == 0, stderr_path.read_text()[-5000:]
         stderr = stderr_path.read_text()
         assert "Traceback" not in stderr and "leaked" not in stderr, stderr[-5000:]
-        assert_nothing_left(pids, ipc_dir, set(), creator_pid=proc.pid)
+        assert_nothing_left(pids, None, set(), creator_pid=proc.pid)
+        assert list(engine_ipc_dirs.iterdir()) == []
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -263,24 +261,29 @@ def test_interpreter_exit_shuts_down(tiny_models, tmp_path):
 # ---------------------------------------------------------------- shutdown leaks nothing
 
 
-def test_shutdown_leaves_no_process_segment_or_socket(tiny_models):
+def test_shutdown_leaves_no_process_segment_or_socket(tiny_models, engine_ipc_dirs):
+    from tests.reliability.helpers import abstract_sockets
+
     shm_before = shm_segments()
     children_before = live_children()
     core = EngineCore(engine_config(tiny_models["llama"], tp=2))
     pids, ipc_dir = worker_pids(core), core.model_executor._ipc_dir
     assert set(pids) <= live_children()
-    # The IPC dir really holds the sockets (and the FileStore) while the engine runs.
-    assert any(name.endswith((".data", ".notify")) for name in os.listdir(ipc_dir)), os.listdir(ipc_dir)
-    assert Path(ipc_dir).stat().st_mode & 0o077 == 0, "the IPC dir must be private"
+    # The sockets exist while the engine runs, in the abstract namespace: no file at all.
+    assert ipc_dir is None
+    assert {s.rsplit(".", 1)[-1] for s in abstract_sockets()} == {"data", "notify"}, abstract_sockets()
+    assert list(engine_ipc_dirs.iterdir()) == []
     core.shutdown()
     assert_nothing_left(pids, ipc_dir, shm_before)
+    assert not abstract_sockets(), abstract_sockets()
+    assert list(engine_ipc_dirs.iterdir()) == []
     assert live_children() <= children_before
     core.shutdown()  # idempotent
     with pytest.raises(EngineDeadError):
         core.check_health()
 
 
-def test_start_stop_20_times_leaks_nothing(tiny_models):
+def test_start_stop_20_times_leaks_nothing(tiny_models, engine_ipc_dirs):
     model = tiny_models["llama"]
     # Warm up once: the forkserver, resource tracker, zmq context and imports are created
     # on first use and shared by every later engine of this interpreter.
@@ -304,6 +307,9 @@ def test_start_stop_20_times_leaks_nothing(tiny_models):
     gc.collect()
     assert live_children() <= children_before
     assert shm_segments() == shm_before
+    from tests.reliability.helpers import abstract_sockets
+
+    assert not abstract_sockets() and list(engine_ipc_dirs.iterdir()) == []
     fds_after = open_fds()
     assert fds_after - fds_before <= 4, f"fds grew from {fds_before} to {fds_after} over 20 engines"
     threads_after = settled_thread_count(threads_before)
@@ -376,7 +382,18 @@ def test_failure_on_a_rank_that_was_not_asked_is_reported_at_once(tiny_models):
         assert info.value.rank == 1
         assert "fail_on_rank_1_while_rank_0_waits" in info.value.remote_traceback
         assert time.monotonic() - start < DEATH_BOUND_S
+        # Rank 0 is still in the barrier rank 1 left: the group is out of step. The next
+        # call says so (it used to never return), and so does every call after it.
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"rank\(s\) \[0\] can never finish"):
+            core.collective_rpc("check_health", timeout=120)
+        assert time.monotonic() - start < DEATH_BOUND_S
+        for _ in range(2):
+            start = time.monotonic()
+            with pytest.raises(EngineDeadError):
+                core.collective_rpc("check_health", timeout=120)
+            assert time.monotonic() - start < 1.0
     finally:
         pids = worker_pids(core)
-        core.shutdown()  # rank 0 is stuck in the barrier: the death pipe ends it
+        core.shutdown()
     assert not wait_pids_gone(pids, timeout=DEATH_BOUND_S)

@@ -12,6 +12,7 @@ update_weights(source) (sleep mode; worker/sleep_mode.py), on every rank alike.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,37 @@ from worker.sleep_mode import TAGS, PoolState, ReleasedStorages, collect_garbage
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from worker.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+# Test hook (tests/reliability): "RANK:PHASE:ACTION" makes that rank, on reaching PHASE
+# ("load", "profile"), "hang" (sleep for good), "raise" or "exit" (os._exit(3)); before
+# acting it creates the file named by TP_FAULT_MARKER, if set, so a test knows the rank is
+# there. Workers see the engine's TP_* variables (the mp executor forwards them).
+FAULT_ENV = "TP_FAULT_INJECT"
+
+
+def _maybe_inject_fault(rank: int, phase: str) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    try:
+        fault_rank, fault_phase, action = spec.split(":")
+    except ValueError:
+        raise ValueError(f"{FAULT_ENV}={spec!r} must be RANK:PHASE:ACTION") from None
+    if int(fault_rank) != rank or fault_phase != phase:
+        return
+    marker = os.environ.get("TP_FAULT_MARKER")
+    if marker:
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
+    if action == "hang":
+        while True:
+            time.sleep(3600)
+    if action == "raise":
+        raise RuntimeError(f"rank {rank}: fault injected at {phase} ({FAULT_ENV}={spec!r})")
+    if action == "exit":
+        os._exit(3)
+    raise ValueError(f"{FAULT_ENV}={spec!r}: action {action!r} is not one of 'hang', 'raise', 'exit'")
 
 
 class Worker:
@@ -68,6 +100,7 @@ class Worker:
     def load_model(self) -> None:
         """Load this rank's shard inside the "weights" memory pool."""
         runner = self._runner()
+        _maybe_inject_fault(self.rank, "load")
         with self.platform.memory_pool("weights") as usage:
             runner.load_model()
         assert runner.model is not None
@@ -91,6 +124,7 @@ class Worker:
             self.timings["profile"] = time.perf_counter() - start
             return cache_config.kv_cache_memory_bytes
         num_tokens = self.config.scheduler_config.max_num_batched_tokens
+        _maybe_inject_fault(self.rank, "profile")
         peak_activation = self.platform.profile_peak_bytes(lambda: runner.profile_run(num_tokens))
         available = self.platform.kv_cache_budget(
             cache_config.gpu_memory_utilization, self._memory_at_init // self.local_world_size,
@@ -209,7 +243,28 @@ class Worker:
     def get_timings(self) -> dict[str, float]:
         return dict(self.timings)
 
+    @torch.inference_mode()  # the all-reduce's shared slots are inference tensors after a step
     def check_health(self) -> bool:
+        """Raise unless this rank can serve: its device and model are set up, its KV
+        cache (once allocated) is bound and not asleep, and, at TP > 1, one all-reduce
+        over the TP group returns the world size (every peer is alive, in the same call,
+        and its collectives are in step with ours). Call it on every rank together, as
+        collective_rpc does. Returns True."""
+        runner = self._runner()
+        if runner.model is None and self._pools["weights"] is PoolState.AWAKE:
+            raise RuntimeError(f"rank {self.rank}: no model is loaded")
+        if runner.kv_cache_config is not None and self._pools["kv_cache"] is PoolState.AWAKE:
+            if not runner.kv_caches or any(t.numel() == 0 for t in runner.kv_caches):
+                raise RuntimeError(f"rank {self.rank}: the KV cache is not allocated")
+        if self.world_size > 1:
+            from distributed.communication_op import tensor_model_parallel_all_reduce
+
+            probe = tensor_model_parallel_all_reduce(torch.ones(1, dtype=torch.float32, device=self.device))
+            if int(probe.item()) != self.world_size:
+                raise RuntimeError(
+                    f"rank {self.rank}: a health all-reduce over the TP group gave {probe.item()}, expected "
+                    f"{self.world_size}: the ranks' collectives are out of step"
+                )
         return True
 
     def shutdown(self) -> None:
