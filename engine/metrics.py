@@ -81,6 +81,12 @@ class EngineMetrics:
         self._preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.")
         self._prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self._generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        sleep_state = Gauge(PREFIX + "engine_sleep_state",
+                            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
+                            "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+                            [*labels, "sleep_state"], registry=reg)
+        self._sleep_state = {state: sleep_state.labels(*values, state)
+                             for state in ("awake", "weights_offloaded", "discard_all")}
         success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
                           [*labels, "finished_reason"], registry=reg)
         self._success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
@@ -122,6 +128,7 @@ class EngineMetrics:
         self._healthy = gauge("engine_healthy", "1 while every worker is alive, else 0.")
         self._step_time = histogram("engine_step_seconds", "Wall time of one engine step.", STEP_TIME_BUCKETS)
         self._healthy.set(1)
+        self.set_sleep_state(False)
 
         # Plain totals for the log line and for in-process readers, under self._lock.
         self.requests_received = 0
@@ -233,6 +240,13 @@ class EngineMetrics:
             self._prefix_queries.inc(new_queries)
         if new_hits > 0:
             self._prefix_hits.inc(new_hits)
+
+    def set_sleep_state(self, sleeping: bool, level: int = 0) -> None:
+        """vLLM's engine_sleep_state: awake, or asleep at `level` (1 weights offloaded,
+        2 discarded; 0, a pause, sets neither)."""
+        self._sleep_state["awake"].set(0 if sleeping else 1)
+        self._sleep_state["weights_offloaded"].set(int(sleeping and level == 1))
+        self._sleep_state["discard_all"].set(int(sleeping and level == 2))
 
     def set_healthy(self, healthy: bool) -> None:
         with self._lock:

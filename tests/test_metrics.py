@@ -39,6 +39,7 @@ VLLM_SERIES = {
     "request_prefill_time_seconds": "histogram",
     "request_decode_time_seconds": "histogram",
     "request_num_preemptions": "histogram",
+    "engine_sleep_state": "gauge",
 }
 # What vLLM's Grafana dashboard (examples/online_serving/prometheus_grafana/grafana.json) queries.
 DASHBOARD_SAMPLES = [
@@ -161,3 +162,21 @@ def test_stat_line_is_vllms(caplog: pytest.LogCaptureFixture) -> None:
         gpu.maybe_log()
     assert "GPU KV cache usage: 0.0%" in caplog.records[-1].getMessage()
     assert "Prefix cache hit rate" not in caplog.records[-1].getMessage()  # never queried yet
+
+
+def test_sleep_state_is_vllms() -> None:
+    metrics = EngineMetrics("m")
+
+    def state() -> dict[str, float]:
+        return {s: _value(metrics, PREFIX + "engine_sleep_state", sleep_state=s)
+                for s in ("awake", "weights_offloaded", "discard_all")}
+
+    assert state() == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
+    metrics.set_sleep_state(True, 1)
+    assert state() == {"awake": 0, "weights_offloaded": 1, "discard_all": 0}
+    metrics.set_sleep_state(True, 2)
+    assert state() == {"awake": 0, "weights_offloaded": 0, "discard_all": 1}
+    metrics.set_sleep_state(True, 0)  # a pause frees nothing
+    assert state() == {"awake": 0, "weights_offloaded": 0, "discard_all": 0}
+    metrics.set_sleep_state(False)
+    assert state() == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}

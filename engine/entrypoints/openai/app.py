@@ -143,18 +143,24 @@ def install_sleep_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
     /wake_up[?tags=weights&tags=kv_cache]` and `GET /is_sleeping`. Requests sent while
     asleep wait for the wake-up."""
 
-    async def call(fn: Any) -> JSONResponse:
+    deepest = {"level": 0}  # the level slept at since the last full wake-up (a deeper sleep deepens it)
+
+    async def call(fn: Any, level: int | None = None) -> JSONResponse:
         try:
             reports = await fn
         except ValueError as e:
             return error_response(400, str(e))
         except EngineDeadError as e:
             return error_response(503, str(e), type="service_unavailable_error")
-        return JSONResponse({"status": "ok", "is_sleeping": async_engine.is_sleeping, "ranks": reports})
+        sleeping = async_engine.is_sleeping
+        deepest["level"] = max(deepest["level"], level or 0) if sleeping else 0
+        async_engine.metrics.set_sleep_state(sleeping, deepest["level"])
+        return JSONResponse({"status": "ok", "is_sleeping": sleeping, "ranks": reports})
 
     @app.post("/sleep")
     async def sleep(level: int = 1, abort: bool = False) -> JSONResponse:
-        return await call(async_engine.sleep(level, abort=abort))
+        return await call(async_engine.sleep(level, abort=abort), level)
+
 
     @app.post("/wake_up")
     async def wake_up(tags: list[str] | None = Query(default=None)) -> JSONResponse:
