@@ -106,6 +106,7 @@ class RequestStream:
 class _Add:
     stream: RequestStream
     sampling_params: SamplingParams
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -212,8 +213,9 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
-        """Queue a request and wait until the core accepted it.
+        """Queue a request and wait until the core accepted it (see EngineCore.add_request).
 
         Raises ValueError when the core refuses it (the server turns that into a 400),
         EngineDeadError when the engine is dead or shutting down.
@@ -223,7 +225,7 @@ class AsyncEngine:
             self.core.to_token_ids(prompt),
             asyncio.get_running_loop(),
         )
-        self._submit(_Add(stream, sampling_params or SamplingParams()))
+        self._submit(_Add(stream, sampling_params or SamplingParams(), cache_salt))
         try:
             await stream._accepted
         except asyncio.CancelledError:
@@ -422,7 +424,8 @@ class AsyncEngine:
         elif isinstance(command, _Add):
             stream = command.stream
             try:
-                self.core.add_request(stream.prompt_token_ids, command.sampling_params, stream.request_id)
+                self.core.add_request(stream.prompt_token_ids, command.sampling_params, stream.request_id,
+                                      command.cache_salt)
             except Exception as e:  # noqa: BLE001 - refused (ValueError: invalid); the core is unchanged
                 if not isinstance(e, ValueError):
                     logger.exception("add_request(%s) failed", stream.request_id)

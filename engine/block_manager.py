@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from distributed.utils import cdiv
-from engine.block_hash import BlockHash, hash_block_tokens
+from engine.block_hash import BlockHash, hash_block_tokens, prefix_cache_salt
 from engine.request import Request
 
 
@@ -106,7 +106,7 @@ class KVBlockManager:
         full blocks, leaving at least its last token to compute (its logits are the
         ones sampled). Empty unless caching is on and the request holds no blocks.
         Changes nothing but the request's memo of its block hashes."""
-        if not self.enable_caching or request.block_ids:
+        if not self._caches(request) or request.block_ids:
             return []
         hits: list[int] = []
         for block_hash in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):
@@ -123,7 +123,7 @@ class KVBlockManager:
         every attention backend writes a step's K/V into the cache before any sequence
         of that step attends, so a request admitted in the same step may already share
         these blocks (a burst of prompts with one system prompt computes it once)."""
-        if not self.enable_caching:
+        if not self._caches(request):
             return
         num_full = num_tokens // self.block_size
         if num_full <= request.num_cached_blocks:
@@ -150,13 +150,26 @@ class KVBlockManager:
         self._evictable.clear()
         return dropped
 
+    def _caches(self, request: Request) -> bool:
+        """Caching is on, or the request is one of several samples of one prompt, which
+        share their prompt's blocks (under a root only they know) even when it is off."""
+        return self.enable_caching or request.sibling_group is not None
+
+    def _root(self, request: Request) -> BlockHash:
+        """The parent of a request's first block: the engine's salt, extended by the
+        request's ``cache_salt`` and, with caching off, by its sibling group."""
+        group = None if self.enable_caching else request.sibling_group
+        if request.cache_salt is None and group is None:
+            return self.hash_salt
+        return prefix_cache_salt(self.hash_salt, request.cache_salt, group)
+
     def _block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """The hashes of the request's first ``num_blocks`` full blocks, extending its memo."""
         hashes = request.block_hashes
         if len(hashes) < num_blocks:
             tokens = request.all_token_ids
             size = self.block_size
-            parent = hashes[-1] if hashes else self.hash_salt
+            parent = hashes[-1] if hashes else self._root(request)
             for i in range(len(hashes), num_blocks):
                 parent = hash_block_tokens(parent, tokens[i * size : (i + 1) * size])
                 hashes.append(parent)
@@ -222,8 +235,12 @@ class KVBlockManager:
                 raise RuntimeError(f"block {block} of {request.request_id!r} is already free")
             self._ref_cnt[block] -= 1
             if self._ref_cnt[block] == 0:
-                if self._block_hash[block] is not None:
+                if self._block_hash[block] is not None and self.enable_caching:
                     self._evictable[block] = None
+                elif self._block_hash[block] is not None:  # a sibling group's block: no one else can hit it
+                    del self._cached[self._block_hash[block]]
+                    self._block_hash[block] = None
+                    self._free.append(block)
                 else:
                     self._free.append(block)
         request.block_ids = []

@@ -7,6 +7,7 @@ idempotent and also runs at garbage collection and at interpreter exit.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -18,9 +19,9 @@ from distributed.utils import cdiv
 from engine.block_hash import prefix_cache_salt
 from engine.block_manager import KVBlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.output_processor import OutputProcessor, ParentRequest
 from engine.outputs import RequestOutput
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import load_tokenizer
@@ -68,7 +69,7 @@ class EngineCore:
             self.shutdown()
             raise
         self._request_counter = itertools.count()
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._sleep_level: int | None = None  # None while awake
         self._undelivered: list[RequestOutput] = []  # finished while going to sleep; the next step() returns them
 
@@ -203,19 +204,79 @@ class EngineCore:
         return ids
 
     def add_request(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises ValueError for an invalid prompt."""
+        """Queue a request (its ``n`` or ``best_of`` samples); returns its id. Its
+        prompt is truncated as ``truncate_prompt_tokens`` says. ``cache_salt`` keeps
+        its cached KV blocks apart from those of requests with another salt (vLLM's
+        field, for tenants that must not share a cache). Raises ValueError for an
+        invalid prompt, a duplicate id, or bad words / stop strings without a tokenizer."""
         request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
-        request = Request(request_id, self.to_token_ids(prompt), sampling_params or SamplingParams())
-        self.scheduler.add_request(request)
-        if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
+        params = self._with_model_stops(sampling_params or SamplingParams())
+        prompt_ids = self.truncate_prompt(self.to_token_ids(prompt), params)
+        parent = ParentRequest(request_id, prompt_ids, params)
+        children = self.output_processor.add(parent)
+        added: list[str] = []
+        try:
+            for child_id, child_params in children:
+                request = Request(child_id, prompt_ids, child_params)
+                request.cache_salt = cache_salt
+                request.sibling_group = request_id if len(children) > 1 else None
+                self.scheduler.add_request(request)
+                added.append(child_id)
+        except BaseException:
+            for child_id in added:
+                self.scheduler.abort_request(child_id)
+            self.output_processor.remove(request_id)
+            raise
         return request_id
 
+    def truncate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        """``prompt_ids`` cut to ``params.truncate_prompt_tokens`` (-1: max_model_len),
+        keeping its end (its start with ``truncation_side="right"``)."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        if keep == -1:
+            keep = self.config.scheduler_config.max_model_len
+        if len(prompt_ids) <= keep:
+            return prompt_ids
+        return prompt_ids[:keep] if params.truncation_side == "right" else prompt_ids[-keep:]
+
+    def _with_model_stops(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with what needs the model: the bad words' token ids (each word as
+        is and after a space, as it reads inside a text) and the EOS ids that
+        ``min_tokens`` holds back. Raises ValueError if they need a tokenizer it lacks."""
+        if (params.bad_words or params.stop) and self.tokenizer is None:
+            field_name = "bad_words" if params.bad_words else "stop"
+            raise ValueError(f"{field_name} need a tokenizer, and {self.config.model} has none; "
+                             "use stop_token_ids / logit_bias instead")
+        bad_ids: list[list[int]] = []
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False) if self.tokenizer else []
+                if ids and ids not in bad_ids:
+                    bad_ids.append(ids)
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(self._eos_token_ids())
+        vocab = self.config.model_config.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
+                          ("logit_bias", list(params.logit_bias))):
+            bad = [t for t in ids or [] if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return dataclasses.replace(params, bad_words_token_ids=bad_ids, all_stop_token_ids=sorted(stops))
+
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.abort_request(request_id)
-        self._detokenizers.pop(request_id, None)
+        """End a request (every sample of it) as aborted; unknown ids are a no-op."""
+        for child_id in self.output_processor.child_ids(request_id):
+            self.scheduler.abort_request(child_id)
+        self.output_processor.remove(request_id)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached KV block, so no later prompt reuses K/V computed before
@@ -242,7 +303,25 @@ class EngineCore:
         if not scheduler_output.scheduled:
             return []
         runner_output = self.model_executor.execute_model(scheduler_output)
-        return [self._make_output(r) for r in self.scheduler.update_from_output(scheduler_output, runner_output)]
+        parents: dict[str, ParentRequest] = {}
+        for request in self.scheduler.update_from_output(scheduler_output, runner_output):
+            parent, stopped = self.output_processor.process(request)
+            if stopped and not request.is_finished():
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            parents[parent.request_id] = parent
+        return self._outputs(parents.values())
+
+    def _outputs(self, parents: Iterable[ParentRequest]) -> list[RequestOutput]:
+        """The parents' outputs (none for a best_of request still running); finished
+        parents are forgotten."""
+        outputs = []
+        for parent in parents:
+            output = parent.output()
+            if output is not None:
+                outputs.append(output)
+            if parent.finished:
+                self.output_processor.remove(parent.request_id)
+        return outputs
 
     # ------------------------------------------------------------------ sleep mode
 
@@ -268,10 +347,7 @@ class EngineCore:
             raise ValueError(f"sleep level={level!r} must be 0, 1 or 2")
         start = time.perf_counter()
         if abort:
-            for request in list(self.scheduler.requests.values()):
-                self.scheduler.abort_request(request.request_id)
-                self._undelivered.append(self._make_output(request))
-                self._detokenizers.pop(request.request_id, None)
+            self._undelivered += self._abort_all()
         current = self._sleep_level
         if level == 0:
             self._sleep_level = current or 0
@@ -341,22 +417,17 @@ class EngineCore:
                         r["memory_before"] / GiB, r["memory_after"] / GiB, r["seconds"])
         logger.info("%s done in %.2fs", what, seconds)
 
-    def _make_output(self, request: Request) -> RequestOutput:
-        finished = request.is_finished()
-        detokenizer = self._detokenizers.get(request.request_id)
-        text = detokenizer.update(request.output_token_ids, finished) if detokenizer is not None else ""
-        if finished:
-            self._detokenizers.pop(request.request_id, None)
-        wants_logprobs = request.sampling_params.logprobs is not None
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            token_ids=list(request.output_token_ids),
-            text=text,
-            logprobs=list(request.output_logprobs) if wants_logprobs else None,
-            finished=finished,
-            finish_reason=request.finish_reason,
-        )
+    def _abort_all(self) -> list[RequestOutput]:
+        """End every unfinished request as aborted; returns their final outputs."""
+        parents = {}
+        for request in list(self.scheduler.requests.values()):
+            self.scheduler.abort_request(request.request_id)
+            parent, _ = self.output_processor.process(request)
+            parents[parent.request_id] = parent
+        outputs = self._outputs(parents.values())
+        for parent in parents.values():  # a best_of parent has no output to give until all ended
+            self.output_processor.remove(parent.request_id)
+        return outputs
 
     def generate(
         self,

@@ -17,8 +17,9 @@ _REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     """One per request, owned by the engine thread."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.text = ""
         self._prefix_offset = 0  # window start: context that makes the next decode correct
         self._read_offset = 0  # ids before this have produced their text
@@ -27,8 +28,9 @@ class IncrementalDetokenizer:
         """The text of `token_ids` (which only ever grows); `finished` flushes held-back text."""
         if len(token_ids) == self._read_offset:
             return self.text
-        prefix_text = self.tokenizer.decode(token_ids[self._prefix_offset : self._read_offset])
-        new_text = self.tokenizer.decode(token_ids[self._prefix_offset :])
+        skip = self.skip_special_tokens
+        prefix_text = self.tokenizer.decode(token_ids[self._prefix_offset : self._read_offset], skip)
+        new_text = self.tokenizer.decode(token_ids[self._prefix_offset :], skip)
         if finished or (len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT)):
             self.text += new_text[len(prefix_text) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)

@@ -66,6 +66,34 @@ class Request:
         self.num_cached_blocks: int = 0
         self.block_hashes: list[bytes] = []
         self.num_preemptions: int = 0
+        self.cumulative_logprob: float = 0.0  # of the sampled tokens, when logprobs are computed
+        # Per prompt position (index 0 has none), filled as prefill chunks come back.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None)
+        self.prompt_logprob_ranks: list[int | None] = [None]
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        # Prefix caching: `cache_salt` keeps a tenant's blocks apart; the samples of one
+        # prompt (`sibling_group`, the parent request's id) share theirs even when the
+        # cache is off.
+        self.cache_salt: str | None = None
+        self.sibling_group: str | None = None
+
+    def append_output(self, token: int, logprobs: dict[int, float] | None) -> None:
+        """Record one sampled token (and its logprobs, if the request asked)."""
+        self.output_token_ids.append(token)
+        if logprobs is not None and self.sampling_params.logprobs is not None:
+            self.output_logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token]
+
+    def add_prompt_logprobs(self, position: int, entries: list[dict[int, float]], ranks: list[int]) -> None:
+        """Prompt logprobs for positions ``position...``; positions already known (a
+        preempted request recomputes its prompt) are kept as they are."""
+        if self.prompt_logprobs is None:
+            return
+        for i, (entry, rank) in enumerate(zip(entries, ranks)):
+            if position + i == len(self.prompt_logprobs):
+                self.prompt_logprobs.append(entry)
+                self.prompt_logprob_ranks.append(rank)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -111,6 +111,11 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> None:
         """Finish ``request_id`` as aborted and free its blocks; unknown ids are a no-op."""
+        self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Finish an unfinished request with ``status`` (the engine's own stop conditions,
+        such as a stop string, or an abort) and free its blocks; unknown ids are a no-op."""
         request = self.requests.get(request_id)
         if request is None:
             return
@@ -118,7 +123,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._finish(request, status)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -159,7 +164,9 @@ class Scheduler:
             while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
                 request = self.waiting[0]
                 # A cached prefix counts as computed: only the tokens after it are run.
-                cached = self.block_manager.get_computed_blocks(request)
+                # Prompt logprobs need every prompt position computed, so they take none.
+                wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
+                cached = [] if wants_prompt_logprobs else self.block_manager.get_computed_blocks(request)
                 num_cached_tokens = len(cached) * self.block_manager.block_size
                 num_new = self._num_new_tokens(request, budget, num_cached_tokens)
                 if not self.block_manager.allocate_slots(request, num_new, cached):
@@ -169,7 +176,7 @@ class Scheduler:
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 bisect.insort(self.running, request, key=_arrival)
-                scheduled.append(self._make_scheduled(request, num_new))
+                scheduled.append(self._make_scheduled(request, num_new, admitted=True))
                 budget -= num_new
 
         # Preempted ids go out with this very output (they are not in its
@@ -191,9 +198,12 @@ class Scheduler:
             num_new = self.long_prefill_token_threshold
         return num_new
 
-    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _make_scheduled(self, request: Request, num_new: int, admitted: bool = False) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
+        params = request.sampling_params
+        # The runner forgot a preempted request's history: it gets it again at re-admission.
+        send_history = admitted and (params.needs_history or params.prompt_logprobs is not None)
         return ScheduledRequest(
             req_id=request.request_id,
             token_ids=request.all_token_ids[start:end],
@@ -202,6 +212,7 @@ class Scheduler:
             sample=end == request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
+            history=(list(request.prompt_token_ids), list(request.output_token_ids)) if send_history else None,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -240,15 +251,18 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted mid-step
             request.num_computed_tokens += len(sched.token_ids)
+            if sched.req_id in runner_output.prompt_logprobs:
+                request.add_prompt_logprobs(*runner_output.prompt_logprobs[sched.req_id])
             if not sched.sample:
                 continue
             if sched.req_id not in samples:
                 raise RuntimeError(f"runner returned no sampled token for {sched.req_id!r}")
             token, logprobs = samples[sched.req_id]
-            request.output_token_ids.append(token)
-            if logprobs is not None and request.sampling_params.logprobs is not None:
-                request.output_logprobs.append(logprobs)
-            status = self._check_stop(request)
+            if request.sampling_params.max_tokens == 0:  # prompt scoring: the prompt was all it wanted
+                status: RequestStatus | None = RequestStatus.FINISHED_LENGTH
+            else:
+                request.append_output(token, logprobs)
+                status = self._check_stop(request)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
@@ -262,6 +276,7 @@ class Scheduler:
         if not params.ignore_eos and last in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if last in params.stop_token_ids:
+            request.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH

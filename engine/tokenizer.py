@@ -184,9 +184,11 @@ class Tokenizer:
         return [self._tok.id_to_token(int(i)) or "" for i in ids]
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **template_kwargs: Any
     ) -> str:
-        """Render ``messages`` with the model's Jinja chat template (HF conventions).
+        """Render ``messages`` with the model's Jinja chat template (HF conventions);
+        ``template_kwargs`` (a request's ``chat_template_kwargs``) are extra template
+        variables, which cannot replace ``messages`` or ``add_generation_prompt``.
 
         Raises ``ValueError`` if the model has no chat template or the template
         calls ``raise_exception``.
@@ -213,8 +215,9 @@ class Tokenizer:
             if key.endswith("_token") and _token_content(value) is not None
         }
         special.update(bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        variables = {**special, **template_kwargs}
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special
+            variables, messages=messages, add_generation_prompt=add_generation_prompt
         )
 
     def _resolve_ids(

@@ -4,24 +4,20 @@ chunk, so holding them back made TTFT look like the whole request and TPOT zero.
 
 from __future__ import annotations
 
-from engine.entrypoints.openai.protocol import CompletionChoice, CompletionResponse
-from engine.entrypoints.openai.serving_completion import stream_chunks
-from engine.entrypoints.openai.sse import StreamState
-from engine.outputs import RequestOutput
-
-
-def response(choices: list[CompletionChoice], output: RequestOutput | None) -> CompletionResponse:
-    usage = None if output is None else {"prompt_tokens": 1, "completion_tokens": len(output.token_ids),
-                                         "total_tokens": 1 + len(output.token_ids)}
-    return CompletionResponse(id="cmpl-1", created=0, model="m", choices=choices, usage=usage)
+from engine.entrypoints.openai.protocol import CompletionRequest
+from engine.entrypoints.openai.serving_completion import PromptState, chunk_choice
+from engine.entrypoints.openai.sse import ChoiceState
+from engine.outputs import CompletionOutput, RequestOutput
 
 
 def output(token_ids: list[int], text: str, finished: bool = False) -> RequestOutput:
-    return RequestOutput("r", [1], token_ids, text, None, finished, "length" if finished else None)
+    sample = CompletionOutput(0, text, token_ids, None, None, "length" if finished else None)
+    return RequestOutput("r", [1], [sample], finished)
 
 
 def test_every_output_with_new_tokens_is_a_chunk_even_without_new_text():
-    state = StreamState()
+    body = CompletionRequest(prompt="x")
+    state, prompt = ChoiceState(), PromptState([1], "")
     steps = [
         output([5], ""),  # a token with no text (say, a special token)
         output([5, 6], "\ufffd"),  # half of a two-byte character: held back
@@ -29,10 +25,17 @@ def test_every_output_with_new_tokens_is_a_chunk_even_without_new_text():
         output([5, 6, 7], "é"),  # the same output again: nothing new, no chunk
         output([5, 6, 7, 8], "é!", finished=True),
     ]
-    sent = [stream_chunks(step, state, response, None, with_usage=True) for step in steps]
-    assert [len(payloads) for payloads in sent] == [1, 1, 1, 0, 2]  # the last adds the usage chunk
-    texts = [payloads[0]["choices"][0]["text"] for payloads in sent if payloads]
+    sent = [chunk_choice(body, prompt, step, step.outputs[0], state, 0) for step in steps]
+    assert [choice is not None for choice in sent] == [True, True, True, False, True]
+    texts = [choice.text for choice in sent if choice is not None]
     assert texts == ["", "", "é", "!"] and "".join(texts) == "é!"
-    finish = [payloads[0]["choices"][0]["finish_reason"] for payloads in sent if payloads]
-    assert finish == [None, None, None, "length"]
-    assert sent[-1][1]["choices"] == [] and sent[-1][1]["usage"]["completion_tokens"] == 4
+    assert [choice.finish_reason for choice in sent if choice is not None] == [None, None, None, "length"]
+
+
+def test_an_echoed_prompt_comes_in_the_first_chunk_even_without_tokens():
+    body = CompletionRequest(prompt="x", echo=True, max_tokens=0)
+    state, prompt = ChoiceState(), PromptState([1, 2], "Hello")
+    final = output([], "", finished=True)
+    choice = chunk_choice(body, prompt, final, final.outputs[0], state, 0)
+    assert choice is not None and choice.text == "Hello" and choice.finish_reason == "length"
+    assert chunk_choice(body, prompt, final, final.outputs[0], state, 0) is None

@@ -22,11 +22,13 @@ from model_loader.utils import process_weights_after_loading
 from models.layers.attention import Attention, AttentionBackend, AttentionMetadata, get_attn_backend
 from worker.kv_cache import KVCacheConfig, KVCacheSpec, allocate_kv_cache
 from worker.outputs import ModelRunnerOutput
-from worker.sampler import Sampler
+from worker.sampler import Sampler, prompt_logprobs
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from worker.outputs import SchedulerOutput
+
+PROMPT_LOGPROBS_ROWS = 256  # rows of prompt logits made at once: bounds the [rows, vocab] floats held
 
 
 class ModelRunner:
@@ -159,16 +161,55 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         model = self._require_model()
+        self.sampler.drop(scheduler_output.finished_req_ids)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput([], [], [])
+        for req in scheduler_output.scheduled:
+            if req.history is not None:
+                self.sampler.add_history(req.req_id, *req.history)
         input_ids, positions, md, sample_rows = self._prepare_inputs(scheduler_output)
         hidden = model(input_ids, positions, md)
+        prompt_logprobs = self._prompt_logprobs(hidden, scheduler_output)
         sampled_reqs = [r for r in scheduler_output.scheduled if r.sample]
         if not sampled_reqs:
-            return ModelRunnerOutput([], [], [])
+            return ModelRunnerOutput([], [], [], prompt_logprobs)
         logits = model.compute_logits(hidden[sample_rows]).float().cpu()
         tokens, logprobs = self.sampler(logits, sampled_reqs, self.config.seed)
-        return ModelRunnerOutput([r.req_id for r in sampled_reqs], tokens, logprobs)
+        return ModelRunnerOutput([r.req_id for r in sampled_reqs], tokens, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, scheduler_output: SchedulerOutput
+    ) -> dict[str, tuple[int, list[dict[int, float]], list[int]]]:
+        """The prompt logprobs of the prompt positions this step computed, for requests
+        that asked (their history holds the prompt, so the token after a chunk's last
+        position is known). Logits are made a slice of rows at a time, so that a long
+        chunk never holds [chunk, vocab] floats at once; every rank makes the same
+        slices, as compute_logits gathers across ranks."""
+        model = self._require_model()
+        result: dict[str, tuple[int, list[dict[int, float]], list[int]]] = {}
+        row = 0
+        for req in scheduler_output.scheduled:
+            first_row, row = row, row + len(req.token_ids)
+            k = req.sampling_params.prompt_logprobs
+            history = self.sampler.history(req.req_id)
+            if k is None or history is None:
+                continue
+            prompt = history.prompt_token_ids
+            # Position p predicts token p + 1; the last prompt position predicts an output.
+            end = min(req.start_pos + len(req.token_ids), len(prompt) - 1)
+            if end <= req.start_pos:
+                continue
+            entries: list[dict[int, float]] = []
+            ranks: list[int] = []
+            for lo in range(req.start_pos, end, PROMPT_LOGPROBS_ROWS):
+                hi = min(lo + PROMPT_LOGPROBS_ROWS, end)
+                rows = hidden[first_row + lo - req.start_pos: first_row + hi - req.start_pos]
+                logits = model.compute_logits(rows).float().cpu()
+                for entry, rank in prompt_logprobs(logits, prompt[lo + 1: hi + 1], k):
+                    entries.append(entry)
+                    ranks.append(rank)
+            result[req.req_id] = (req.start_pos + 1, entries, ranks)
+        return result
 
 
 # vLLM's name, for users who look for it.

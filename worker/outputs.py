@@ -8,7 +8,7 @@ a plain dataclass): no tensors, no locks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,6 +25,10 @@ class ScheduledRequest:
     token, i.e. the runner must sample exactly one new token for it.
     ``num_output_tokens`` (outputs so far) keys the per-step random stream so
     sampling is independent of batching, preemption and rank.
+    ``history`` (prompt ids, output ids so far) comes once, when the request is
+    admitted (again after a preemption), if its sampling needs the tokens it has
+    seen (penalties, bad words) or its prompt's logprobs; the runner keeps it until
+    the id appears in ``finished_req_ids``.
     """
 
     req_id: str
@@ -34,6 +38,7 @@ class ScheduledRequest:
     sample: bool
     sampling_params: SamplingParams
     num_output_tokens: int
+    history: tuple[list[int], list[int]] | None = None
 
 
 @dataclass
@@ -61,8 +66,12 @@ class ModelRunnerOutput:
 
     Lists are parallel and in scheduled order. ``logprobs[i]`` maps token id to
     logprob for the top-k plus the sampled token, or is None if not requested.
+    ``prompt_logprobs[req_id] = (position, entries, ranks)``: for the prompt tokens
+    at ``position``, ``position + 1``, ... (each predicted by the one before it) the
+    top-k plus the actual token's logprob, and its rank; only for requests that asked.
     """
 
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[dict[int, float] | None]
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]], list[int]]] = field(default_factory=dict)

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from worker.logits_processors import RequestHistory, apply_logits_processors, filter_min_p
+
 if TYPE_CHECKING:  # engine sits above worker; only the message's shape is needed here
     from worker.outputs import ScheduledRequest
 
@@ -41,7 +43,26 @@ def request_step_seed(request: ScheduledRequest, engine_seed: int = 0) -> int:
 
 
 class Sampler:
-    """Turns last-position logits into one token (and optional logprobs) per request."""
+    """Turns last-position logits into one token (and optional logprobs) per request.
+
+    Holds each request's ``RequestHistory`` (for penalties and bad words) between
+    steps: ``add_history`` when the scheduler sends one (at admission), ``drop`` when
+    the request finishes or is preempted. Identical on every rank, as every rank
+    samples the same tokens from the same all-gathered logits.
+    """
+
+    def __init__(self) -> None:
+        self._histories: dict[str, RequestHistory] = {}
+
+    def add_history(self, req_id: str, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
+        self._histories[req_id] = RequestHistory(list(prompt_token_ids), list(output_token_ids))
+
+    def history(self, req_id: str) -> RequestHistory | None:
+        return self._histories.get(req_id)
+
+    def drop(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self._histories.pop(req_id, None)
 
     def __call__(
         self,
@@ -51,17 +72,29 @@ class Sampler:
     ) -> tuple[list[int], list[dict[int, float] | None]]:
         """Sample one token per row of ``logits`` (float32 ``[len(requests), vocab]``).
 
-        Greedy rows (temperature 0 or top_k 1) take the argmax. Others apply
-        temperature, then top-k, then top-p (always keeping the most likely
-        token), then draw with the request's own generator. Logprobs come from
-        ``log_softmax`` of the raw logits: the top ``logprobs`` ids plus the
-        sampled id, or None when the request did not ask for them.
+        Rows whose parameters process logits get a processed copy first
+        (worker/logits_processors.py). Greedy rows (temperature 0 or top_k 1) take
+        the argmax. Others apply temperature, then top-k, then top-p (always keeping
+        the most likely token), then min-p, then draw with the request's own
+        generator. Logprobs come from ``log_softmax`` of the raw logits: the top
+        ``logprobs`` ids plus the sampled id, or None when the request did not ask.
         """
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(
                 f"logits must be [num_requests={len(requests)}, vocab], got {tuple(logits.shape)}"
             )
-        logits = logits.float()
+        raw = logits.float()
+        logits = raw
+        processed_rows = [i for i, r in enumerate(requests) if r.sampling_params.processes_logits]
+        if processed_rows:
+            logits = raw.clone()
+            for i in processed_rows:
+                request = requests[i]
+                history = self._histories.get(request.req_id)
+                if history is None and request.sampling_params.needs_history:
+                    raise RuntimeError(f"request {request.req_id!r} needs its token history, which was never sent")
+                logits[i] = apply_logits_processors(raw[i], request.sampling_params, request.num_output_tokens,
+                                                    history)
         # Greedy rows in one argmax (exact, so a row's result does not depend on its
         # batch) and one host transfer, instead of one small op and sync per row.
         greedy_rows = [i for i, request in enumerate(requests) if request.sampling_params.is_greedy]
@@ -75,7 +108,10 @@ class Sampler:
         for i, (row, request) in enumerate(zip(logits, requests)):
             token = greedy[i] if i in greedy else self._sample_row(row, request, engine_seed)
             tokens.append(token)
-            all_logprobs.append(self._logprobs(row, request, token))
+            all_logprobs.append(token_logprobs(raw[i], request.sampling_params.logprobs, token))
+            history = self._histories.get(request.req_id)
+            if history is not None:
+                history.output_token_ids.append(token)
         return tokens, all_logprobs
 
     @staticmethod
@@ -96,22 +132,41 @@ class Sampler:
             drop_sorted = mass_before >= params.top_p
             drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
+        if params.min_p > 0.0:
+            probs = filter_min_p(probs, params.min_p)
         generator = torch.Generator(device="cpu")
         generator.manual_seed(request_step_seed(request, engine_seed))
         # Draw on CPU so every rank and device type gets the same stream.
         return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
 
-    @staticmethod
-    def _logprobs(
-        row: torch.Tensor, request: ScheduledRequest, token: int
-    ) -> dict[int, float] | None:
-        k = request.sampling_params.logprobs
-        if k is None:
-            return None
-        logprobs = torch.log_softmax(row, dim=-1)
-        result: dict[int, float] = {}
-        if k > 0:
-            top = torch.topk(logprobs, min(k, logprobs.numel()))
-            result = {int(i): float(v) for i, v in zip(top.indices.tolist(), top.values.tolist())}
-        result[token] = float(logprobs[token].item())
-        return result
+
+def token_logprobs(row: torch.Tensor, k: int | None, token: int) -> dict[int, float] | None:
+    """The top-``k`` logprobs of the raw logits ``row`` plus ``token``'s; None if ``k`` is None."""
+    if k is None:
+        return None
+    logprobs = torch.log_softmax(row, dim=-1)
+    result: dict[int, float] = {}
+    if k > 0:
+        top = torch.topk(logprobs, min(k, logprobs.numel()))
+        result = {int(i): float(v) for i, v in zip(top.indices.tolist(), top.values.tolist())}
+    result[token] = float(logprobs[token].item())
+    return result
+
+
+def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int) -> list[tuple[dict[int, float], int]]:
+    """For each row of ``logits`` (float32, [rows, vocab]) the logprob of the prompt
+    token that follows it (``next_tokens``), with the top-``k``, and that token's rank
+    (1 = likeliest)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(next_tokens, dtype=torch.long)
+    actual = logprobs.gather(1, ids[:, None])
+    ranks = (logprobs > actual).sum(dim=-1) + 1
+    top = torch.topk(logprobs, min(k, logprobs.shape[-1])) if k > 0 else None
+    result = []
+    for i, token in enumerate(next_tokens):
+        entry: dict[int, float] = {}
+        if top is not None:
+            entry = {int(t): float(v) for t, v in zip(top.indices[i].tolist(), top.values[i].tolist())}
+        entry[token] = float(actual[i, 0])
+        result.append((entry, int(ranks[i])))
+    return result

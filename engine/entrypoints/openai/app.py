@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from engine.async_engine import AsyncEngine
 from engine.entrypoints.openai.auth import APIKeyMiddleware
+from engine.entrypoints.openai.body_limit import BodyLimitMiddleware
 from engine.entrypoints.openai.errors import error_response, install_error_handlers
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, dump
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -53,21 +54,24 @@ def build_app(
     max_logprobs: int = 20,
 ) -> FastAPI:
     """The FastAPI app serving `async_engine` under `served_model_name` (one name or a
-    list; `served_model_names` is the same as a keyword); with `api_key`, every /v1
-    route needs `Authorization: Bearer api_key`. `generation_config` ("auto", "vllm" or
-    a directory) and `max_logprobs` (-1: no limit) are vLLM's flags of those names,
-    kept in `app.state`."""
+    list; `served_model_names` is the same as a keyword); with `api_key`, every
+    route but /health and /ping needs `Authorization: Bearer api_key` (auth.py).
+    `generation_config` ("auto", "vllm" or a directory) and `max_logprobs` (-1: no
+    limit) are vLLM's flags of those names, kept in `app.state`."""
     names = _model_names(served_model_name, served_model_names)
     main_name, aliases = names[0], set(names[1:])
     app = FastAPI(title="tp-runtime", summary="OpenAI-compatible tensor-parallel inference server")
-    completions = OpenAIServingCompletion(async_engine, main_name)
-    chat = OpenAIServingChat(async_engine, main_name)
+    completions = OpenAIServingCompletion(async_engine, main_name, generation_config=generation_config,
+                                          max_logprobs=max_logprobs)
+    chat = OpenAIServingChat(async_engine, main_name, generation_config=generation_config, max_logprobs=max_logprobs)
     tokenization = OpenAIServingTokenization(async_engine, names)
     metrics = async_engine.metrics
     app.state.serving_completion, app.state.serving_chat = completions, chat
     app.state.serving_tokenization = tokenization
     app.state.served_model_names = names
     app.state.generation_config, app.state.max_logprobs = generation_config, max_logprobs
+    # Added first, so it runs inside the key check: an unauthenticated body is never read.
+    app.add_middleware(BodyLimitMiddleware, on_reject=metrics.on_request_rejected)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     install_error_handlers(app, metrics)
@@ -160,7 +164,6 @@ def install_sleep_routes(app: FastAPI, async_engine: AsyncEngine) -> None:
     @app.post("/sleep")
     async def sleep(level: int = 1, abort: bool = False) -> JSONResponse:
         return await call(async_engine.sleep(level, abort=abort), level)
-
 
     @app.post("/wake_up")
     async def wake_up(tags: list[str] | None = Query(default=None)) -> JSONResponse:

@@ -1,16 +1,23 @@
-"""`POST /v1/chat/completions`: messages rendered with the model's chat template, the
-assistant's reply out, whole or streamed as server-sent events (role first, then
-content deltas, then the finish reason)."""
+"""`POST /v1/chat/completions`: messages rendered with the model's chat template, `n`
+replies of the assistant out, whole or streamed as server-sent events (per choice: the
+role first, then content deltas, then the finish reason).
+
+`continue_final_message` renders the conversation without a generation prompt and
+ends it right after the last message's text, so the model continues that message;
+`echo` starts the reply with the last message's text when it is the assistant's, as
+vLLM does.
+"""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from engine.entrypoints.openai.errors import APIError
-from engine.entrypoints.openai.logprobs import chat_logprobs
+from engine.entrypoints.openai.logprobs import TokenText, chat_logprobs, vllm_prompt_logprobs
 from engine.entrypoints.openai.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -22,9 +29,12 @@ from engine.entrypoints.openai.protocol import (
     UsageInfo,
     dump,
 )
-from engine.entrypoints.openai.serving import OpenAIServing, include_usage, text_delta, usage
+from engine.entrypoints.openai.serving import OpenAIServing, include_usage, merge_streams, text_delta, usage
+from engine.entrypoints.openai.serving_completion import trim_logprobs
 from engine.entrypoints.openai.sse import StreamState, event_stream_response
 from engine.outputs import RequestOutput
+
+ROLE = "assistant"
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -38,58 +48,115 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = requested if requested is not None else max(1, self.engine.max_model_len - len(prompt_ids))
-        stream, request_id, created = await self.start(body, prompt_ids, max_tokens, top_logprobs, "messages",
-                                                       "chatcmpl")
+        room = max(1, self.engine.max_model_len - len(prompt_ids))
+        max_tokens = requested if requested is not None else min(self.default_max_tokens() or room, room)
+        params = self.sampling_params(body, max_tokens, top_logprobs, body.prompt_logprobs)
+        request_id = self.request_id(body, "chatcmpl")
+        stream, prompt_ids = await self.submit(body, prompt_ids, params, "messages", request_id)
+        created = int(time.time())
+        text_of = TokenText(self.tokenizer, body.return_tokens_as_token_ids)
         top = top_logprobs or 0
+        last = body.messages[-1]
+        echoed = last.text() if body.echo and last.role == ROLE else ""
+
+        def prompt_extras(output: RequestOutput) -> dict[str, Any]:
+            shown: dict[str, Any] = {}
+            if body.prompt_logprobs is not None and output.prompt_logprobs is not None:
+                entries = [trim_logprobs(e, body.prompt_logprobs, t) for e, t in zip(output.prompt_logprobs,
+                                                                                      prompt_ids)]
+                shown["prompt_logprobs"] = vllm_prompt_logprobs(text_of, prompt_ids, entries,
+                                                                output.prompt_logprob_ranks or [])
+            if body.return_token_ids:
+                shown["prompt_token_ids"] = list(prompt_ids)
+            return shown
 
         if not body.stream:
-            def whole(final: RequestOutput) -> ChatCompletionResponse:
-                choice = ChatCompletionChoice(
-                    message=ChatResponseMessage(content=final.text), finish_reason=final.finish_reason,
-                    logprobs=chat_logprobs(self.tokenizer, final, 0, len(final.token_ids), top)
-                    if body.logprobs else None)
+            def whole(finals: list[RequestOutput]) -> ChatCompletionResponse:
+                (final,) = finals
+                choices = [ChatCompletionChoice(
+                    index=sample.index, message=ChatResponseMessage(content=echoed + sample.text),
+                    finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+                    logprobs=chat_logprobs(text_of, sample.token_ids, sample.logprobs, 0, len(sample.token_ids), top)
+                    if body.logprobs else None,
+                    token_ids=list(sample.token_ids) if body.return_token_ids else None,
+                ) for sample in final.outputs]
                 return ChatCompletionResponse(id=request_id, created=created, model=self.model_name,
-                                              choices=[choice], usage=usage(final))
+                                              choices=choices, usage=usage([len(prompt_ids)], [final]),
+                                              **prompt_extras(final))
 
-            return await self.full_response(stream, request, whole)
+            return await self.full_response([stream], request, whole)
 
-        with_usage = include_usage(body.stream_options)
+        final_usage, every_chunk_usage = include_usage(body.stream_options)
+        latest: list[RequestOutput] = []
 
-        def chunk(choices: list[ChatCompletionStreamChoice], usage_info: UsageInfo | None = None) -> Any:
+        def chunk(choices: list[ChatCompletionStreamChoice], usage_info: UsageInfo | None = None,
+                  **extras: Any) -> Any:
             return dump(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
-                                                     choices=choices, usage=usage_info))
+                                                     choices=choices, usage=usage_info, **extras))
 
-        def chunks(output: RequestOutput, state: StreamState) -> list[Any]:
+        def chunks(_: int, output: RequestOutput, state: StreamState) -> list[Any]:
+            latest[:] = [output]
+            running_usage = usage([len(prompt_ids)], [output]) if every_chunk_usage else None
             payloads: list[Any] = []
-            if not state.started:
-                payloads.append(chunk([ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant", content=""))]))
-                state.started = True
-            delta = text_delta(output, state.text)
-            num_tokens = len(output.token_ids)
-            if delta or (body.logprobs and num_tokens > state.num_tokens):
-                payloads.append(chunk([ChatCompletionStreamChoice(
-                    delta=DeltaMessage(content=delta),
-                    logprobs=chat_logprobs(self.tokenizer, output, state.num_tokens, num_tokens, top)
-                    if body.logprobs else None)]))
-                state.text, state.num_tokens = state.text + delta, num_tokens
-            if output.finished:
-                payloads.append(chunk([ChatCompletionStreamChoice(delta=DeltaMessage(),
-                                                                  finish_reason=output.finish_reason)]))
-                if with_usage:
-                    payloads.append(chunk([], usage(output)))
+            for sample in output.outputs:
+                choice = state.choice(sample.index)
+                if not choice.started:
+                    extras = prompt_extras(output) if sample.index == 0 else {}
+                    payloads.append(chunk([ChatCompletionStreamChoice(
+                        index=sample.index, delta=DeltaMessage(role=ROLE, content=""))], running_usage, **extras))
+                    choice.started = True
+                    if echoed:
+                        payloads.append(chunk([ChatCompletionStreamChoice(
+                            index=sample.index, delta=DeltaMessage(content=echoed))], running_usage))
+                delta = text_delta(sample.text, sample.finished, choice.text)
+                num_tokens = len(sample.token_ids)
+                if delta or (body.logprobs and num_tokens > choice.num_tokens) or (
+                        body.return_token_ids and num_tokens > choice.num_tokens):
+                    payloads.append(chunk([ChatCompletionStreamChoice(
+                        index=sample.index, delta=DeltaMessage(content=delta),
+                        logprobs=chat_logprobs(text_of, sample.token_ids, sample.logprobs, choice.num_tokens,
+                                               num_tokens, top) if body.logprobs else None,
+                        token_ids=list(sample.token_ids[choice.num_tokens:num_tokens])
+                        if body.return_token_ids else None)], running_usage))
+                    choice.text, choice.num_tokens = choice.text + delta, num_tokens
+                if sample.finished and not choice.finished:
+                    choice.finished = True
+                    payloads.append(chunk([ChatCompletionStreamChoice(
+                        index=sample.index, delta=DeltaMessage(), finish_reason=sample.finish_reason,
+                        stop_reason=sample.stop_reason)], running_usage))
             return payloads
 
-        return event_stream_response(stream, self.engine, chunks)
+        def final_chunks() -> list[Any]:
+            return [chunk([], usage([len(prompt_ids)], latest))] if final_usage and latest else []
+
+        return event_stream_response(merge_streams([stream]), lambda: self.abort([stream]), chunks, final_chunks)
 
     def _prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
         tokenizer = self.tokenizer
         if tokenizer is None or tokenizer.chat_template is None:
             raise APIError(400, f"model `{self.model_name}` has no chat template; use /v1/completions",
                            param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = []
+        for i, m in enumerate(body.messages):
+            try:
+                message: dict[str, Any] = {"role": m.role, "content": m.text()}
+            except ValueError as e:
+                raise APIError(400, str(e), param=f"messages[{i}].content") from None
+            if m.name is not None:
+                message["name"] = m.name
+            messages.append(message)
+        add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
         try:
-            prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                        **body.chat_template_kwargs)
         except Exception as e:  # noqa: BLE001 - template errors (jinja or raise_exception) are the caller's
             raise APIError(400, f"cannot render the chat template: {e}", param="messages") from None
-        return tokenizer.encode(prompt_text, add_special_tokens=False)  # the template renders BOS itself
+        if body.continue_final_message:
+            final = messages[-1]["content"]
+            end = prompt_text.rfind(final) if final else -1
+            if end < 0:
+                raise APIError(400, "continue_final_message: the chat template does not render the final "
+                                    "message's text as it is", param="continue_final_message")
+            prompt_text = prompt_text[:end + len(final)]
+        # The template renders BOS itself; add_special_tokens (default false) would add another.
+        return tokenizer.encode(prompt_text, add_special_tokens=body.add_special_tokens)

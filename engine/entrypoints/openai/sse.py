@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Send
 
-from engine.async_engine import AsyncEngine, RequestAbortedError, RequestStream
+from engine.async_engine import RequestAbortedError
 from engine.entrypoints.openai.errors import error_payload
 from engine.entrypoints.openai.logprobs import TextOffsets
 from engine.outputs import RequestOutput
@@ -29,17 +29,29 @@ def sse(payload: Any) -> str:
 
 
 @dataclass
-class StreamState:
-    """What a stream has sent so far: text, number of tokens, and any chunk at all."""
+class ChoiceState:
+    """What a stream has sent of one choice: text, tokens, whether it began and ended."""
 
     text: str = ""
     num_tokens: int = 0
     started: bool = False
+    finished: bool = False
     text_offsets: TextOffsets | None = None
 
 
-ChunkMaker = Callable[[RequestOutput, StreamState], list[Any]]
-"""`make_chunks(output, state)`: the payloads for one output; advances `state`."""
+@dataclass
+class StreamState:
+    """What a stream has sent so far, per choice index."""
+
+    choices: dict[int, ChoiceState] = field(default_factory=dict)
+
+    def choice(self, index: int) -> ChoiceState:
+        return self.choices.setdefault(index, ChoiceState())
+
+
+ChunkMaker = Callable[[int, RequestOutput, StreamState], list[Any]]
+"""`make_chunks(prompt_index, output, state)`: the payloads for one output of the
+request for prompt `prompt_index`; advances `state`."""
 
 
 class EventStreamResponse(StreamingResponse):
@@ -55,22 +67,27 @@ class EventStreamResponse(StreamingResponse):
                 await aclose()
 
 
-async def events(stream: RequestStream, engine: AsyncEngine, make_chunks: ChunkMaker) -> AsyncIterator[str]:
-    """Drive one stream into SSE lines. Errors become an error event, then [DONE]; a
-    stream left unfinished (the client went away) is aborted in `engine`."""
+async def events(outputs: AsyncIterator[tuple[int, RequestOutput]], abort: Callable[[], None],
+                 make_chunks: ChunkMaker, final_chunks: Callable[[], list[Any]] | None = None) -> AsyncIterator[str]:
+    """Drive a request's outputs (tagged with their prompt's index) into SSE lines,
+    then `final_chunks()` (the usage chunk). Errors become an error event, then [DONE];
+    `abort()` ends whatever is unfinished (the client went away)."""
     state = StreamState()
     try:
-        async for output in stream:
-            for payload in make_chunks(output, state):
+        async for index, output in outputs:
+            for payload in make_chunks(index, output, state):
                 yield sse(payload)
+        for payload in final_chunks() if final_chunks is not None else []:
+            yield sse(payload)
     except (EngineDeadError, RequestAbortedError) as e:
         yield sse(error_payload(e))
     finally:
-        if not stream.done:
-            engine.abort(stream.request_id)
+        abort()
     yield SSE_DONE
 
 
-def event_stream_response(stream: RequestStream, engine: AsyncEngine, make_chunks: ChunkMaker) -> EventStreamResponse:
+def event_stream_response(outputs: AsyncIterator[tuple[int, RequestOutput]], abort: Callable[[], None],
+                          make_chunks: ChunkMaker,
+                          final_chunks: Callable[[], list[Any]] | None = None) -> EventStreamResponse:
     """The `text/event-stream` response of one streamed request."""
-    return EventStreamResponse(events(stream, engine, make_chunks), media_type="text/event-stream")
+    return EventStreamResponse(events(outputs, abort, make_chunks, final_chunks), media_type="text/event-stream")
