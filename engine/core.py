@@ -52,7 +52,9 @@ class EngineCore:
             self.kv_cache_config = self._initialize_kv_caches()
             self.startup_timings = self._gather_startup_timings(time.perf_counter() - start)
             # Inside the try: a bad tokenizer.json must not leave the workers running.
-            self.tokenizer = load_tokenizer(getattr(config, "tokenizer", None) or config.model, config.load_format)
+            # A separate --tokenizer directory is a HF tokenizer's, whatever the model's load format.
+            self.tokenizer = (load_tokenizer(config.tokenizer) if config.tokenizer
+                              else load_tokenizer(config.model, config.load_format))
             self.scheduler = Scheduler(
                 max_num_seqs=config.scheduler_config.max_num_seqs,
                 max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
