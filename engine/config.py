@@ -248,6 +248,12 @@ class EngineConfig:
     # many seconds is declared hung: the engine fails naming it instead of waiting for
     # the step timeout. 0 disables the check.
     worker_liveness_timeout_s: float = DEFAULT_WORKER_LIVENESS_TIMEOUT_S
+    # Self-healing: a dead, hung or out-of-step rank makes the engine start a fresh worker
+    # group and re-run the requests it was running from their tokens (as a recompute
+    # preemption), up to this many times within worker_restart_window_s; past that, the
+    # failure is raised as with 0 (the library's default: fail at once).
+    max_worker_restarts: int = 0
+    worker_restart_window_s: float = 600.0
     # EngineCore.sleep / wake_up (and engine.serve's /sleep routes), as vLLM's flag.
     enable_sleep_mode: bool = False
     download_dir: str | None = None
@@ -292,6 +298,8 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         _positive("worker_liveness_timeout_s", self.worker_liveness_timeout_s, allow_zero=True)
+        _positive("max_worker_restarts", self.max_worker_restarts, allow_zero=True)
+        _positive("worker_restart_window_s", self.worker_restart_window_s)
         if self.kv_cache_memory_bytes is not None:
             _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         if self.num_gpu_blocks_override is not None:

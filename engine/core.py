@@ -25,7 +25,9 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import load_tokenizer
+from engine.worker_restart import WorkerRestarter
 from executor.abstract import Executor, RPCMethod
+from executor.errors import EngineDeadError
 from worker.kv_cache import KVCacheConfig, KVCacheTooSmallError
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class EngineCore:
         except BaseException:
             self.shutdown()
             raise
+        self._worker_restarter = WorkerRestarter(self)
         self._request_counter = itertools.count()
         self.output_processor = OutputProcessor(self.tokenizer)
         self._sleep_level: int | None = None  # None while awake
@@ -163,7 +166,16 @@ class EngineCore:
         return self.model_executor.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
 
     def check_health(self) -> None:
-        self.model_executor.check_health()
+        try:
+            self.model_executor.check_health()
+        except EngineDeadError as e:
+            if not self._worker_restarter.restart(e):
+                raise
+
+    @property
+    def num_worker_restarts(self) -> int:
+        """How many times a failed worker group was replaced (max_worker_restarts)."""
+        return self._worker_restarter.count
 
     def save_sharded_state(self, path: str, max_size: int | None = None) -> None:
         """Write a `load_format="sharded_state"` checkpoint of the loaded model to `path`.
@@ -304,7 +316,12 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return []
-        runner_output = self.model_executor.execute_model(scheduler_output)
+        try:
+            runner_output = self.model_executor.execute_model(scheduler_output)
+        except EngineDeadError as e:
+            if not self._worker_restarter.restart(e):  # self-healing (engine/worker_restart.py)
+                raise
+            return []  # a fresh group: the interrupted requests are re-run from their tokens
         parents: dict[str, ParentRequest] = {}
         for request in self.scheduler.update_from_output(scheduler_output, runner_output):
             parent, stopped = self.output_processor.process(request)

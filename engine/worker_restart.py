@@ -1,0 +1,109 @@
+"""Self-healing: replace a failed worker group and re-run its requests.
+
+`EngineConfig(max_worker_restarts=N)` (default 0: off). When the executor reports the
+group dead (`EngineDeadError`: a rank died, stopped beating, hung in a step, or was left
+out of step by a peer's failure), `EngineCore` asks `WorkerRestarter.restart`, which
+
+1. shuts the old group down (every process, segment and socket of it),
+2. starts a fresh executor from the same config and gives it the same KV cache
+   layout (same block count: no profile run, the scheduler's block tables stay valid),
+3. preempts every running request by recompute (blocks freed, computed tokens 0: the
+   request re-prefills its prompt plus the tokens it already generated, exactly like a
+   preemption for lack of blocks) and forgets the prefix cache (its blocks' K/V lived in
+   the dead group),
+
+so the step that failed simply yields nothing, and the next steps carry on: greedy
+outputs equal an undisturbed run, and a streaming client sees a pause, not an error.
+Past N restarts within `worker_restart_window_s`, or when the restart itself fails, the
+original failure is raised as without self-healing. Each restart is logged with its
+cause and counted (`EngineCore.num_worker_restarts`).
+
+Runs in the thread that steps the core (the only one that touches the executor and the
+scheduler).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections import deque
+from typing import TYPE_CHECKING
+
+from executor.abstract import Executor
+from executor.errors import EngineDeadError
+
+if TYPE_CHECKING:
+    from engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerRestarter:
+    def __init__(self, core: EngineCore) -> None:
+        # A weak reference: the core's finalizer must still run when the core is collected.
+        self._core = weakref.ref(core)
+        self.limit = core.config.max_worker_restarts
+        self.window_s = core.config.worker_restart_window_s
+        self._recent: deque[float] = deque()
+        self.count = 0  # restarts so far, for metrics
+        self.last_cause: str | None = None
+
+    def restart(self, error: EngineDeadError) -> bool:
+        """Replace the worker group after `error`. True: the engine may go on (the
+        interrupted requests wait to be re-run); False: self-healing is off, the core
+        was shut down, or N restarts within the window were used up: raise `error`.
+        Raises EngineDeadError (from the cause) if the fresh group fails to start."""
+        core = self._core()
+        if core is None or self.limit <= 0 or not core._finalizer.alive:
+            return False
+        now = time.monotonic()
+        while self._recent and now - self._recent[0] > self.window_s:
+            self._recent.popleft()
+        if len(self._recent) >= self.limit:
+            logger.error("worker group failed again (%s) after %d restart(s) within %gs "
+                         "(max_worker_restarts=%d): giving up", error, len(self._recent), self.window_s, self.limit)
+            return False
+        self._recent.append(now)
+        start = time.perf_counter()
+        logger.warning("worker group failed: %s; restarting it (restart %d of at most %d within %gs)",
+                       error, len(self._recent), self.limit, self.window_s)
+        old = core.model_executor
+        core._finalizer.detach()
+        old.shutdown()
+        try:
+            new = Executor.get_class(core.config)(core.config)
+        except BaseException as e:
+            core._finalizer = weakref.finalize(core, old.shutdown)  # idempotent; keeps shutdown() working
+            raise EngineDeadError(f"the worker group failed ({error}) and could not be restarted: "
+                                  f"{type(e).__name__}: {e}") from e
+        core.model_executor = new
+        core._finalizer = weakref.finalize(core, new.shutdown)
+        try:
+            spec = new.get_kv_cache_spec()
+            if spec.block_bytes != core.kv_cache_config.block_bytes:
+                raise RuntimeError(f"the restarted group's KV block ({spec.block_bytes} bytes) differs from the "
+                                   f"first one's ({core.kv_cache_config.block_bytes} bytes)")
+            new.initialize_from_config(core.kv_cache_config)
+        except BaseException as e:
+            raise EngineDeadError(f"the worker group failed ({error}) and its replacement could not allocate the "
+                                  f"KV cache: {type(e).__name__}: {e}") from e
+        rerun = self._requeue_running(core)
+        self.count += 1
+        self.last_cause = str(error)
+        logger.warning("worker group restarted in %.2fs; %d running request(s) will be re-run from their tokens",
+                       time.perf_counter() - start, rerun)
+        return True
+
+    @staticmethod
+    def _requeue_running(core: EngineCore) -> int:
+        """Preempt every running request by recompute, and drop the prefix cache."""
+        scheduler = core.scheduler
+        running = list(scheduler.running)
+        scheduler.running.clear()
+        # Latest arrival first: each preempted request goes to the front of the queue,
+        # so the queue stays in arrival order (as Scheduler.schedule preempts).
+        for request in reversed(running):
+            scheduler._preempt(request)
+        scheduler.block_manager.reset_prefix_cache()
+        return len(running)
