@@ -98,3 +98,45 @@ def test_self_healing_is_off_by_default(tiny_models):
     from engine.config import EngineConfig
 
     assert EngineConfig(model=str(tiny_models["llama"]), device="cpu").max_worker_restarts == 0
+
+
+def test_streaming_clients_see_a_pause_not_an_error(tiny_models, private_tmpdir, reference):
+    """Under AsyncEngine, a rank SIGKILLed mid-stream: every stream goes on to finish,
+    its cumulative outputs only ever grow (no token is taken back or repeated), and the
+    final tokens equal an undisturbed run."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+
+    shm_before = shm_segments()
+    core = EngineCore(engine_config(tiny_models["llama"], tp=2, max_worker_restarts=1))
+    first_pids = worker_pids(core)
+    engine = AsyncEngine(core, log_stats=False)
+    gaps: list[float] = []
+
+    async def consume(i: int) -> list[int]:
+        seen: list[int] = []
+        last = time.monotonic()
+        async for output in engine.generate(PROMPTS[i], GREEDY):
+            tokens = output.outputs[0].token_ids
+            assert tokens[: len(seen)] == seen, (seen, tokens)
+            seen = list(tokens)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+            if i == 0 and len(seen) == 6:
+                os.kill(first_pids[1], signal.SIGKILL)
+        return seen
+
+    async def main() -> list[list[int]]:
+        return list(await asyncio.gather(*(consume(i) for i in range(len(PROMPTS)))))
+
+    try:
+        assert asyncio.run(main()) == reference
+        assert core.num_worker_restarts == 1
+        new_pids = worker_pids(core)
+        print(f"\nFIGURE self-heal, streaming: longest pause between two outputs {max(gaps):.2f}s", flush=True)
+    finally:
+        engine.shutdown()
+        core.shutdown()
+    assert_nothing_left(first_pids + new_pids, private_tmpdir, shm_before)
