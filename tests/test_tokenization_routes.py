@@ -21,7 +21,7 @@ from tests.test_serve import MAX_MODEL_LEN, ServerProcess, serve_model, tokenize
 
 NAME = "tiny-tok"
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}" \
-           "{% if add_generation_prompt %}<assistant>{% endif %}"
+           "{% if add_generation_prompt %}<assistant>{% endif %}{{ suffix | default('') }}"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json")
 
@@ -80,6 +80,9 @@ def test_tokenize_messages_uses_the_chat_template_flag(tok_server: ServerProcess
                                           "add_generation_prompt": False}).json()
     open_text = _render(messages, False) + "<assistant>Sure,"
     assert cont["tokens"] == tokenizer.encode(open_text, add_special_tokens=False).ids
+    # chat_template_kwargs are template variables.
+    suffixed = _post(tok_server, "tokenize", {"messages": messages, "chat_template_kwargs": {"suffix": "!!"}})
+    assert suffixed.json()["tokens"] == tokenizer.encode(_render(messages) + "!!", add_special_tokens=False).ids
     # The chat route renders with the same template.
     chat = httpx.post(f"{tok_server.url}/v1/chat/completions", timeout=60,
                       json={"model": NAME, "messages": messages, "max_tokens": 1}).json()

@@ -6,12 +6,14 @@ prompt, encoded as /v1/completions encodes it) or `{"model", "messages",
 false}` (rendered with the chat template, as /v1/chat/completions renders it), and
 answers `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs` only with
 `"return_token_strs": true`). /detokenize takes `{"model", "tokens"}` and answers
-`{"prompt"}` (special tokens kept, as vLLM decodes it).
+`{"prompt"}` (special tokens kept, as vLLM decodes it). `chat_template_kwargs` are
+extra template variables, as in the chat route.
 
 The request models are strict: an unknown field or a wrong type is a 400 naming the
 field; an explicit null means the field's default. What vLLM accepts but this server
-cannot honour here (`tools`, `chat_template`, `chat_template_kwargs`,
-`mm_processor_kwargs`, `media_io_kwargs`) is a 400 naming it.
+cannot honour here (`tools`, a request's own `chat_template`, which vLLM too refuses
+without --trust-request-chat-template, `mm_processor_kwargs`, `media_io_kwargs`) is a
+400 naming it.
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ class OpenAIServingTokenization:
 
     @staticmethod
     def _chat_ids(body: TokenizeChatRequest, tokenizer: Any) -> list[int]:
-        for name in ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs", "media_io_kwargs"):
+        for name in ("chat_template", "tools", "mm_processor_kwargs", "media_io_kwargs"):
             if getattr(body, name):
                 raise APIError(400, f"{name} is not supported by /tokenize on this server", param=name)
         continue_final = bool(body.continue_final_message)
@@ -156,15 +158,18 @@ class OpenAIServingTokenization:
                            param="continue_final_message")
         if tokenizer.chat_template is None:
             raise APIError(400, "this model has no chat template; tokenize a prompt instead", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages: list[dict[str, Any]] = [
+            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+            for m in body.messages]
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation,
+                                                 **(body.chat_template_kwargs or {}))
         except Exception as e:  # noqa: BLE001 - template errors (jinja or raise_exception) are the caller's
             raise APIError(400, f"cannot render the chat template: {e}", param="messages") from None
         if continue_final:
             # As transformers does: cut the rendering right after the final message's
             # content, so that whatever the template closes a turn with is left out.
-            final = messages[-1]["content"].rstrip()
+            final = messages[-1]["content"].strip()
             cut = text.rfind(final) if final else -1
             if cut < 0:
                 raise APIError(400, "continue_final_message: the final message's content is not in the rendered "
