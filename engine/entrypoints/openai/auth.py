@@ -1,4 +1,12 @@
-"""API-key check: `Authorization: Bearer KEY` on every /v1 route (not /health, /metrics)."""
+"""API-key check: `Authorization: Bearer KEY` on every route but the liveness probes.
+
+With `--api-key`, every HTTP request needs the key, whatever its path: the /v1 API,
+/metrics, /reset_prefix_cache, the sleep routes, /tokenize, /version, the OpenAPI
+pages, and paths that do not exist (a 401, not a 404, so routes cannot be probed).
+Exempt: `/health` and `/ping`, the liveness probes that load balancers and
+orchestrators call without credentials; they only say whether the engine is alive and
+change nothing. (vLLM exempts /health alone; /ping is SageMaker's name for the same probe.)
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,9 @@ import secrets
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.entrypoints.openai.errors import error_response
+
+# Liveness probes only: add nothing here that reads or changes state.
+UNAUTHENTICATED_PATHS = frozenset({"/health", "/ping"})
 
 
 class APIKeyMiddleware:
@@ -18,7 +29,8 @@ class APIKeyMiddleware:
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if (scope["type"] == "http" and scope["path"].rstrip("/") not in UNAUTHENTICATED_PATHS
+                and scope["method"] != "OPTIONS"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self._expected):  # constant time: no key guessing by timing
                 response = error_response(401, "Incorrect or missing API key: send `Authorization: Bearer KEY`",
