@@ -112,7 +112,8 @@ def test_updates_reach_the_exposition() -> None:
     assert _value(metrics, p + "num_preemptions_total") == 2
     assert (_value(metrics, p + "num_requests_running"), _value(metrics, p + "num_requests_waiting")) == (3, 1)
     assert _value(metrics, p + "kv_cache_usage_perc") == 0.25
-    assert _value(metrics, p + "prefix_cache_queries_total") == 48 and _value(metrics, p + "prefix_cache_hits_total") == 16
+    assert _value(metrics, p + "prefix_cache_queries_total") == 48
+    assert _value(metrics, p + "prefix_cache_hits_total") == 16
     assert _value(metrics, p + "request_success_total", finished_reason="length") == 1
     assert _value(metrics, p + "request_success_total", finished_reason="error") == 1
     assert _value(metrics, p + "inter_token_latency_seconds_count") == 4

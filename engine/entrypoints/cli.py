@@ -29,7 +29,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from engine.entrypoints.demo_model import DEMO_KV_CACHE_BYTES, DEMO_MODEL_NAME, ensure_demo_model
+from engine.entrypoints.demo_model import (
+    DEMO_KV_CACHE_BYTES,
+    DEMO_MODEL_NAME,
+    ensure_demo_model,
+)
 from engine.entrypoints.torchrun import take_serving_role
 from executor.ray_utils import PLACEMENT_STRATEGIES
 from executor.registry import get_supported_executor_backends
@@ -37,7 +41,6 @@ from executor.registry import get_supported_executor_backends
 logger = logging.getLogger("engine.serve")  # the command's name, as before the CLI moved here
 
 GiB = 1 << 30
-CPU_DEFAULT_KV_CACHE_BYTES = 1 * GiB  # like vLLM's CPU backend: a fixed space, not a share of host RAM
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
 
 
@@ -187,7 +190,7 @@ def build_parser(prog: str = "python -m engine.serve") -> argparse.ArgumentParse
     p.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", dest="kv_cache_memory", type=parse_bytes,
                    default=None, metavar="BYTES",
                    help="KV-cache bytes per rank, e.g. 2GiB, 4G, 4000m (default: profiled with "
-                        "--gpu-memory-utilization on CUDA; 1GiB on CPU; 64MiB for the demo model)")
+                        "--gpu-memory-utilization on CUDA; on CPU 1GiB, 64MiB for the demo model)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of earlier prompts that start the same way (default on)")
     p.add_argument("--enable-sleep-mode", action="store_true",
@@ -203,8 +206,10 @@ def build_parser(prog: str = "python -m engine.serve") -> argparse.ArgumentParse
                         "server's defaults), or a directory holding a generation_config.json")
     p.add_argument("--max-logprobs", type=int, default=20, metavar="N",
                    help="most logprobs a request may ask for (default 20; -1: no limit)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="share of device memory the engine may use when profiling (default 0.9)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of device memory the engine may use when profiling (default 0.9); on CPU, "
+                        "given without --kv-cache-memory-bytes, the KV cache is sized from this share of host "
+                        "memory instead of a fixed 1GiB")
     p.add_argument("--api-key", default=os.environ.get("TP_RUNTIME_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $TP_RUNTIME_API_KEY, else none)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
@@ -229,7 +234,7 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     args.model = args.model_tag if args.model_tag is not None else args.model_flag
     if args.max_logprobs < -1:
         parser.error(f"--max-logprobs {args.max_logprobs}: must be >= 0, or -1 for no limit")
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+    if args.gpu_memory_utilization is not None and not 0.0 < args.gpu_memory_utilization <= 1.0:
         parser.error(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
     if args.chat_template is not None:
         try:
@@ -331,21 +336,23 @@ def _serves_http(args: argparse.Namespace) -> bool:
 
 def engine_config_kwargs(args: argparse.Namespace, model: str) -> dict[str, Any]:
     """The EngineConfig keywords of a parsed command line."""
+    # Unset on CPU, EngineConfig gives each rank a fixed CPU_DEFAULT_KV_CACHE_BYTES; the
+    # demo model needs far less.
     kv_bytes = args.kv_cache_memory
-    if kv_bytes is None and _device_is_cpu(args.device):
-        kv_bytes = DEMO_KV_CACHE_BYTES if args.model is None else CPU_DEFAULT_KV_CACHE_BYTES
-    return dict(
-        model=model, tensor_parallel_size=args.tp, dtype=args.dtype, device=args.device,
-        load_format=args.load_format, quantization=args.quantization, revision=args.revision,
-        download_dir=args.download_dir, seed=args.seed, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size, kv_cache_memory_bytes=kv_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization, tokenizer=args.tokenizer,
-        cpu_prepack_weights=args.cpu_prepack_weights, cpu_threads_bind=args.cpu_threads_bind,
-        distributed_executor_backend=args.distributed_executor_backend,
-        ray_placement_strategy=args.ray_placement_strategy,
-        enable_prefix_caching=args.enable_prefix_caching, enable_sleep_mode=args.enable_sleep_mode,
-    )
+    if kv_bytes is None and args.model is None and args.gpu_memory_utilization is None and _device_is_cpu(args.device):
+        kv_bytes = DEMO_KV_CACHE_BYTES
+    return {
+        "model": model, "tensor_parallel_size": args.tp, "dtype": args.dtype, "device": args.device,
+        "load_format": args.load_format, "quantization": args.quantization, "revision": args.revision,
+        "download_dir": args.download_dir, "seed": args.seed, "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size, "kv_cache_memory_bytes": kv_bytes,
+        "gpu_memory_utilization": args.gpu_memory_utilization, "tokenizer": args.tokenizer,
+        "cpu_prepack_weights": args.cpu_prepack_weights, "cpu_threads_bind": args.cpu_threads_bind,
+        "distributed_executor_backend": args.distributed_executor_backend,
+        "ray_placement_strategy": args.ray_placement_strategy,
+        "enable_prefix_caching": args.enable_prefix_caching, "enable_sleep_mode": args.enable_sleep_mode,
+    }
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m engine.serve") -> int:
@@ -392,7 +399,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.serve") ->
         if sock is not None:
             sock.close()
         return 0
-    except Exception as e:  # noqa: BLE001 - report it in one line, with the cause, and fail
+    except Exception as e:
         logger.error("cannot start the engine: %s: %s", type(e).__name__, e)
         logger.debug("start-up failure", exc_info=True)
         if sock is not None:

@@ -18,12 +18,20 @@ without --trust-request-chat-template, `mm_processor_kwargs`, `media_io_kwargs`)
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 from engine.async_engine import AsyncEngine
 from engine.entrypoints.openai.errors import APIError
@@ -44,8 +52,8 @@ class TokenizeMessage(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     role: StrictStr
-    content: Optional[Union[StrictStr, list[TokenizeTextPart]]] = None
-    name: Optional[StrictStr] = None
+    content: StrictStr | list[TokenizeTextPart] | None = None
+    name: StrictStr | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -56,36 +64,36 @@ class TokenizeMessage(BaseModel):
 
 
 class TokenizeCompletionRequest(_StrictRequest):
-    model: Optional[StrictStr] = None
+    model: StrictStr | None = None
     prompt: StrictStr
-    add_special_tokens: Optional[StrictBool] = None  # None: True (BOS as the tokenizer adds it)
-    return_token_strs: Optional[StrictBool] = None
+    add_special_tokens: StrictBool | None = None  # None: True (BOS as the tokenizer adds it)
+    return_token_strs: StrictBool | None = None
 
 
 class TokenizeChatRequest(_StrictRequest):
-    model: Optional[StrictStr] = None
+    model: StrictStr | None = None
     messages: list[TokenizeMessage] = Field(min_length=1)
-    add_generation_prompt: Optional[StrictBool] = None  # None: True
-    continue_final_message: Optional[StrictBool] = None  # None: False
-    add_special_tokens: Optional[StrictBool] = None  # None: False (the template renders BOS)
-    return_token_strs: Optional[StrictBool] = None
+    add_generation_prompt: StrictBool | None = None  # None: True
+    continue_final_message: StrictBool | None = None  # None: False
+    add_special_tokens: StrictBool | None = None  # None: False (the template renders BOS)
+    return_token_strs: StrictBool | None = None
     # vLLM's, refused here when set (see the module docstring):
-    chat_template: Optional[StrictStr] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    tools: Optional[list[Any]] = None
-    mm_processor_kwargs: Optional[dict[str, Any]] = None
-    media_io_kwargs: Optional[dict[str, Any]] = None
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
-    token_strs: Optional[list[str]] = None
+    token_strs: list[str] | None = None
 
 
 class DetokenizeRequest(_StrictRequest):
-    model: Optional[StrictStr] = None
+    model: StrictStr | None = None
     tokens: list[StrictInt]
 
 
