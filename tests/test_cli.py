@@ -53,7 +53,9 @@ def test_vllm_spellings_parse() -> None:
     assert old.kv_cache_memory == new.kv_cache_memory == 1 << 30
     assert parse_args(["m"]).model == "m" and parse_args([]).model is None
     assert parse_args(["m", "--model", "m"]).model == "m"
+    assert parse_args(["m", "--max-worker-restarts", "0"]).max_worker_restarts == 0
     defaults = parse_args(["m"])
+    assert defaults.max_worker_restarts == 2
     assert (defaults.max_logprobs, defaults.generation_config, defaults.uvicorn_log_level) == (20, "auto", "info")
     assert parse_args(["m", "--log-level", "debug"]).uvicorn_log_level == "debug"
 
@@ -104,6 +106,7 @@ def test_a_bad_port_is_a_usage_error(port: str, capsys: pytest.CaptureFixture[st
 def test_refusals_name_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "--trust-remote-code is refused" in _usage_error(["m", "--trust-remote-code"], capsys)
     assert "--max-logprobs" in _usage_error(["m", "--max-logprobs", "-2"], capsys)
+    assert "--max-worker-restarts" in _usage_error(["m", "--max-worker-restarts", "-1"], capsys)
     assert "--gpu-memory-utilization" in _usage_error(["m", "--gpu-memory-utilization", "1.5"], capsys)
     assert "--generation-config" in _usage_error(["m", "--generation-config", str(tmp_path / "nope")], capsys)
     assert "--tokenizer" in _usage_error(["m", "--tokenizer", str(tmp_path / "nope")], capsys)

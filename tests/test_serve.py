@@ -642,7 +642,7 @@ def test_api_key_then_sigterm_stops_cleanly(serve_model: Path, start_server: Any
 
 
 def test_worker_death_turns_health_503_and_exits_nonzero(serve_model: Path, start_server: Any) -> None:
-    server = start_server(_server_args(serve_model))
+    server = start_server(_server_args(serve_model, "--max-worker-restarts", "0"))  # no self-healing
     children = _descendants(server.pid)
     # Workers are the leaves (forkserver children); the resource tracker is a leaf too.
     workers = [p for p in children if not p.children() and "resource_tracker" not in " ".join(p.cmdline())]
@@ -678,6 +678,25 @@ def test_worker_death_turns_health_503_and_exits_nonzero(serve_model: Path, star
         # It either finished before the kill or reports the failure in the stream.
         payloads = _sse_payloads(stream_result[0])
         assert "error" in payloads[-1] or payloads[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_dead_worker_is_replaced_and_the_server_goes_on(serve_model: Path, start_server: Any) -> None:
+    server = start_server(_server_args(serve_model, "--max-worker-restarts", "1"))
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    kwargs = dict(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=8, temperature=0,
+                  extra_body={"ignore_eos": True})
+    before = client.completions.create(**kwargs).choices[0].text
+    workers = [p for p in _descendants(server.pid)
+               if not p.children() and "resource_tracker" not in " ".join(p.cmdline())]
+    assert len(workers) == 2, workers
+    workers[0].kill()
+    deadline = time.monotonic() + 60
+    while "worker group restarted" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "worker group restarted" in server.log(), server.log()
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert client.completions.create(**kwargs).choices[0].text == before
+    assert server.proc.poll() is None
 
 
 def test_no_model_serves_the_demo_model(start_server: Any, tmp_path: Path) -> None:

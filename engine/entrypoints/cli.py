@@ -12,7 +12,9 @@ chat template), written once under `$TP_RUNTIME_CACHE/demo-model` (default
 
 SIGINT / SIGTERM shut down gracefully: stop accepting, let in-flight requests finish for
 up to --shutdown-timeout seconds (then abort them), stop every worker, exit 0. If a
-worker dies, /health turns 503, pending requests fail, and the process exits 1.
+worker dies, the worker group is replaced and its requests re-run (up to
+--max-worker-restarts times in 10 minutes); past that, /health turns 503, pending
+requests fail, and the process exits 1.
 """
 
 from __future__ import annotations
@@ -193,6 +195,9 @@ def build_parser(prog: str = "python -m engine.serve") -> argparse.ArgumentParse
                         "--gpu-memory-utilization on CUDA; on CPU 1GiB, 64MiB for the demo model)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of earlier prompts that start the same way (default on)")
+    p.add_argument("--max-worker-restarts", type=int, default=2, metavar="N",
+                   help="replace a failed worker group (a rank died or hung) and re-run its requests, at most N "
+                        "times in 10 minutes; past that, or with 0, the server exits 1 (default 2)")
     p.add_argument("--enable-sleep-mode", action="store_true",
                    help="add POST /sleep?level=N, POST /wake_up and GET /is_sleeping: free the KV cache and the "
                         "weights between phases (RL loops, shared hosts) and get them back without a restart")
@@ -232,6 +237,8 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     if args.model_tag is not None and args.model_flag is not None and args.model_tag != args.model_flag:
         parser.error(f"two models given: {args.model_tag!r} (positional) and --model {args.model_flag!r}")
     args.model = args.model_tag if args.model_tag is not None else args.model_flag
+    if args.max_worker_restarts < 0:
+        parser.error(f"--max-worker-restarts {args.max_worker_restarts}: must be >= 0")
     if args.max_logprobs < -1:
         parser.error(f"--max-logprobs {args.max_logprobs}: must be >= 0, or -1 for no limit")
     if args.gpu_memory_utilization is not None and not 0.0 < args.gpu_memory_utilization <= 1.0:
@@ -352,6 +359,7 @@ def engine_config_kwargs(args: argparse.Namespace, model: str) -> dict[str, Any]
         "distributed_executor_backend": args.distributed_executor_backend,
         "ray_placement_strategy": args.ray_placement_strategy,
         "enable_prefix_caching": args.enable_prefix_caching, "enable_sleep_mode": args.enable_sleep_mode,
+        "max_worker_restarts": args.max_worker_restarts,
     }
 
 
