@@ -21,6 +21,7 @@ import pytest
 
 from engine.entrypoints.cli import (
     build_parser,
+    engine_config_kwargs,
     human_readable_int,
     load_chat_template,
     max_model_len_arg,
@@ -54,6 +55,8 @@ def test_vllm_spellings_parse() -> None:
     assert parse_args(["m"]).model == "m" and parse_args([]).model is None
     assert parse_args(["m", "--model", "m"]).model == "m"
     assert parse_args(["m", "--max-worker-restarts", "0"]).max_worker_restarts == 0
+    torchrun = parse_args(["m", "--distributed-executor-backend", "external_launcher"])
+    assert engine_config_kwargs(torchrun, "m")["max_worker_restarts"] == 0  # only torchrun starts its ranks
     defaults = parse_args(["m"])
     assert defaults.max_worker_restarts == 2
     assert (defaults.max_logprobs, defaults.generation_config, defaults.uvicorn_log_level) == (20, "auto", "info")

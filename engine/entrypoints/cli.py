@@ -197,7 +197,8 @@ def build_parser(prog: str = "python -m engine.serve") -> argparse.ArgumentParse
                    help="reuse the KV blocks of earlier prompts that start the same way (default on)")
     p.add_argument("--max-worker-restarts", type=int, default=2, metavar="N",
                    help="replace a failed worker group (a rank died or hung) and re-run its requests, at most N "
-                        "times in 10 minutes; past that, or with 0, the server exits 1 (default 2)")
+                        "times in 10 minutes; past that, or with 0, the server exits 1 (default 2; always 0 "
+                        "under torchrun, which alone can start its ranks)")
     p.add_argument("--enable-sleep-mode", action="store_true",
                    help="add POST /sleep?level=N, POST /wake_up and GET /is_sleeping: free the KV cache and the "
                         "weights between phases (RL loops, shared hosts) and get them back without a restart")
@@ -359,7 +360,9 @@ def engine_config_kwargs(args: argparse.Namespace, model: str) -> dict[str, Any]
         "distributed_executor_backend": args.distributed_executor_backend,
         "ray_placement_strategy": args.ray_placement_strategy,
         "enable_prefix_caching": args.enable_prefix_caching, "enable_sleep_mode": args.enable_sleep_mode,
-        "max_worker_restarts": args.max_worker_restarts,
+        # torchrun started the ranks and only it could start them again.
+        "max_worker_restarts": 0 if args.distributed_executor_backend == "external_launcher"
+        else args.max_worker_restarts,
     }
 
 
