@@ -90,6 +90,7 @@ def test_max_model_len_syntax_is_vllms() -> None:
 def test_byte_counts_take_both_syntaxes() -> None:
     assert parse_bytes("16MiB") == 16 << 20 and parse_bytes("1.5GB") == 3 << 29 and parse_bytes("1024") == 1024
     assert parse_bytes("4k") == 4000 and parse_bytes("4K") == 4096 and parse_bytes("2G") == 2 << 30
+    assert parse_bytes("1.5G") == 3 << 29 and parse_bytes("2.5m") == 2_500_000
     with pytest.raises(argparse.ArgumentTypeError, match="not a byte count"):
         parse_bytes("much")
 

@@ -47,9 +47,10 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
 
 
 def parse_bytes(text: str) -> int:
-    """'1073741824', '512MiB', '1G', '1.5GB' -> bytes (binary units); vLLM's '4k' (decimal,
-    10**3) and '4K' (binary, 2**10) spellings are read as vLLM reads them."""
-    if _HUMAN_INT.match(text.strip()):
+    """'1073741824', '512MiB', '1G', '1.5G', '1.5GB' -> bytes (binary units); vLLM's '4k'
+    (decimal, 10**3) and '4K' (binary, 2**10) spellings are read as vLLM reads them."""
+    match = _HUMAN_INT.match(text.strip())
+    if match and (match.group(2).islower() or "." not in match.group(1)):
         return human_readable_int(text)
     match = _SIZE.match(text)
     if not match:
