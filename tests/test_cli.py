@@ -130,6 +130,8 @@ def test_chat_template_is_a_file_or_inline(tmp_path: Path) -> None:
     path.write_text("{{ messages[0]['content'] }}")
     assert load_chat_template(str(path)) == "{{ messages[0]['content'] }}"
     assert load_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{% for")
+    long_inline = "{{ bos_token }}" + "x" * 5000  # longer than any file name
+    assert load_chat_template(long_inline) == long_inline
     with pytest.raises(ValueError, match="looks like a path"):
         load_chat_template(str(tmp_path / "missing.jinja"))
     assert parse_args(["m", "--chat-template", str(path)]).chat_template_text == path.read_text()

@@ -116,7 +116,11 @@ def load_chat_template(value: str) -> str:
     when it looks like a Jinja template (it has '{', '}' or a newline), as vLLM reads it.
     Raises ValueError for something path-like that is not a file."""
     path = Path(value).expanduser()
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # an inline template longer than a file name may be
+        is_file = False
+    if is_file:
         return path.read_text(encoding="utf-8")
     if any(c in value for c in "{}\n"):
         return value
