@@ -33,6 +33,7 @@ from engine.entrypoints.openai.serving import OpenAIServing, include_usage, merg
 from engine.entrypoints.openai.serving_completion import trim_logprobs
 from engine.entrypoints.openai.sse import StreamState, event_stream_response
 from engine.outputs import RequestOutput
+from engine.tokenizer import Tokenizer
 
 ROLE = "assistant"
 
@@ -132,31 +133,42 @@ class OpenAIServingChat(OpenAIServing):
         return event_stream_response(merge_streams([stream]), lambda: self.abort([stream]), chunks, final_chunks)
 
     def _prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
-        tokenizer = self.tokenizer
-        if tokenizer is None or tokenizer.chat_template is None:
+        if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise APIError(400, f"model `{self.model_name}` has no chat template; use /v1/completions",
                            param="messages")
         messages = []
         for i, m in enumerate(body.messages):
             try:
-                message: dict[str, Any] = {"role": m.role, "content": m.text()}
+                messages.append({"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})})
             except ValueError as e:
                 raise APIError(400, str(e), param=f"messages[{i}].content") from None
-            if m.name is not None:
-                message["name"] = m.name
-            messages.append(message)
-        add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
-        try:
-            prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                        **body.chat_template_kwargs)
-        except Exception as e:  # noqa: BLE001 - template errors (jinja or raise_exception) are the caller's
-            raise APIError(400, f"cannot render the chat template: {e}", param="messages") from None
-        if body.continue_final_message:
-            final = messages[-1]["content"]
-            end = prompt_text.rfind(final) if final else -1
-            if end < 0:
-                raise APIError(400, "continue_final_message: the chat template does not render the final "
-                                    "message's text as it is", param="continue_final_message")
-            prompt_text = prompt_text[:end + len(final)]
-        # The template renders BOS itself; add_special_tokens (default false) would add another.
-        return tokenizer.encode(prompt_text, add_special_tokens=body.add_special_tokens)
+        return render_chat_prompt(self.tokenizer, messages, add_generation_prompt=body.add_generation_prompt,
+                                  continue_final_message=body.continue_final_message,
+                                  template_kwargs=body.chat_template_kwargs,
+                                  add_special_tokens=body.add_special_tokens)
+
+
+def render_chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                       continue_final_message: bool, template_kwargs: dict[str, Any] | None,
+                       add_special_tokens: bool) -> list[int]:
+    """The token ids of ``messages`` rendered with the tokenizer's chat template, as the
+    chat route and /tokenize both render them. ``continue_final_message`` renders
+    without a generation prompt and cuts the text right after the final message's
+    (stripped) content, as transformers does, so the model continues that message.
+    ``add_special_tokens`` is normally false: the template renders BOS itself. A
+    template that fails, or a final message the template does not render as it is,
+    is a 400."""
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
+            **(template_kwargs or {}))
+    except Exception as e:  # noqa: BLE001 - template errors (jinja or raise_exception) are the caller's
+        raise APIError(400, f"cannot render the chat template: {e}", param="messages") from None
+    if continue_final_message:
+        final = str(messages[-1].get("content") or "").strip()
+        cut = text.rfind(final) if final else -1
+        if cut < 0:
+            raise APIError(400, "continue_final_message: the final message's content is not in the rendered "
+                                "chat template", param="continue_final_message")
+        text = text[:cut + len(final)]
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

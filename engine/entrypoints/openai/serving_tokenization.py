@@ -35,6 +35,7 @@ from pydantic import (
 
 from engine.async_engine import AsyncEngine
 from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.serving_chat import render_chat_prompt
 
 
 class _StrictRequest(BaseModel):
@@ -169,21 +170,9 @@ class OpenAIServingTokenization:
         messages: list[dict[str, Any]] = [
             {"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
             for m in body.messages]
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation,
-                                                 **(body.chat_template_kwargs or {}))
-        except Exception as e:  # noqa: BLE001 - template errors (jinja or raise_exception) are the caller's
-            raise APIError(400, f"cannot render the chat template: {e}", param="messages") from None
-        if continue_final:
-            # As transformers does: cut the rendering right after the final message's
-            # content, so that whatever the template closes a turn with is left out.
-            final = messages[-1]["content"].strip()
-            cut = text.rfind(final) if final else -1
-            if cut < 0:
-                raise APIError(400, "continue_final_message: the final message's content is not in the rendered "
-                                    "chat template", param="continue_final_message")
-            text = text[:cut + len(final)]
-        return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        return render_chat_prompt(tokenizer, messages, add_generation_prompt=add_generation,
+                                  continue_final_message=continue_final, template_kwargs=body.chat_template_kwargs,
+                                  add_special_tokens=bool(body.add_special_tokens))
 
     async def detokenize(self, request: Request) -> JSONResponse:
         parsed = _parse(DetokenizeRequest, await _json_body(request))
