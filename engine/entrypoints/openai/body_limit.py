@@ -58,7 +58,8 @@ class BodyLimitMiddleware:
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            if int(declared) <= _DRAIN_FACTOR * self.max_bytes and headers.get(b"expect") != b"100-continue":
+            waits_for_us = headers.get(b"expect", b"").lower() == b"100-continue"
+            if int(declared) <= _DRAIN_FACTOR * self.max_bytes and not waits_for_us:
                 if not await _discard_body(receive, _DRAIN_FACTOR * self.max_bytes):
                     return  # the client went away
             await self._refuse_too_large(scope, receive, send, f"{int(declared)} bytes")
@@ -166,6 +167,6 @@ def _surrogate_at(text: str) -> tuple[int, str] | None:
 def _describe(path: list[str], found: tuple[int, str], what: str) -> tuple[str | None, str]:
     index, escape = found
     where = ".".join(path) or "body"
-    return (path[0] if path else None,
-            f"{where}: {what} has a lone UTF-16 surrogate ({escape}) at index {index}, which is not valid Unicode; "
-            "send text as UTF-8, with surrogates only in pairs")
+    message = (f"{where}: {what} has a lone UTF-16 surrogate ({escape}) at index {index}, which is not valid "
+               "Unicode; send text as UTF-8, with surrogates only in pairs")
+    return (path[0] if path else None), message
