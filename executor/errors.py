@@ -27,3 +27,8 @@ class RemoteWorkerError(RuntimeError):
 class ShmSpaceError(WorkerStartupError):
     """The shared-memory directory (/dev/shm) cannot hold the worker group's segments;
     the message names the directory, the bytes free and the bytes needed."""
+
+
+class TempDirError(WorkerStartupError):
+    """The temp directory (TMPDIR) cannot hold the engine's private directory; the
+    message names it."""

@@ -22,8 +22,7 @@ costs latency, never liveness.
 This module holds what the roles share: the handle, the error, the tunables and
 the writer's and reader's common base (:class:`QueueEndpoint`). The writer is in
 :mod:`executor.message_queue_writer`, the reader in
-:mod:`executor.message_queue_reader`. POSIX only (shm_open + ipc:// sockets; abstract
-ones on Linux only).
+:mod:`executor.message_queue_reader`. POSIX only (shm_open + ipc:// sockets).
 """
 
 from __future__ import annotations
@@ -71,13 +70,10 @@ class MessageQueueHandle(RingSpec):
 class MessageQueueOwner:
     """Creates a queue's segment and socket names, and removes them; never sends or reads.
 
-    Lives in the process that owns the queue's lifetime (the executor). The sockets are
-    files in ``ipc_dir``: ``None`` makes a private 0700 temp dir that ``shutdown()``
-    removes; a caller-provided dir is kept (only our socket files go). With
-    ``abstract_sockets=True`` (Linux only) they are in the abstract namespace instead and
-    no file or directory exists at all, so none can outlive a SIGKILLed owner (the names
-    carry 64 random bits; an abstract name has no file permissions). Names are unique
-    per call (pid + random). Raises ValueError on a bad geometry or a too-long socket path.
+    Lives in the process that owns the queue's lifetime (the executor). ``ipc_dir=None``
+    makes a private 0700 temp dir that ``shutdown()`` removes; a caller-provided dir is
+    kept (only our socket files go). Names are unique per call (pid + random).
+    Raises ValueError on a bad geometry or a too-long socket path.
     """
 
     def __init__(
@@ -87,35 +83,24 @@ class MessageQueueOwner:
         max_chunk_bytes: int = 4 * 1024 * 1024,
         max_chunks: int = 8,
         ipc_dir: str | None = None,
-        abstract_sockets: bool = False,
     ) -> None:
-        if abstract_sockets and ipc_dir is not None:
-            raise ValueError("pass either ipc_dir or abstract_sockets=True, not both")
-        self._own_ipc_dir = ipc_dir is None and not abstract_sockets
-        self._ipc_dir: str | None = tempfile.mkdtemp(prefix="tp-mq-") if self._own_ipc_dir else ipc_dir
+        self._own_ipc_dir = ipc_dir is None
+        self._ipc_dir = tempfile.mkdtemp(prefix="tp-mq-") if ipc_dir is None else ipc_dir
         self._lock = threading.Lock()
         self._shut_down = False
         name = f"tpmq_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         try:
-            if abstract_sockets:
-                sock = f"{name}_{uuid.uuid4().hex[:16]}"
-                data_addr = zmq_utils.abstract_ipc_address(sock + ".data")
-                notify_addr = zmq_utils.abstract_ipc_address(sock + ".notify")
-            else:
-                assert self._ipc_dir is not None
-                data_addr = zmq_utils.ipc_address(self._ipc_dir, name + ".data")
-                notify_addr = zmq_utils.ipc_address(self._ipc_dir, name + ".notify")
             self._handle = MessageQueueHandle(
                 shm_name=name,
                 n_reader=n_reader,
                 max_chunk_bytes=max_chunk_bytes,
                 max_chunks=max_chunks,
-                data_addr=data_addr,
-                notify_addr=notify_addr,
+                data_addr=zmq_utils.ipc_address(self._ipc_dir, name + ".data"),
+                notify_addr=zmq_utils.ipc_address(self._ipc_dir, name + ".notify"),
             )
             self._segment = ShmSegment(self._handle)
         except BaseException:
-            if self._own_ipc_dir and self._ipc_dir is not None:
+            if self._own_ipc_dir:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
             raise
 
@@ -137,12 +122,9 @@ class MessageQueueOwner:
             self._shut_down = True
         self._segment.close()
         if self._own_ipc_dir:
-            assert self._ipc_dir is not None
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             return
         for addr in (self._handle.data_addr, self._handle.notify_addr):
-            if zmq_utils.is_abstract(addr):
-                continue  # no file: the name goes with the socket
             try:
                 os.unlink(addr.removeprefix("ipc://"))
             except FileNotFoundError:

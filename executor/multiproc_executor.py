@@ -12,12 +12,17 @@ Each worker holds the read end of a death pipe and sets PR_SET_PDEATHSIG, so it 
 when the engine process dies, however it dies. Workers take the engine's TP_*
 environment variables at start (the forkserver's own were fixed when it started).
 
-Nothing on disk: the queues' sockets are in Linux's abstract namespace, the
-torch.distributed rendezvous is a TCPStore this process serves on 127.0.0.1 (port chosen
-by the kernel), and the forkserver listens on an abstract socket too, so a SIGKILLed
-engine leaves no file, socket or directory behind (the resource tracker removes any
-segment not yet unlinked). Before anything starts, /dev/shm must hold every segment of
-the group (ShmSpaceError names the directory and the bytes).
+Files: the queues' sockets are files in a private 0700 directory (never abstract
+names: those have no permissions), made inside this process's multiprocessing temp
+directory (`pymp-*`, 0700, where the forkserver's own socket lives). The
+torch.distributed rendezvous is a TCPStore this process serves on 127.0.0.1 only (a
+port the kernel picks), so no store file exists. Shutdown removes the private
+directory; when the engine dies instead, the forkserver (which outlives it for a
+moment, SIGTERM or not) removes the whole `pymp-*` directory on its way out, and the
+workers remove the private one (spawn method), so a SIGKILLed engine leaves nothing on
+disk; the resource tracker removes any segment not yet unlinked. Before anything starts,
+the temp directory must be writable (TempDirError naming it) and /dev/shm must hold
+every segment of the group (ShmSpaceError names the directory and the bytes).
 
 Liveness (executor/liveness.py): every rank writes a status row (heartbeat, current
 call, progress, collective entry) to a shared board. The monitor thread fails the
@@ -35,16 +40,18 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import sys
+import shutil
+import socket
+import tempfile
 import threading
 import time
-import uuid
+from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
 from executor import liveness
 from executor.abstract import Executor
-from executor.errors import EngineDeadError, RemoteWorkerError, ShmSpaceError, WorkerStartupError
+from executor.errors import EngineDeadError, RemoteWorkerError, ShmSpaceError, TempDirError, WorkerStartupError
 from executor.liveness import StatusBoard
 from executor.message_queue import MessageQueueOwner, QueueClosedError, QueueEndpoint
 from executor.message_queue_reader import MessageQueueReader
@@ -82,34 +89,43 @@ def _mp_context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
-        _ensure_forkserver_without_files()
     return ctx
 
 
-_forkserver_lock = threading.Lock()
+def private_dir(method: str) -> str:
+    """A fresh 0700 directory for one engine's socket files. Under the forkserver it is
+    made inside multiprocessing's temp dir of this process (pymp-*), which the forkserver
+    removes when this process dies (executor/worker_proc.py); otherwise in the temp
+    directory. Raises TempDirError naming the directory (and TMPDIR) if it cannot."""
+    env = os.environ.get("TMPDIR")
+    if env and not (os.path.isdir(env) and os.access(env, os.W_OK | os.X_OK)):
+        # Python would quietly fall back to /tmp; a TMPDIR that is set means a choice.
+        raise TempDirError(f"TMPDIR={env!r} is not a writable directory: the engine keeps its sockets in a "
+                           "private directory there; point TMPDIR at a writable directory (or unset it)")
+    try:
+        parent = mp_util.get_temp_dir() if method == "forkserver" else tempfile.gettempdir()
+        return tempfile.mkdtemp(prefix="tp-", dir=parent)
+    except OSError as e:
+        raise TempDirError(f"cannot create the engine's private directory in {tempfile.gettempdir()!r} "
+                           f"(TMPDIR={env!r}): {e}; point TMPDIR at a writable directory") from None
 
 
-def _ensure_forkserver_without_files() -> None:
-    """Start this interpreter's forkserver (if it is not running) listening on an abstract
-    socket. Python 3.11 puts its listener in a `pymp-*` directory that only a clean exit
-    removes, so every engine killed by a signal left one in the temp directory."""
-    from multiprocessing import connection, forkserver
+def _loopback_store() -> Any:
+    """The rendezvous TCPStore, listening on 127.0.0.1 only: torch's own server binds
+    every interface, so we hand it a socket bound here (a port the kernel picks)."""
+    import torch.distributed as dist
 
-    if not sys.platform.startswith("linux"):
-        return
-    with _forkserver_lock:
-        real = connection.arbitrary_address
-
-        def abstract_address(family: str) -> Any:
-            if family == "AF_UNIX":
-                return f"\0tp-forkserver-{os.getpid()}-{uuid.uuid4().hex}"
-            return real(family)
-
-        connection.arbitrary_address = abstract_address  # type: ignore[assignment]
-        try:
-            forkserver.ensure_running()
-        finally:
-            connection.arbitrary_address = real  # type: ignore[assignment]
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the fd now
+    return store
 
 
 def _pid_alive(pid: int | None) -> bool:
@@ -178,7 +194,6 @@ class MultiprocExecutor(Executor):
         self._queues: list[MessageQueueOwner | QueueEndpoint] = []
         self._monitor: threading.Thread | None = None
         self._fail_lock = threading.Lock()
-        # None: this executor keeps nothing on disk (attribute kept for callers that check one).
         self._ipc_dir: str | None = None
         self._store: Any = None
         self._board: StatusBoard | None = None
@@ -189,6 +204,7 @@ class MultiprocExecutor(Executor):
         self._checked_calls: set[int] = set()  # ids of calls the liveness check judges
         try:
             check_shm_space(self.config, self.world_size)
+            self._ipc_dir = private_dir(os.environ.get("TP_WORKER_MULTIPROC_METHOD", "forkserver"))
             self._start_workers()
         except BaseException:
             self.shutdown()
@@ -198,14 +214,12 @@ class MultiprocExecutor(Executor):
         start = time.perf_counter()
         ws = self.world_size
         # The rendezvous: a TCPStore served here on loopback, on a port the kernel picks
-        # (no race for a free port, no file to leave behind). Workers only connect.
-        import torch.distributed as dist
-
-        self._store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+        # (no race for a free port, no store file to leave behind). Workers only connect.
+        self._store = _loopback_store()
         init_method = f"tcpstore://127.0.0.1:{self._store.port}"
         self._board = StatusBoard(ws)
         # Each queue is recorded as soon as it exists, so a failure part-way still releases it.
-        mq = dict(max_chunk_bytes=_MQ_CHUNK_BYTES, max_chunks=_MQ_CHUNKS, abstract_sockets=True)
+        mq = dict(max_chunk_bytes=_MQ_CHUNK_BYTES, max_chunks=_MQ_CHUNKS, ipc_dir=self._ipc_dir)
         self._broadcast_owner = self._track(MessageQueueOwner(ws, **mq))
         self._reply_owners = [self._track(MessageQueueOwner(1, **mq)) for _ in range(ws)]
         self._broadcast = self._track(MessageQueueWriter(self._broadcast_owner.export_handle()))
@@ -213,6 +227,7 @@ class MultiprocExecutor(Executor):
 
         ctx = _mp_context()
         env = {k: v for k, v in os.environ.items() if k.startswith("TP_")}
+        assert self._ipc_dir is not None
         ready_readers: list[Connection] = []
         for rank in range(ws):
             ready_r, ready_w = ctx.Pipe(duplex=False)
@@ -221,7 +236,8 @@ class MultiprocExecutor(Executor):
                 target=WorkerProc.worker_main,
                 name=f"WorkerProc-TP{rank}",
                 args=(self.config, rank, rank, init_method, self._broadcast_owner.export_handle(),
-                      self._reply_owners[rank].export_handle(), ready_w, death_r, self._board.name, env),
+                      self._reply_owners[rank].export_handle(), ready_w, death_r, self._ipc_dir, self._board.name,
+                      env),
                 daemon=True,
             )
             proc.start()
@@ -522,3 +538,5 @@ class MultiprocExecutor(Executor):
         if self._board is not None:
             self._board.close()
         self._store = None  # closes its listening socket
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)

@@ -12,9 +12,11 @@ a SHUTDOWN message or a signal ends the process.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import gc
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -46,15 +48,60 @@ def _set_parent_death_signal() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def _watch_death_pipe(death_conn: Connection) -> None:
+def _watch_death_pipe(death_conn: Connection, ipc_dir: str) -> None:
     """EOF on the death pipe means the engine closed it (shutdown) or died: leave now.
     os._exit skips interpreter teardown, which could block on a half-dead group.
-    (Nothing on disk needs removing: the sockets are abstract, the store is TCP.)"""
+
+    A dead engine cannot remove its private directory (socket files), so every rank
+    tries (the forkserver removes it too, see below); on a normal shutdown the engine has
+    no more use for it either."""
     try:
         death_conn.recv()
     except (EOFError, OSError):
         pass
+    shutil.rmtree(ipc_dir, ignore_errors=True)
     os._exit(0)
+
+
+def _arm_forkserver_cleanup() -> None:
+    """In the forkserver only (it imports this module as a preload): when it exits, which
+    it does as soon as the engine that started it is gone, remove that engine's
+    multiprocessing temp dir (pymp-*: the forkserver's socket and the engines' private
+    directories), as the engine's own clean exit would have; and ignore SIGTERM, so a
+    SIGTERM sent to the whole process group still leaves it the moment to do so. A dead
+    engine otherwise left a pymp-* directory behind every time."""
+    from multiprocessing import forkserver
+
+    frame = sys._getframe()
+    while frame is not None and frame.f_code is not forkserver.main.__code__:
+        frame = frame.f_back
+    if frame is None:
+        return  # not the forkserver (the engine, a worker, a script importing us)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    atexit.register(_remove_engine_temp_dir, os.getpid(), os.getppid())
+
+
+def _remove_engine_temp_dir(forkserver_pid: int, engine_pid: int) -> None:
+    from multiprocessing import forkserver
+
+    if os.getpid() != forkserver_pid:
+        return  # a forked child that somehow ran atexit
+    address = forkserver._forkserver._forkserver_address  # type: ignore[attr-defined]
+    if not isinstance(address, str) or not address or address[0] == "\0":
+        return
+    temp_dir = os.path.dirname(address)
+    if not os.path.basename(temp_dir).startswith("pymp-"):
+        return
+    try:
+        os.kill(engine_pid, 0)
+        if os.getppid() == engine_pid:
+            return  # the engine lives (we stopped for another reason): the dir is still its own
+    except ProcessLookupError:
+        pass
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+_arm_forkserver_cleanup()
 
 
 def _adopt_engine_env(env: dict[str, str]) -> None:
@@ -84,7 +131,7 @@ class WorkerProc:
     @staticmethod
     def worker_main(config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str | None,
                     broadcast_handle: MessageQueueHandle, reply_handle: MessageQueueHandle,
-                    ready_conn: Connection, death_conn: Connection, status_board: str | None = None,
+                    ready_conn: Connection, death_conn: Connection, ipc_dir: str, status_board: str | None = None,
                     env: dict[str, str] | None = None) -> None:
         """Process entry point (the multiprocessing target)."""
         _set_parent_death_signal()
@@ -97,7 +144,7 @@ class WorkerProc:
         # tqdm's default lock is a multiprocessing semaphore that a worker ending in
         # os._exit would leak to the resource tracker; one process needs only a thread lock.
         tqdm.set_lock(threading.RLock())
-        threading.Thread(target=_watch_death_pipe, args=(death_conn,), name="death-pipe", daemon=True).start()
+        threading.Thread(target=_watch_death_pipe, args=(death_conn, ipc_dir), name="death-pipe", daemon=True).start()
         try:
             proc = WorkerProc(config, rank, local_rank, distributed_init_method, broadcast_handle, reply_handle,
                               status_board)

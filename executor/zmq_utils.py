@@ -35,19 +35,6 @@ def ipc_address(ipc_dir: str, name: str) -> str:
     return "ipc://" + path
 
 
-def abstract_ipc_address(name: str) -> str:
-    """Return ``ipc://@<name>``: a socket in Linux's abstract namespace, which is no file,
-    so nothing is left on disk however its owner dies (the kernel drops the name with
-    the last socket). Raises ValueError if the name is too long."""
-    if len(name.encode()) > _MAX_IPC_PATH:
-        raise ValueError(f"abstract socket name too long ({len(name)} > {_MAX_IPC_PATH}): {name!r}")
-    return "ipc://@" + name
-
-
-def is_abstract(address: str) -> bool:
-    return address.startswith("ipc://@")
-
-
 def make_xpub(address: str, *, sndhwm: int) -> Socket:
     """Bind an XPUB socket (the writer side). ``sndhwm=0`` means never drop."""
     sock: Socket = zmq.Context.instance().socket(zmq.XPUB)
@@ -57,6 +44,10 @@ def make_xpub(address: str, *, sndhwm: int) -> Socket:
     # the per-reader topics and required if two readers ever share one.
     sock.setsockopt(zmq.XPUB_VERBOSE, 1)
     sock.bind(address)
+    if address.startswith("ipc://"):
+        # Owner-only whatever the umask (the directory is 0700 too): peers unpickle what
+        # comes through here.
+        os.chmod(address[len("ipc://"):], 0o600)
     return sock
 
 

@@ -10,8 +10,10 @@ cleanly with a clear error. The wider fault matrix is in tests/reliability/.
 from __future__ import annotations
 
 import gc
+import multiprocessing.util
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -26,6 +29,7 @@ import pytest
 
 from engine.core import EngineCore
 from executor.errors import EngineDeadError, WorkerStartupError
+from tests.reliability.helpers import engine_dirs
 from tests.runtime_helpers import (
     DEATH_BOUND_S,
     assert_nothing_left,
@@ -46,26 +50,35 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def engine_ipc_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private, empty temp directory for this process and its children: whatever an
-    engine (also one whose start-up failed, which the test never gets a handle on)
-    would leave in the temp directory lands here."""
-    root = tmp_path / "engine_tmp"
-    root.mkdir()
+def engine_ipc_dirs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private, empty temp directory (a short path: sockets live under it) for this
+    process's new temp files and its children: an engine started in a child interpreter
+    keeps everything there, and a test checks it is empty afterwards. For engines of
+    this process, whose multiprocessing temp dir exists already, `engine_dirs` lists
+    the private directories wherever they are."""
+    from tests.reliability.helpers import short_tmpdir
+
+    # This interpreter's multiprocessing temp dir (its forkserver's socket and the
+    # engines' private directories) is made once and kept for its life: not in here.
+    multiprocessing.util.get_temp_dir()
+    root = short_tmpdir()
     monkeypatch.setenv("TMPDIR", str(root))
     monkeypatch.setattr(tempfile, "tempdir", str(root))
-    return root
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
-def _assert_failed_start_left_nothing(children_before: set[int], shm_before: set[str], tmpdir: Path) -> None:
-    from tests.reliability.helpers import abstract_sockets
+def _assert_failed_start_left_nothing(children_before: set[int], shm_before: set[str], tmpdir: Path,
+                                      dirs_before: set[str]) -> None:
+    from tests.reliability.helpers import engine_dirs, queue_sockets
 
     deadline = time.monotonic() + DEATH_BOUND_S
     while live_children() - children_before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not live_children() - children_before, "worker processes left after a failed start-up"
     assert shm_segments() == shm_before, "shared-memory segments left after a failed start-up"
-    assert not abstract_sockets(), f"sockets left after a failed start-up: {abstract_sockets()}"
+    assert not queue_sockets(), f"sockets left after a failed start-up: {queue_sockets()}"
+    assert engine_dirs() <= dirs_before, f"private directories left after a failed start-up: {engine_dirs() - dirs_before}"
     left = sorted(p.name for p in tmpdir.iterdir())
     assert not left, f"left in the temp directory after a failed start-up: {left}"
 
@@ -152,7 +165,7 @@ _ENGINE_SCRIPT = textwrap.dedent(
         model, mode = sys.argv[1], sys.argv[2]
         core = EngineCore(engine_config(model, tp=2))
         print("PIDS", *[p.pid for p in core.model_executor.processes], flush=True)
-        print("IPC", core.model_executor._ipc_dir, flush=True)  # None: nothing on disk
+        print("IPC", core.model_executor._ipc_dir, flush=True)
         print("READY", flush=True)
         if mode == "sleep":
             time.sleep(600)
@@ -233,9 +246,10 @@ def test_sigkill_engine_process_kills_workers(tiny_models, tmp_path, engine_ipc_
         assert not alive, f"helper processes {alive} outlived the SIGKILLed engine"
         # The queues' segments were unlinked as soon as every rank attached: none can leak.
         assert not shm_segments(proc.pid)
-        # Nothing on disk: abstract sockets, a TCP store, a forkserver on an abstract socket.
-        assert ipc_dir == "None", ipc_dir
-        left = sorted(p.name for p in engine_ipc_dirs.iterdir())
+        # The workers and the forkserver remove the dead engine's directories on their way
+        # out: its private one (socket files) and multiprocessing's pymp-* around it.
+        assert ipc_dir.startswith(str(engine_ipc_dirs) + "/"), ipc_dir
+        left = sorted(str(p.relative_to(engine_ipc_dirs)) for p in engine_ipc_dirs.rglob("*"))
         assert not left, f"the SIGKILLed engine left {left} in its temp directory"
     finally:
         if proc.poll() is None:
@@ -250,7 +264,7 @@ def test_interpreter_exit_shuts_down(tiny_models, tmp_path, engine_ipc_dirs):
         assert proc.wait(timeout=120) == 0, stderr_path.read_text()[-5000:]
         stderr = stderr_path.read_text()
         assert "Traceback" not in stderr and "leaked" not in stderr, stderr[-5000:]
-        assert_nothing_left(pids, None, set(), creator_pid=proc.pid)
+        assert_nothing_left(pids, ipc_dir, set(), creator_pid=proc.pid)
         assert list(engine_ipc_dirs.iterdir()) == []
     finally:
         if proc.poll() is None:
@@ -261,29 +275,29 @@ def test_interpreter_exit_shuts_down(tiny_models, tmp_path, engine_ipc_dirs):
 # ---------------------------------------------------------------- shutdown leaks nothing
 
 
-def test_shutdown_leaves_no_process_segment_or_socket(tiny_models, engine_ipc_dirs):
-    from tests.reliability.helpers import abstract_sockets
+def test_shutdown_leaves_no_process_segment_or_socket(tiny_models):
+    from tests.reliability.helpers import queue_sockets
 
     shm_before = shm_segments()
     children_before = live_children()
     core = EngineCore(engine_config(tiny_models["llama"], tp=2))
     pids, ipc_dir = worker_pids(core), core.model_executor._ipc_dir
     assert set(pids) <= live_children()
-    # The sockets exist while the engine runs, in the abstract namespace: no file at all.
-    assert ipc_dir is None
-    assert {s.rsplit(".", 1)[-1] for s in abstract_sockets()} == {"data", "notify"}, abstract_sockets()
-    assert list(engine_ipc_dirs.iterdir()) == []
+    # The private dir really holds the sockets while the engine runs.
+    assert {s.rsplit(".", 1)[-1] for s in queue_sockets()} == {"data", "notify"}, queue_sockets()
+    assert all(name.startswith(ipc_dir + "/") for name in queue_sockets())
+    assert any(name.endswith((".data", ".notify")) for name in os.listdir(ipc_dir)), os.listdir(ipc_dir)
+    assert Path(ipc_dir).stat().st_mode & 0o077 == 0, "the IPC dir must be private"
     core.shutdown()
     assert_nothing_left(pids, ipc_dir, shm_before)
-    assert not abstract_sockets(), abstract_sockets()
-    assert list(engine_ipc_dirs.iterdir()) == []
+    assert not queue_sockets(), queue_sockets()
     assert live_children() <= children_before
     core.shutdown()  # idempotent
     with pytest.raises(EngineDeadError):
         core.check_health()
 
 
-def test_start_stop_20_times_leaks_nothing(tiny_models, engine_ipc_dirs):
+def test_start_stop_20_times_leaks_nothing(tiny_models):
     model = tiny_models["llama"]
     # Warm up once: the forkserver, resource tracker, zmq context and imports are created
     # on first use and shared by every later engine of this interpreter.
@@ -307,9 +321,9 @@ def test_start_stop_20_times_leaks_nothing(tiny_models, engine_ipc_dirs):
     gc.collect()
     assert live_children() <= children_before
     assert shm_segments() == shm_before
-    from tests.reliability.helpers import abstract_sockets
+    from tests.reliability.helpers import queue_sockets
 
-    assert not abstract_sockets() and list(engine_ipc_dirs.iterdir()) == []
+    assert not queue_sockets()
     fds_after = open_fds()
     assert fds_after - fds_before <= 4, f"fds grew from {fds_before} to {fds_after} over 20 engines"
     threads_after = settled_thread_count(threads_before)
@@ -327,7 +341,7 @@ def test_corrupt_shard_fails_startup_cleanly(copy_model, engine_ipc_dirs):
     size = shard.stat().st_size
     with open(shard, "r+b") as f:
         f.truncate(size // 2)
-    shm_before, children_before = shm_segments(), live_children()
+    shm_before, children_before, dirs_before = shm_segments(), live_children(), engine_dirs()
 
     with pytest.raises(WorkerStartupError) as info:
         EngineCore(engine_config(model, tp=2))
@@ -335,24 +349,24 @@ def test_corrupt_shard_fails_startup_cleanly(copy_model, engine_ipc_dirs):
     assert str(shard) in msg, msg
     assert "truncated" in msg
     assert "remote traceback" in msg and "load_model" in msg  # the worker's own traceback
-    _assert_failed_start_left_nothing(children_before, shm_before, engine_ipc_dirs)
+    _assert_failed_start_left_nothing(children_before, shm_before, engine_ipc_dirs, dirs_before)
 
 
 def test_bad_tokenizer_fails_startup_cleanly(copy_model, engine_ipc_dirs):
     """A failure after the workers are up (here: the tokenizer) still stops them."""
     model = copy_model("llama")
     (model / "tokenizer.json").write_text("{not json")
-    shm_before, children_before = shm_segments(), live_children()
+    shm_before, children_before, dirs_before = shm_segments(), live_children(), engine_dirs()
     with pytest.raises(Exception) as info:
         EngineCore(engine_config(model, tp=2))
     # Checked while the exception (and the half-built core in its traceback) is alive.
-    _assert_failed_start_left_nothing(children_before, shm_before, engine_ipc_dirs)
+    _assert_failed_start_left_nothing(children_before, shm_before, engine_ipc_dirs, dirs_before)
     del info
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_kv_cache_too_small(tiny_models, engine_ipc_dirs, tp):
-    shm_before, children_before = shm_segments(), live_children()
+    shm_before, children_before, dirs_before = shm_segments(), live_children(), engine_dirs()
     config = engine_config(tiny_models["llama"], tp=tp, kv_cache_memory_bytes=1024)
     with pytest.raises(KVCacheTooSmallError) as info:
         EngineCore(config)
@@ -362,7 +376,7 @@ def test_kv_cache_too_small(tiny_models, engine_ipc_dirs, tp):
     assert f"needs 8 blocks of {block_bytes} bytes" in msg, msg
     assert "1024 bytes" in msg and "0 blocks" in msg and "kv_cache_memory_bytes (now 1024)" in msg, msg
     if tp > 1:
-        _assert_failed_start_left_nothing(children_before, shm_before, engine_ipc_dirs)
+        _assert_failed_start_left_nothing(children_before, shm_before, engine_ipc_dirs, dirs_before)
     else:
         assert live_children() <= children_before
 

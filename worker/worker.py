@@ -13,12 +13,15 @@ update_weights(source) (sleep mode; worker/sleep_mode.py), on every rank alike.
 from __future__ import annotations
 
 import os
+import select
+import socket
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from distributed import destroy_distributed_environment, init_distributed_environment
+from distributed.parallel_state import get_tensor_model_parallel_world_size
 from worker.kv_cache import KVCacheConfig, KVCacheSpec
 from worker.model_runner import ModelRunner
 from worker.platform import Platform, get_platform
@@ -60,6 +63,57 @@ def _maybe_inject_fault(rank: int, phase: str) -> None:
     raise ValueError(f"{FAULT_ENV}={spec!r}: action {action!r} is not one of 'hang', 'raise', 'exit'")
 
 
+def _host_key() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _local_peer_pids(rank: int, world_size: int) -> dict[int, int]:
+    """{rank: pid} of the other ranks on this host (one object all-gather, at start-up)."""
+    if world_size == 1:
+        return {}
+    mine = (_host_key(), os.getpid())
+    everyone: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(everyone, mine)
+    return {r: pid for r, (host, pid) in enumerate(everyone) if r != rank and host == mine[0]}
+
+
+class _PeerWatch:
+    """Tells, in a few µs, whether a process still runs: a pidfd (Linux >= 5.3) becomes
+    readable when its process exits, zombie or not; elsewhere, signal 0."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._poll: select.poll | None = None
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return
+        self._fd = fd
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+
+    def alive(self) -> bool:
+        if self._poll is not None:
+            return not self._poll.poll(0)
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def close(self) -> None:
+        if self._poll is not None:
+            self._poll = None
+            os.close(self._fd)
+
+
 class Worker:
     def __init__(self, config: EngineConfig, local_rank: int, rank: int, distributed_init_method: str | None,
                  local_world_size: int | None = None) -> None:
@@ -81,6 +135,7 @@ class Worker:
         self._pools: dict[str, PoolState] = dict.fromkeys(TAGS, PoolState.AWAKE)
         self._released: dict[str, ReleasedStorages] = {}
         self._weights_checkpoint: str | None = None  # set by update_weights(path)
+        self._peers: dict[int, _PeerWatch] = {}  # the other ranks on this host (check_health)
 
     def init_device(self) -> None:
         """Bind the device (or the CPU threads) and join the TP process group."""
@@ -89,6 +144,7 @@ class Worker:
         torch.manual_seed(self.config.seed)
         _, self._memory_at_init = self.platform.total_and_free_memory()
         init_distributed_environment(self.world_size, self.rank, self.distributed_init_method, self.device)
+        self._peers = {r: _PeerWatch(pid) for r, pid in _local_peer_pids(self.rank, self.world_size).items()}
         self.model_runner = ModelRunner(self.config, self.device)
         self.timings["distributed_init"] = time.perf_counter() - start
 
@@ -243,30 +299,46 @@ class Worker:
     def get_timings(self) -> dict[str, float]:
         return dict(self.timings)
 
-    @torch.inference_mode()  # the all-reduce's shared slots are inference tensors after a step
-    def check_health(self) -> bool:
-        """Raise unless this rank can serve: its device and model are set up, its KV
-        cache (once allocated) is bound and not asleep, and, at TP > 1, one all-reduce
-        over the TP group returns the world size (every peer is alive, in the same call,
-        and its collectives are in step with ours). Call it on every rank together, as
-        collective_rpc does. Returns True."""
+    def check_health(self, probe_collective: bool = False) -> bool:
+        """Raise RuntimeError naming what is wrong unless this rank can serve: its device
+        and TP group are set up (the process group initialised, the group's size the
+        config's), its model is loaded and its KV cache (once allocated) bound, unless
+        asleep, and every peer rank on this host is a live process. With
+        `probe_collective`, also one all-reduce over the TP group must return the world
+        size (every peer alive, in the same call, its collectives in step with ours);
+        every rank must then be asked together, as collective_rpc does. Returns True.
+        Cheap without the probe (tens of µs), so it stays a fair no-op RPC."""
         runner = self._runner()
         if runner.model is None and self._pools["weights"] is PoolState.AWAKE:
             raise RuntimeError(f"rank {self.rank}: no model is loaded")
-        if runner.kv_cache_config is not None and self._pools["kv_cache"] is PoolState.AWAKE:
-            if not runner.kv_caches or any(t.numel() == 0 for t in runner.kv_caches):
-                raise RuntimeError(f"rank {self.rank}: the KV cache is not allocated")
+        kv_awake = runner.kv_cache_config is not None and self._pools["kv_cache"] is PoolState.AWAKE
+        if kv_awake and (not runner.kv_caches or any(t.untyped_storage().nbytes() == 0 for t in runner.kv_caches)):
+            raise RuntimeError(f"rank {self.rank}: the KV cache is not allocated")
         if self.world_size > 1:
-            from distributed.communication_op import tensor_model_parallel_all_reduce
-
-            probe = tensor_model_parallel_all_reduce(torch.ones(1, dtype=torch.float32, device=self.device))
-            if int(probe.item()) != self.world_size:
-                raise RuntimeError(
-                    f"rank {self.rank}: a health all-reduce over the TP group gave {probe.item()}, expected "
-                    f"{self.world_size}: the ranks' collectives are out of step"
-                )
+            if not torch.distributed.is_initialized() or get_tensor_model_parallel_world_size() != self.world_size:
+                raise RuntimeError(f"rank {self.rank}: not in a TP group of {self.world_size} ranks")
+            dead = [(rank, peer.pid) for rank, peer in self._peers.items() if not peer.alive()]
+            if dead:
+                raise RuntimeError(f"rank {self.rank}: TP peer(s) gone: "
+                                   + ", ".join(f"rank {r} (pid {p})" for r, p in dead))
+            if probe_collective:
+                self._probe_collective()
         return True
+
+    @torch.inference_mode()  # the all-reduce's shared slots are inference tensors after a step
+    def _probe_collective(self) -> None:
+        from distributed.communication_op import tensor_model_parallel_all_reduce
+
+        probe = tensor_model_parallel_all_reduce(torch.ones(1, dtype=torch.float32, device=self.device))
+        if int(probe.item()) != self.world_size:
+            raise RuntimeError(
+                f"rank {self.rank}: a health all-reduce over the TP group gave {probe.item()}, expected "
+                f"{self.world_size}: the ranks' collectives are out of step"
+            )
 
     def shutdown(self) -> None:
         """Leave the process group; safe to call more than once."""
+        for peer in self._peers.values():
+            peer.close()
+        self._peers = {}
         destroy_distributed_environment()

@@ -8,6 +8,7 @@ Workers import this module when a function defined here is sent to them by refer
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -73,38 +74,57 @@ def wait_for_marker(marker: Path, timeout: float = REACH_S) -> int:
 # ---------------------------------------------------------------- what an engine may leave
 
 
-def abstract_sockets(creator_pid: int | None = None) -> set[str]:
-    """Abstract-namespace unix sockets of the message queues created by `creator_pid`
-    (default: this process), from /proc/net/unix."""
+def short_tmpdir() -> Path:
+    """A new empty directory with a short path, for use as an engine's TMPDIR (a unix
+    socket path must stay under ~100 bytes, and pytest's tmp_path is long)."""
+    return Path(tempfile.mkdtemp(prefix="tpt-", dir="/tmp"))
+
+
+def engine_dirs() -> set[str]:
+    """The engines' private directories (tp-*) that exist now, wherever they are made:
+    in multiprocessing's temp dir of this process (forkserver) or the temp directory."""
+    from multiprocessing import util
+
+    found = set()
+    for parent in {util.get_temp_dir(), tempfile.gettempdir()}:
+        try:
+            found |= {os.path.join(parent, n) for n in os.listdir(parent) if n.startswith("tp-")}
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def queue_sockets(creator_pid: int | None = None) -> dict[str, int]:
+    """{name: flags} of the unix sockets of the message queues that `creator_pid`
+    (default: this process) named, from /proc/net/unix: files (a path) or abstract
+    names (starting with '@'); flags has 0x10000 set for a listening socket."""
     pid = os.getpid() if creator_pid is None else creator_pid
-    prefix = f"@tpmq_{pid}_"
-    out = set()
+    tag = f"tpmq_{pid}_"
+    out = {}
     with open("/proc/net/unix") as f:
         next(f)
         for line in f:
             parts = line.split()
-            if len(parts) >= 8 and parts[7].startswith(prefix):
-                out.add(parts[7])
+            if len(parts) >= 8 and tag in parts[7]:
+                out[parts[7]] = int(parts[3], 16)
     return out
 
 
-def socket_files_under(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if p.is_socket()]
-
-
-def assert_nothing_left(pids: Iterable[int], tmpdir: Path | None, shm_before: set[str],
-                        creator_pid: int | None = None) -> None:
-    """Workers dead; no segment or abstract socket of `creator_pid`; `tmpdir` (the
-    engine's TMPDIR) empty: no private dir, socket file, store or pymp-* dir."""
+def assert_nothing_left(pids: Iterable[int], ipc_dir: str | None, shm_before: set[str],
+                        creator_pid: int | None = None, tmpdir: Path | None = None) -> None:
+    """Workers dead; the engine's private directory gone; no segment and no socket of
+    `creator_pid`'s queues; `tmpdir` (the engine's TMPDIR, if given) empty."""
     pids = list(pids)
     alive = wait_pids_gone(pids)
     assert not alive, f"worker processes still alive: {alive} (of {pids})"
+    if ipc_dir is not None:
+        assert not Path(ipc_dir).exists(), f"private directory {ipc_dir} left behind: {os.listdir(ipc_dir)}"
     leaked = shm_segments(creator_pid) - shm_before
     assert not leaked, f"shared-memory segments left in /dev/shm: {sorted(leaked)}"
     deadline = time.monotonic() + 5.0
-    while abstract_sockets(creator_pid) and time.monotonic() < deadline:
-        time.sleep(0.05)  # the kernel drops a name when its last socket closes
-    assert not abstract_sockets(creator_pid), f"sockets left: {sorted(abstract_sockets(creator_pid))}"
+    while queue_sockets(creator_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the kernel drops a socket when its last descriptor closes
+    assert not queue_sockets(creator_pid), f"sockets left: {sorted(queue_sockets(creator_pid))}"
     if tmpdir is not None:
-        left = sorted(str(p.relative_to(tmpdir)) for p in tmpdir.iterdir())
+        left = sorted(str(p.relative_to(tmpdir)) for p in tmpdir.rglob("*"))
         assert not left, f"left in the temp directory {tmpdir}: {left}"

@@ -21,7 +21,13 @@ import pytest
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 from executor.errors import EngineDeadError, RemoteWorkerError, WorkerStartupError
-from tests.reliability.helpers import abstract_sockets, arm_forward_fault, assert_nothing_left, wait_for_marker
+from tests.reliability.helpers import (
+    arm_forward_fault,
+    assert_nothing_left,
+    engine_dirs,
+    queue_sockets,
+    wait_for_marker,
+)
 from tests.runtime_helpers import (
     DEATH_BOUND_S,
     engine_config,
@@ -74,13 +80,13 @@ def _later_calls_fail_fast(core: EngineCore, rank: int) -> None:
 
 
 @pytest.mark.parametrize("phase", ["load", "profile"])
-def test_sigkill_worker_during_startup_phase(tiny_models, private_tmpdir, monkeypatch, phase):
+def test_sigkill_worker_during_startup_phase(tiny_models, private_tmpdir, tmp_path, monkeypatch, phase):
     """Rank 1 is held at the start of `phase` (TP_FAULT_INJECT), then SIGKILLed: start-up
     fails naming rank 1 and its exit code, and leaves nothing."""
-    marker = private_tmpdir.parent / f"marker_{phase}"
+    marker = tmp_path / f"marker_{phase}"
     monkeypatch.setenv("TP_FAULT_INJECT", f"1:{phase}:hang")
     monkeypatch.setenv("TP_FAULT_MARKER", str(marker))
-    shm_before, children_before = shm_segments(), live_children()
+    shm_before, children_before, dirs_before = shm_segments(), live_children(), engine_dirs()
     # The profile run happens only when the budget is a share of memory.
     overrides = dict(kv_cache_memory_bytes=None, gpu_memory_utilization=0.01) if phase == "profile" else {}
     thread, out = _in_thread(lambda: EngineCore(engine_config(tiny_models["llama"], tp=2, **overrides)))
@@ -97,14 +103,15 @@ def test_sigkill_worker_during_startup_phase(tiny_models, private_tmpdir, monkey
     assert out["at"] - killed_at < DEATH_BOUND_S
     _figure(f"sigkill during {phase} -> {type(error).__name__}", out["at"] - killed_at)
     children = live_children() - children_before
-    assert_nothing_left(children, private_tmpdir, shm_before)
+    assert_nothing_left(children, None, shm_before, tmpdir=private_tmpdir)
+    assert engine_dirs() <= dirs_before, f"private directories left: {engine_dirs() - dirs_before}"
 
 
 @pytest.mark.parametrize("when", ["step", "idle"])
 def test_sigkill_worker_serving(tiny_models, private_tmpdir, tmp_path, when):
     shm_before = shm_segments()
     core = EngineCore(engine_config(tiny_models["llama"], tp=2))
-    pids = worker_pids(core)
+    pids, ipc_dir = worker_pids(core), core.model_executor._ipc_dir
     try:
         assert core.generate(PROMPTS, GREEDY)  # it works before the fault
         if when == "step":
@@ -136,7 +143,7 @@ def test_sigkill_worker_serving(tiny_models, private_tmpdir, tmp_path, when):
         _later_calls_fail_fast(core, 1)
     finally:
         core.shutdown()
-    assert_nothing_left(pids, private_tmpdir, shm_before)
+    assert_nothing_left(pids, ipc_dir, shm_before, tmpdir=private_tmpdir)
 
 
 # ---------------------------------------------------------------- a worker raises
@@ -149,7 +156,7 @@ def test_raise_in_forward_on_step_n(tiny_models, private_tmpdir):
     collectives no longer pair up."""
     shm_before = shm_segments()
     core = EngineCore(engine_config(tiny_models["llama"], tp=2))
-    pids = worker_pids(core)
+    pids, ipc_dir = worker_pids(core), core.model_executor._ipc_dir
     try:
         core.collective_rpc(arm_forward_fault, args=(1, "raise", 3))
         start = time.monotonic()
@@ -166,7 +173,7 @@ def test_raise_in_forward_on_step_n(tiny_models, private_tmpdir):
         _later_calls_fail_fast(core, 0)
     finally:
         core.shutdown()
-    assert_nothing_left(pids, private_tmpdir, shm_before)
+    assert_nothing_left(pids, ipc_dir, shm_before, tmpdir=private_tmpdir)
 
 
 @pytest.mark.parametrize("unique_reply_rank", [0, None])
@@ -176,7 +183,7 @@ def test_raise_inside_collective_while_peer_waits(tiny_models, private_tmpdir, u
     which used to never return, raises EngineDeadError (rank 0 is stuck for good)."""
     shm_before = shm_segments()
     core = EngineCore(engine_config(tiny_models["llama"], tp=2))
-    pids = worker_pids(core)
+    pids, ipc_dir = worker_pids(core), core.model_executor._ipc_dir
     try:
         start = time.monotonic()
         with pytest.raises(RemoteWorkerError, match="boom on rank 1") as info:
@@ -191,7 +198,7 @@ def test_raise_inside_collective_while_peer_waits(tiny_models, private_tmpdir, u
         _later_calls_fail_fast(core, 0)
     finally:
         core.shutdown()
-    assert_nothing_left(pids, private_tmpdir, shm_before)
+    assert_nothing_left(pids, ipc_dir, shm_before, tmpdir=private_tmpdir)
 
 
 def test_raise_on_one_rank_without_collective_keeps_the_engine(tiny_models):
@@ -223,7 +230,7 @@ def test_hang_in_forward_is_named_by_the_liveness_check(tiny_models, private_tmp
     limit = 2.0
     shm_before = shm_segments()
     core = EngineCore(engine_config(tiny_models["llama"], tp=2, worker_liveness_timeout_s=limit))
-    pids = worker_pids(core)
+    pids, ipc_dir = worker_pids(core), core.model_executor._ipc_dir
     try:
         marker = tmp_path / "hung"
         core.collective_rpc(arm_forward_fault, args=(1, "hang", 2, str(marker)))
@@ -243,7 +250,7 @@ def test_hang_in_forward_is_named_by_the_liveness_check(tiny_models, private_tmp
         _later_calls_fail_fast(core, 1)
     finally:
         core.shutdown()
-    assert_nothing_left(pids, private_tmpdir, shm_before)
+    assert_nothing_left(pids, ipc_dir, shm_before, tmpdir=private_tmpdir)
 
 
 def test_slow_step_is_not_taken_for_a_hang(tiny_models):
@@ -263,7 +270,7 @@ def test_stopped_worker_is_named_by_its_missing_heartbeat(tiny_models, private_t
     limit = 1.5
     shm_before = shm_segments()
     core = EngineCore(engine_config(tiny_models["llama"], tp=2, worker_liveness_timeout_s=limit))
-    pids = worker_pids(core)
+    pids, ipc_dir = worker_pids(core), core.model_executor._ipc_dir
     try:
         os.kill(pids[0], signal.SIGSTOP)
         stopped_at = time.monotonic()
@@ -280,7 +287,7 @@ def test_stopped_worker_is_named_by_its_missing_heartbeat(tiny_models, private_t
         _later_calls_fail_fast(core, 0)
     finally:
         core.shutdown()  # SIGKILL works on a stopped process
-    assert_nothing_left(pids, private_tmpdir, shm_before)
+    assert_nothing_left(pids, ipc_dir, shm_before, tmpdir=private_tmpdir)
 
 
 def test_liveness_defaults(tiny_models):
@@ -293,17 +300,54 @@ def test_liveness_defaults(tiny_models):
 # ---------------------------------------------------------------- a clean run leaves nothing
 
 
-def test_clean_run_uses_no_files(tiny_models, private_tmpdir):
-    """While running, the queues' sockets are abstract (no file anywhere) and the temp
-    directory stays empty; after shutdown no socket of ours is left at all."""
+def test_clean_run_sockets_are_files_in_a_private_dir(tiny_models, private_tmpdir):
+    """While running, every queue socket is a file in the engine's 0700 directory (no
+    abstract name, which no permission guards) and no segment is linked; after shutdown
+    neither the directory nor any socket is left."""
     shm_before = shm_segments()
     core = EngineCore(engine_config(tiny_models["llama"], tp=2))
-    pids = worker_pids(core)
+    pids, ipc_dir = worker_pids(core), core.model_executor._ipc_dir
     try:
         assert core.generate(PROMPTS, GREEDY)
-        assert len(abstract_sockets()) >= 6  # 3 queues x (data, notify)
-        assert list(private_tmpdir.iterdir()) == []
+        sockets = queue_sockets()
+        assert len(sockets) >= 6, sockets  # 3 queues x (data, notify), listening
+        assert all(name.startswith(ipc_dir + "/") for name in sockets), sockets
+        assert os.stat(ipc_dir).st_mode & 0o077 == 0, oct(os.stat(ipc_dir).st_mode)
         assert shm_segments() == shm_before  # every segment unlinked once mapped
     finally:
         core.shutdown()
-    assert_nothing_left(pids, private_tmpdir, shm_before)
+    assert_nothing_left(pids, ipc_dir, shm_before, tmpdir=private_tmpdir)
+
+
+# ---------------------------------------------------------------- Worker.check_health checks
+
+
+def _health_with_kv_freed(worker):
+    worker.model_runner.kv_caches[0].untyped_storage().resize_(0)
+    return worker.check_health()
+
+
+def _health_with_a_dead_peer(worker):
+    import subprocess
+    import sys
+
+    from worker.worker import _PeerWatch
+
+    if worker.rank == 0:  # rank 0 watches a real process, now gone, as its peer rank 1
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        watch = _PeerWatch(gone.pid)
+        gone.wait()
+        worker._peers = {1: watch}
+    return worker.check_health()
+
+
+def test_worker_check_health_checks_something(tiny_models):
+    core = EngineCore(engine_config(tiny_models["llama"], tp=2))
+    try:
+        assert core.collective_rpc("check_health", kwargs={"probe_collective": True}) == [True, True]
+        with pytest.raises(RemoteWorkerError, match="TP peer\\(s\\) gone: rank 1 \\(pid \\d+\\)"):
+            core.collective_rpc(_health_with_a_dead_peer, unique_reply_rank=0)
+        with pytest.raises(RemoteWorkerError, match="the KV cache is not allocated"):
+            core.collective_rpc(_health_with_kv_freed)
+    finally:
+        core.shutdown()

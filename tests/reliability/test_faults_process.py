@@ -3,7 +3,7 @@ stuck; the host lacks room in /dev/shm or a usable temp directory at start-up; a
 CPU's default KV budget (issue 12).
 
 The engine runs in a child interpreter whose TMPDIR is a private empty directory, so
-"nothing remains on disk" is checked for real: no private dir, socket file, store or
+"nothing remains on disk" is checked for real: no private dir, socket file or
 forkserver `pymp-*` dir, no /dev/shm segment and no socket of that engine pid, and no
 worker or helper process.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.reliability.helpers import abstract_sockets
+from tests.reliability.helpers import queue_sockets, short_tmpdir
 from tests.runtime_helpers import DEATH_BOUND_S, live_children, pid_alive, shm_segments, wait_pids_gone
 
 pytestmark = pytest.mark.timeout(240)
@@ -85,8 +86,7 @@ def _read_until(proc: subprocess.Popen, word: str, timeout: float) -> list[str]:
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 @pytest.mark.parametrize("mode", ["serving", "stuck"])
 def test_engine_killed_leaves_nothing(tiny_models, tmp_path, mode, sig):
-    engine_tmp = tmp_path / "engine_tmp"
-    engine_tmp.mkdir()
+    engine_tmp = short_tmpdir()
     script = tmp_path / "engine_script.py"
     script.write_text(_SCRIPT.format(repo=str(REPO)))
     stderr_path = tmp_path / "stderr"
@@ -102,7 +102,9 @@ def test_engine_killed_leaves_nothing(tiny_models, tmp_path, mode, sig):
         pids = [int(p) for p in next(line for line in lines if line.startswith("PIDS")).split()[1:]]
         descendants = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         assert set(pids) <= set(descendants) and all(pid_alive(p) for p in pids)
-        assert abstract_sockets(proc.pid), "the engine's queues should be listening"
+        listening = queue_sockets(proc.pid)
+        assert listening and all(not name.startswith("@") for name in listening), listening
+        assert any(p.name.startswith("pymp-") for p in engine_tmp.iterdir())  # the forkserver's, and ours inside
 
         os.kill(proc.pid, sig)
         killed_at = time.monotonic()
@@ -117,15 +119,16 @@ def test_engine_killed_leaves_nothing(tiny_models, tmp_path, mode, sig):
               f"forkserver and resource tracker after {all_gone:.2f}s", flush=True)
         assert not shm_segments(proc.pid), shm_segments(proc.pid)
         deadline = time.monotonic() + 5
-        while abstract_sockets(proc.pid) and time.monotonic() < deadline:
+        while queue_sockets(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not abstract_sockets(proc.pid), abstract_sockets(proc.pid)
-        left = sorted(p.name for p in engine_tmp.iterdir())
+        assert not queue_sockets(proc.pid), queue_sockets(proc.pid)
+        left = sorted(str(p.relative_to(engine_tmp)) for p in engine_tmp.rglob("*"))
         assert not left, f"the {sig.name}ed engine left {left} in its temp directory"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        shutil.rmtree(engine_tmp, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- start-up without room
@@ -169,43 +172,45 @@ def test_full_shm_fails_startup_naming_it(tiny_models, full_tmpfs, monkeypatch, 
     assert "tensor_parallel_size=2" in msg and "--shm-size" in msg, msg
     assert time.monotonic() - start < DEATH_BOUND_S
     assert live_children() <= children_before and shm_segments() == shm_before
-    assert not abstract_sockets()
+    assert not queue_sockets()
 
 
-def test_unwritable_tmpdir_is_not_needed(tiny_models, tmp_path):
-    """Start-up writes nothing to the temp directory, so one that cannot be written
-    (here: a read-only mount, or a 0500 directory when not root) changes nothing: the
-    engine starts, generates, and stops (in a child interpreter, so that its forkserver
-    starts under that TMPDIR)."""
+def test_unwritable_tmpdir_fails_startup_naming_it(tiny_models, tmp_path):
+    """TMPDIR set to a directory that cannot be written (a read-only mount; a 0500
+    directory when not root): start-up fails at once with TempDirError naming it, and
+    nothing is started (in a child interpreter, whose multiprocessing temp dir is not
+    made yet)."""
     ro = tmp_path / "readonly_tmp"
     ro.mkdir()
     mounted = os.geteuid() == 0 and subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True).returncode == 0
     if not mounted:
+        if os.geteuid() == 0:
+            pytest.skip("root ignores directory modes and cannot mount here")
         ro.chmod(0o500)
     try:
         code = textwrap.dedent(f"""
-            import sys, os, tempfile
+            import sys, os
             sys.path.insert(0, {str(REPO)!r})
             if __name__ == "__main__":
-                try:
-                    open(os.path.join({str(ro)!r}, "probe"), "w")
-                    sys.exit("the temp directory is writable after all")
-                except OSError:
-                    pass
                 from engine.core import EngineCore
-                from engine.sampling_params import SamplingParams
-                from tests.runtime_helpers import engine_config
-                with EngineCore(engine_config({str(tiny_models["llama"])!r}, tp=2)) as core:
-                    out = core.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
-                    print("TOKENS", out[0].outputs[0].token_ids if hasattr(out[0], "outputs") else out)
+                from executor.errors import TempDirError
+                from tests.runtime_helpers import engine_config, live_children
+                try:
+                    EngineCore(engine_config({str(tiny_models["llama"])!r}, tp=2))
+                except TempDirError as e:
+                    print("ERROR", e)
+                    print("CHILDREN", len(live_children()))
+                else:
+                    sys.exit("started anyway")
         """)
         script = tmp_path / "ro_script.py"
         script.write_text(code)
         res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
                              env={**os.environ, "TMPDIR": str(ro)}, cwd=tmp_path)
-        assert res.returncode == 0, res.stderr[-4000:]
-        assert "TOKENS" in res.stdout, res.stdout
+        assert res.returncode == 0, res.stderr[-4000:] + res.stdout
+        assert f"TMPDIR={str(ro)!r} is not a writable directory" in res.stdout, res.stdout
+        assert "CHILDREN 0" in res.stdout, res.stdout
         assert list(ro.iterdir()) == []
     finally:
         if mounted:

@@ -37,7 +37,7 @@ def test_rank_failure_mid_generation_heals(tiny_models, private_tmpdir, tmp_path
     shm_before = shm_segments()
     core = EngineCore(engine_config(tiny_models["llama"], tp=2, max_worker_restarts=2,
                                     worker_liveness_timeout_s=1.5))
-    first_pids = worker_pids(core)
+    first_pids, first_dir = worker_pids(core), core.model_executor._ipc_dir
     try:
         marker = tmp_path / "fault"
         # The 6th forward: a few decode steps in, with every request running.
@@ -53,21 +53,22 @@ def test_rank_failure_mid_generation_heals(tiny_models, private_tmpdir, tmp_path
         tokens = [o.outputs[0].token_ids for o in out["result"]]
         assert tokens == reference
         assert core.num_worker_restarts == 1
-        new_pids = worker_pids(core)
+        new_pids, new_dir = worker_pids(core), core.model_executor._ipc_dir
         assert not set(new_pids) & set(first_pids)
+        assert not os.path.exists(first_dir), "the failed group's private directory outlived it"
         print(f"\nFIGURE self-heal after {fault}: generation done {out['at'] - fault_at:.2f}s after the fault",
               flush=True)
         assert core.collective_rpc("check_health") == [True, True]
         assert [o.outputs[0].token_ids for o in core.generate(PROMPTS, GREEDY)] == reference
     finally:
         core.shutdown()
-    assert_nothing_left(first_pids + new_pids, private_tmpdir, shm_before)
+    assert_nothing_left(first_pids + new_pids, new_dir, shm_before, tmpdir=private_tmpdir)
 
 
 def test_restarts_past_the_limit_fail_as_before(tiny_models, private_tmpdir, reference):
     shm_before = shm_segments()
     core = EngineCore(engine_config(tiny_models["llama"], tp=2, max_worker_restarts=1))
-    all_pids = list(worker_pids(core))
+    all_pids, dirs = list(worker_pids(core)), [core.model_executor._ipc_dir]
     try:
         os.kill(all_pids[0], signal.SIGKILL)  # while idle: check_health heals
         start = time.monotonic()
@@ -76,6 +77,7 @@ def test_restarts_past_the_limit_fail_as_before(tiny_models, private_tmpdir, ref
             assert time.monotonic() - start < DEATH_BOUND_S + 30
             time.sleep(0.01)
         all_pids += worker_pids(core)
+        dirs.append(core.model_executor._ipc_dir)
         assert [o.outputs[0].token_ids for o in core.generate(PROMPTS, GREEDY)] == reference
         victim = worker_pids(core)[1]
         os.kill(victim, signal.SIGKILL)
@@ -91,7 +93,8 @@ def test_restarts_past_the_limit_fail_as_before(tiny_models, private_tmpdir, ref
         assert time.monotonic() - start < 5.0
     finally:
         core.shutdown()
-    assert_nothing_left(all_pids, private_tmpdir, shm_before)
+    assert_nothing_left(all_pids, None, shm_before, tmpdir=private_tmpdir)
+    assert not [d for d in dirs if os.path.exists(d)]
 
 
 def test_self_healing_is_off_by_default(tiny_models):
@@ -111,6 +114,7 @@ def test_streaming_clients_see_a_pause_not_an_error(tiny_models, private_tmpdir,
     shm_before = shm_segments()
     core = EngineCore(engine_config(tiny_models["llama"], tp=2, max_worker_restarts=1))
     first_pids = worker_pids(core)
+    dirs = [core.model_executor._ipc_dir]
     engine = AsyncEngine(core, log_stats=False)
     gaps: list[float] = []
 
@@ -135,8 +139,10 @@ def test_streaming_clients_see_a_pause_not_an_error(tiny_models, private_tmpdir,
         assert asyncio.run(main()) == reference
         assert core.num_worker_restarts == 1
         new_pids = worker_pids(core)
+        dirs.append(core.model_executor._ipc_dir)
         print(f"\nFIGURE self-heal, streaming: longest pause between two outputs {max(gaps):.2f}s", flush=True)
     finally:
         engine.shutdown()
         core.shutdown()
-    assert_nothing_left(first_pids + new_pids, private_tmpdir, shm_before)
+    assert_nothing_left(first_pids + new_pids, None, shm_before, tmpdir=private_tmpdir)
+    assert not [d for d in dirs if os.path.exists(d)]
