@@ -248,3 +248,19 @@ def test_many_bad_requests_leave_the_server_serving(server: ServerProcess) -> No
                 assert 400 <= response.status_code < 500, response.text[:300]
         ok = http.post(url, json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, "ignore_eos": True})
     assert ok.status_code == 200, ok.text
+
+
+# ----------------------------------------------------------------- fan-out bombs (last: a server
+# without the check is busy with one for a minute, so the test stops at the first)
+
+
+def test_huge_n_or_best_of_is_refused(server: ServerProcess) -> None:
+    # One request with n = 10**6 fans out into a million sequences: without a bound, every
+    # other client waits until it is aborted (51 s for a 2-token request on this host).
+    for field in ("n", "best_of"):
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, field: 10**6}
+        try:
+            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        except httpx.ReadTimeout:
+            pytest.fail(f"{field}=10**6 was accepted: the server was still busy with it after 30 s")
+        assert_error(response, 400, field, param=field)
