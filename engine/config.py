@@ -299,6 +299,11 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         _positive("worker_liveness_timeout_s", self.worker_liveness_timeout_s, allow_zero=True)
         _positive("max_worker_restarts", self.max_worker_restarts, allow_zero=True)
+        if self.max_worker_restarts and self.distributed_executor_backend == "external_launcher":
+            raise ConfigError(
+                f"max_worker_restarts={self.max_worker_restarts} needs an executor that starts its own workers; "
+                "under distributed_executor_backend='external_launcher' torchrun owns the ranks: use 0"
+            )
         _positive("worker_restart_window_s", self.worker_restart_window_s)
         if self.kv_cache_memory_bytes is not None:
             _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)

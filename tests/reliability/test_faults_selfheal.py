@@ -146,3 +146,11 @@ def test_streaming_clients_see_a_pause_not_an_error(tiny_models, private_tmpdir,
         core.shutdown()
     assert_nothing_left(first_pids + new_pids, None, shm_before, tmpdir=private_tmpdir)
     assert not [d for d in dirs if os.path.exists(d)]
+
+
+def test_restarts_refused_under_the_external_launcher(tiny_models):
+    from engine.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="max_worker_restarts=2 needs an executor that starts its own workers"):
+        EngineConfig(model=str(tiny_models["llama"]), device="cpu", max_worker_restarts=2,
+                     distributed_executor_backend="external_launcher")
