@@ -231,6 +231,7 @@ class EngineCore:
         invalid prompt, a duplicate id, or bad words / stop strings without a tokenizer."""
         request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
         params = self._with_model_stops(sampling_params or SamplingParams())
+        self.check_num_samples(params)
         prompt_ids = self.truncate_prompt(self.to_token_ids(prompt), params)
         parent = ParentRequest(request_id, prompt_ids, params)
         children = self.output_processor.add(parent)
@@ -248,6 +249,16 @@ class EngineCore:
             self.output_processor.remove(request_id)
             raise
         return request_id
+
+    def check_num_samples(self, params: SamplingParams) -> None:
+        """A request runs at most max_num_seqs samples (n, or best_of): more could never
+        run in one step, and a huge fan-out would hold every other request back.
+        Raises ValueError naming the field."""
+        limit = self.config.scheduler_config.max_num_seqs
+        if params.num_samples > limit:
+            name = "best_of" if params.best_of is not None else "n"
+            raise ValueError(f"{name} must be at most max_num_seqs={limit} (the sequences one step runs), "
+                             f"got {params.num_samples}")
 
     def truncate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         """``prompt_ids`` cut to ``params.truncate_prompt_tokens`` (-1: max_model_len),

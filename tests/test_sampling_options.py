@@ -276,6 +276,10 @@ def test_best_of_keeps_the_likeliest_samples(engine: EngineCore) -> None:
     assert picked.logprobs is None  # computed to rank the samples, not asked for
     with pytest.raises(ValueError, match="best_of"):
         SamplingParams(n=3, best_of=2)
+    for fan_out in (dict(n=9), dict(best_of=9)):  # more than max_num_seqs=8 could never run in one step
+        with pytest.raises(ValueError, match=f"{next(iter(fan_out))} must be at most max_num_seqs=8"):
+            engine.add_request(ids, SamplingParams(**fan_out))
+    assert not engine.has_unfinished_requests()
 
 
 def test_truncate_prompt_tokens_and_skip_special_tokens(engine: EngineCore) -> None:

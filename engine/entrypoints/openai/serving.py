@@ -225,6 +225,10 @@ class OpenAIServing:
                      request_id: str) -> tuple[RequestStream, list[int]]:
         """Truncate the prompt (truncate_prompt_tokens), check the context length, and
         submit. Returns the stream and the prompt ids as run."""
+        try:
+            self.engine.core.check_num_samples(params)
+        except ValueError as e:
+            raise APIError(400, str(e), param=_PARAM_IN_MESSAGE.match(str(e)).group(1)) from None  # type: ignore[union-attr]
         prompt_ids = self.engine.core.truncate_prompt(prompt_ids, params)
         self._check_context(len(prompt_ids), params.max_tokens, prompt_param)
         try:
