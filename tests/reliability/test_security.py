@@ -13,9 +13,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -45,12 +47,14 @@ def server_args(model: Path, *extra: str, tp: int = 2) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def temp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def temp_root() -> Iterator[Path]:
     """The server's TMPDIR: world-readable itself, so only the modes of what the server
-    creates inside protect it."""
-    root = tmp_path_factory.mktemp("secure_tmp")
+    creates inside protect it. Short, under /tmp: socket paths live in it, and a Unix
+    socket path must stay under about 100 bytes (pytest's tmp_path is long)."""
+    root = Path(tempfile.mkdtemp(prefix="tps-", dir="/tmp"))
     root.chmod(0o755)
-    return root
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
