@@ -204,7 +204,7 @@ class AsyncEngine:
             raise EngineDeadError(str(self._dead_error))
         if self._shutdown_called:
             raise EngineShutdownError("the engine has been shut down")
-        self.core.check_health()
+        self.core.check_health(restart=False)  # any thread: only the engine loop replaces workers
 
     # -------------------------------------------------------------- requests
 

@@ -165,10 +165,18 @@ class EngineCore:
         """Run a Worker method (by name) or `fn(worker, *args, **kwargs)` on every rank."""
         return self.model_executor.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
 
-    def check_health(self) -> None:
+    def check_health(self, restart: bool = True) -> None:
+        """Raise EngineDeadError if the workers are gone. With max_worker_restarts, a dead
+        group is replaced here instead (`restart`: only from the thread that steps the
+        core); another thread passes restart=False and is not told of a failure that the
+        stepping thread will heal."""
         try:
             self.model_executor.check_health()
         except EngineDeadError as e:
+            if not restart:
+                if not self._worker_restarter.can_restart():
+                    raise
+                return
             if not self._worker_restarter.restart(e):
                 raise
 

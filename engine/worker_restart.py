@@ -18,8 +18,8 @@ Past N restarts within `worker_restart_window_s`, or when the restart itself fai
 original failure is raised as without self-healing. Each restart is logged with its
 cause and counted (`EngineCore.num_worker_restarts`).
 
-Runs in the thread that steps the core (the only one that touches the executor and the
-scheduler).
+`restart` runs in the thread that steps the core (the only one that touches the
+executor and the scheduler); other threads may only ask `can_restart`.
 """
 
 from __future__ import annotations
@@ -48,6 +48,18 @@ class WorkerRestarter:
         self._recent: deque[float] = deque()
         self.count = 0  # restarts so far, for metrics
         self.last_cause: str | None = None
+        self.restarting = False  # read by other threads (health probes)
+
+    def can_restart(self) -> bool:
+        """Whether a failure now would be healed (or one is being healed): any thread may
+        ask, e.g. a health probe that must not report an engine about to heal as dead."""
+        if self.restarting:
+            return True
+        core = self._core()
+        if core is None or self.limit <= 0 or not core._finalizer.alive:
+            return False
+        now = time.monotonic()
+        return sum(1 for t in self._recent if now - t <= self.window_s) < self.limit
 
     def restart(self, error: EngineDeadError) -> bool:
         """Replace the worker group after `error`. True: the engine may go on (the
@@ -65,6 +77,13 @@ class WorkerRestarter:
                          "(max_worker_restarts=%d): giving up", error, len(self._recent), self.window_s, self.limit)
             return False
         self._recent.append(now)
+        self.restarting = True
+        try:
+            return self._restart(core, error)
+        finally:
+            self.restarting = False
+
+    def _restart(self, core: EngineCore, error: EngineDeadError) -> bool:
         start = time.perf_counter()
         logger.warning("worker group failed: %s; restarting it (restart %d of at most %d within %gs)",
                        error, len(self._recent), self.limit, self.window_s)

@@ -105,8 +105,9 @@ def test_self_healing_is_off_by_default(tiny_models):
 
 def test_streaming_clients_see_a_pause_not_an_error(tiny_models, private_tmpdir, reference):
     """Under AsyncEngine, a rank SIGKILLed mid-stream: every stream goes on to finish,
-    its cumulative outputs only ever grow (no token is taken back or repeated), and the
-    final tokens equal an undisturbed run."""
+    its cumulative outputs only ever grow (no token is taken back or repeated), the
+    final tokens equal an undisturbed run, and a health probe from another thread never
+    reports the engine dead meanwhile."""
     import asyncio
 
     from engine.async_engine import AsyncEngine
@@ -132,12 +133,31 @@ def test_streaming_clients_see_a_pause_not_an_error(tiny_models, private_tmpdir,
                 os.kill(first_pids[1], signal.SIGKILL)
         return seen
 
+    probe_errors: list[BaseException] = []
+
+    async def probe(done: asyncio.Event) -> None:
+        # What /health does, from this (not the engine loop's) thread: never "dead" while
+        # the engine heals itself.
+        while not done.is_set():
+            try:
+                engine.check_health()
+            except BaseException as e:  # noqa: BLE001 - collected for the assert
+                probe_errors.append(e)
+            await asyncio.sleep(0.005)
+
     async def main() -> list[list[int]]:
-        return list(await asyncio.gather(*(consume(i) for i in range(len(PROMPTS)))))
+        done = asyncio.Event()
+        prober = asyncio.create_task(probe(done))
+        try:
+            return list(await asyncio.gather(*(consume(i) for i in range(len(PROMPTS)))))
+        finally:
+            done.set()
+            await prober
 
     try:
         assert asyncio.run(main()) == reference
         assert core.num_worker_restarts == 1
+        assert not probe_errors, probe_errors[:3]
         new_pids = worker_pids(core)
         dirs.append(core.model_executor._ipc_dir)
         print(f"\nFIGURE self-heal, streaming: longest pause between two outputs {max(gaps):.2f}s", flush=True)
