@@ -442,6 +442,7 @@ class EngineCore:
         else:
             payload = list(source.items()) if isinstance(source, Mapping) else list(source)
         reports = self.collective_rpc("update_weights", args=(payload,))
+        self._worker_restarter.note_weights(payload if isinstance(payload, str) else None)
         self.reset_prefix_cache()
         logger.info("update_weights from %s in %.2fs (slowest rank %.2fs)",
                     payload if isinstance(payload, str) else f"{len(payload)} tensors", time.perf_counter() - start,

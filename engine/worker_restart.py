@@ -6,7 +6,8 @@ out of step by a peer's failure), `EngineCore` asks `WorkerRestarter.restart`, w
 
 1. shuts the old group down (every process, segment and socket of it),
 2. starts a fresh executor from the same config and gives it the same KV cache
-   layout (same block count: no profile run, the scheduler's block tables stay valid),
+   layout (same block count: no profile run, the scheduler's block tables stay valid)
+   and the same weights (the checkpoint of the last `update_weights(directory)`, if any),
 3. preempts every running request by recompute (blocks freed, computed tokens 0: the
    request re-prefills its prompt plus the tokens it already generated, exactly like a
    preemption for lack of blocks) and forgets the prefix cache (its blocks' K/V lived in
@@ -15,7 +16,8 @@ out of step by a peer's failure), `EngineCore` asks `WorkerRestarter.restart`, w
 so the step that failed simply yields nothing, and the next steps carry on: greedy
 outputs equal an undisturbed run, and a streaming client sees a pause, not an error.
 Past N restarts within `worker_restart_window_s`, or when the restart itself fails, the
-original failure is raised as without self-healing. Each restart is logged with its
+original failure is raised as without self-healing; so it is while the engine sleeps,
+and after `update_weights` was given tensors by value (a fresh group could not have them). Each restart is logged with its
 cause and counted (`EngineCore.num_worker_restarts`).
 
 `restart` runs in the thread that steps the core (the only one that touches the
@@ -49,6 +51,23 @@ class WorkerRestarter:
         self.count = 0  # restarts so far, for metrics
         self.last_cause: str | None = None
         self.restarting = False  # read by other threads (health probes)
+        # The weights a fresh group must load: the config's (None), a checkpoint directory
+        # given to update_weights (loaded again after a restart), or tensors passed by
+        # value, which are gone with the old group (no restart then).
+        self._weights: str | None = None
+        self._weights_lost = False
+
+    def note_weights(self, directory: str | None) -> None:
+        """EngineCore.update_weights succeeded: from `directory`, or (None) from tensors."""
+        self._weights = directory
+        self._weights_lost = directory is None
+
+    def _why_not(self, core: EngineCore) -> str | None:
+        if self._weights_lost:
+            return "its weights were replaced by tensors passed to update_weights, which a fresh group cannot load"
+        if core._sleep_level is not None:
+            return "the engine is asleep (its pools were released on purpose); wake it up after a restart by hand"
+        return None
 
     def can_restart(self) -> bool:
         """Whether a failure now would be healed (or one is being healed): any thread may
@@ -56,7 +75,7 @@ class WorkerRestarter:
         if self.restarting:
             return True
         core = self._core()
-        if core is None or self.limit <= 0 or not core._finalizer.alive:
+        if core is None or self.limit <= 0 or not core._finalizer.alive or self._why_not(core):
             return False
         now = time.monotonic()
         return sum(1 for t in self._recent if now - t <= self.window_s) < self.limit
@@ -72,6 +91,10 @@ class WorkerRestarter:
         now = time.monotonic()
         while self._recent and now - self._recent[0] > self.window_s:
             self._recent.popleft()
+        why_not = self._why_not(core)
+        if why_not:
+            logger.error("worker group failed (%s); not restarting it: %s", error, why_not)
+            return False
         if len(self._recent) >= self.limit:
             logger.error("worker group failed again (%s) after %d restart(s) within %gs "
                          "(max_worker_restarts=%d): giving up", error, len(self._recent), self.window_s, self.limit)
@@ -104,9 +127,11 @@ class WorkerRestarter:
                 raise RuntimeError(f"the restarted group's KV block ({spec.block_bytes} bytes) differs from the "
                                    f"first one's ({core.kv_cache_config.block_bytes} bytes)")
             new.initialize_from_config(core.kv_cache_config)
+            if self._weights is not None:
+                new.collective_rpc("update_weights", args=(self._weights,))
         except BaseException as e:
-            raise EngineDeadError(f"the worker group failed ({error}) and its replacement could not allocate the "
-                                  f"KV cache: {type(e).__name__}: {e}") from e
+            raise EngineDeadError(f"the worker group failed ({error}) and its replacement could not be set up "
+                                  f"(KV cache, weights): {type(e).__name__}: {e}") from e
         rerun = self._requeue_running(core)
         self.count += 1
         self.last_cause = str(error)

@@ -174,3 +174,47 @@ def test_restarts_refused_under_the_external_launcher(tiny_models):
     with pytest.raises(ConfigError, match="max_worker_restarts=2 needs an executor that starts its own workers"):
         EngineConfig(model=str(tiny_models["llama"]), device="cpu", max_worker_restarts=2,
                      distributed_executor_backend="external_launcher")
+
+
+def _kill_and_heal(core: EngineCore) -> None:
+    os.kill(worker_pids(core)[1], signal.SIGKILL)
+    start = time.monotonic()
+    while core.num_worker_restarts == 0:
+        core.check_health()
+        assert time.monotonic() - start < DEATH_BOUND_S + 30
+        time.sleep(0.01)
+
+
+def test_restart_keeps_weights_loaded_from_a_directory(tiny_models):
+    """After update_weights(directory), a fresh group loads that directory again."""
+    other = tiny_models["llama_1shard"]  # same shapes as "llama", other values
+    with EngineCore(engine_config(other, tp=2)) as core:
+        expected = [o.outputs[0].token_ids for o in core.generate(PROMPTS, GREEDY)]
+    core = EngineCore(engine_config(tiny_models["llama"], tp=2, max_worker_restarts=1, enable_sleep_mode=True))
+    try:
+        core.update_weights(str(other))
+        assert [o.outputs[0].token_ids for o in core.generate(PROMPTS, GREEDY)] == expected
+        _kill_and_heal(core)
+        assert [o.outputs[0].token_ids for o in core.generate(PROMPTS, GREEDY)] == expected
+    finally:
+        core.shutdown()
+
+
+def test_no_restart_after_weights_passed_by_value(tiny_models):
+    from safetensors.torch import load_file
+
+    shard = sorted(tiny_models["llama_1shard"].glob("*.safetensors"))[0]
+    tensors = load_file(str(shard))
+    core = EngineCore(engine_config(tiny_models["llama"], tp=2, max_worker_restarts=1, enable_sleep_mode=True))
+    try:
+        core.update_weights({"model.norm.weight": tensors["model.norm.weight"]})
+        victim = worker_pids(core)[1]
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match=f"pid {victim}"):
+            deadline = time.monotonic() + DEATH_BOUND_S
+            while time.monotonic() < deadline:
+                core.check_health()
+                time.sleep(0.01)
+        assert core.num_worker_restarts == 0
+    finally:
+        core.shutdown()
