@@ -250,6 +250,45 @@ def test_many_bad_requests_leave_the_server_serving(server: ServerProcess) -> No
     assert ok.status_code == 200, ok.text
 
 
+# ----------------------------------------------------------------- numbers at the edge of float32
+
+
+# Each valid in float64 and inside its documented range, but 0 (or a denormal) once the
+# sampler casts it to float32: today each one, alone, makes the sampler raise inside the
+# engine step ("invalid multinomial distribution"), which kills the engine, fails every
+# request in flight and stops the server.
+EDGE_SAMPLING_VALUES = [
+    {"temperature": 1e-45},
+    {"temperature": 1e-300},
+    {"top_p": 1e-46},
+    {"top_p": 1e-300},
+    {"repetition_penalty": 1e-45},
+    {"temperature": 1e308},  # these pass today
+    {"top_p": 1e-30},
+    {"min_p": 0.9999999},
+    {"logit_bias": {"5": 1e308, "6": -1e308}},
+]
+
+
+def test_sampling_values_at_the_edge_of_float32_never_kill_the_engine(tmp_path: Path,
+                                                                        server: ServerProcess) -> None:
+    # Its own server (same model and flags as the module's): a failure here must not take the
+    # shared one down with it.
+    own = ServerProcess(server.args, tmp_path / "server.log").start()
+    try:
+        for extra in EDGE_SAMPLING_VALUES:
+            body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True, **extra}
+            response = httpx.post(f"{own.url}/v1/completions", json=body, timeout=120)
+            # Refused with a 400 naming the field, or served: either is fine; a 5xx is not.
+            assert response.status_code in (200, 400), (extra, response.status_code, response.text[:300])
+            if response.status_code == 400:
+                assert response.json()["error"]["param"] == next(iter(extra)), (extra, response.text[:300])
+            health = httpx.get(f"{own.url}/health", timeout=30)
+            assert health.status_code == 200, (extra, health.text[:300])
+    finally:
+        own.stop()
+
+
 # ----------------------------------------------------------------- fan-out bombs (last: a server
 # without the check is busy with one for a minute, so the test stops at the first)
 
