@@ -36,7 +36,8 @@ The checks, each a line when it fails:
   no process behind.
 
 Prints one summary line (`soak: PASS ...` or `soak: FAIL ...`) and exits 1 on any
-failure. `--json PATH` writes the figures. Not part of the runtime; tests/reliability/
+failure. `--json PATH` writes the figures. Its temporary directory (checkpoint, server
+log) is removed unless a check failed. Not part of the runtime; tests/reliability/
 test_soak.py runs a 60 s version.
 """
 
@@ -47,6 +48,7 @@ import asyncio
 import json
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -514,6 +516,10 @@ def main(argv: list[str] | None = None) -> int:
                 report.failures.append(f"processes left after the server stopped: {report.leftover_pids}")
     if args.json is not None:
         args.json.write_text(json.dumps(asdict(report), indent=2))
+    if report.failures and server is not None:
+        print(f"soak: the server's log and checkpoint are kept in {workdir}", file=sys.stderr)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
     for failure in report.failures:
         print(f"soak: FAILED CHECK: {failure}", file=sys.stderr)
     for error in report.errors[:10]:
