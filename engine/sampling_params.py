@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
+logger = logging.getLogger(__name__)
+
 _MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+MIN_TEMPERATURE = 0.01  # vLLM's: smaller positive temperatures are raised to it
 
 
 @dataclass
@@ -14,7 +18,8 @@ class SamplingParams:
 
     Contract:
       * ``temperature == 0`` (or ``top_k == 1``) means greedy decoding: the argmax of
-        the logits after the processors below.
+        the logits after the processors below; a positive temperature below 0.01 is
+        raised to 0.01, as vLLM does.
       * The logits of each step go through, in this order: ``allowed_token_ids``
         (every other id masked), ``bad_words`` (the last token of a word whose other
         tokens the output just produced is masked), ``min_tokens`` (EOS and
@@ -88,6 +93,11 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         if not _is_finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # As vLLM: below this, logits / temperature overflow float32; greedy is 0.
+            logger.warning("temperature %g is below %g; using %g (temperature 0 is greedy)",
+                           self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         _int_at_least("top_k", self.top_k, -1, "(0 or -1 disables it)")

@@ -10,6 +10,7 @@ after loading take effect once `prepack_cpu_weights` runs again.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,13 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from model_loader import get_model
-from models.layers.cpu_gemm import PACKED_MAX_ROWS, PackedWeight, mkl_packing_available, packing_available
+from models.layers.cpu_gemm import (
+    PACKED_MAX_ROWS,
+    PackedWeight,
+    mkl_packing_available,
+    onednn_rows,
+    packing_available,
+)
 from models.layers.linear import LinearBase
 from models.layers.quantization.fp8 import Fp8LinearMethod
 from models.layers.unquantized import CPUUnquantizedLinearMethod, prepack_cpu_weights
@@ -130,3 +137,22 @@ def test_weights_changed_after_loading_need_a_repack(tiny_models):
             linear.weight.data.mul_(0.5)
     assert prepack_cpu_weights(model) == len(linears(model)) + 1  # every linear and the LM head
     torch.testing.assert_close(logits_of(model, ids), logits_of(reference, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_onednn_prefill_rows_are_bucketed_and_the_cache_is_bounded():
+    """Prefill-sized products run padded to a multiple of 64 rows (one oneDNN primitive per
+    bucket, not per chunk size) and still return exactly the rows asked for; the primitive
+    caches are capped unless the user set them (they grew a server's ranks to ~1 GB)."""
+    if not packing_available("onednn"):
+        pytest.skip("oneDNN packing is not available in this torch build")
+    assert [onednn_rows(r) for r in (1, 7, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 128, 129, 2048)] == \
+        [1, 7, PACKED_MAX_ROWS, 128, 128, 192, 2048]
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] and os.environ["LRU_CACHE_CAPACITY"]
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=gen)
+    packed = PackedWeight(weight, "onednn")
+    for rows in (97, 129, 300):
+        x = torch.randn(rows, 64, generator=gen)
+        got = packed.linear_any_rows(x)
+        assert got.shape == (rows, 96)
+        torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-3)

@@ -358,3 +358,13 @@ def test_generation_config_path_sets_defaults(serve_model: Path, tmp_path: Path)
         assert "overridden by" in proc.log()
     finally:
         proc.stop()
+
+
+def test_bad_values_name_their_field(server: ServerProcess) -> None:
+    for field, value in (("stop_token_ids", [10**6]), ("allowed_token_ids", [10**6]), ("logit_bias", {"1000000": 1}),
+                         ("logit_bias", {"x": 1}), ("n", 10**6), ("best_of", 10**6), ("min_tokens", 99)):
+        response = _post(server, "completions", {"prompt": PROMPT, "max_tokens": 4, field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, response.text)
+    chat = _post(server, "chat/completions", {"messages": MESSAGES, "max_tokens": 2,
+                                              "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "chat_template_kwargs", chat.text

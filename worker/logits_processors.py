@@ -53,8 +53,10 @@ def apply_logits_processors(
         if params.repetition_penalty != 1.0:
             seen = torch.tensor(history.prompt_token_ids + history.output_token_ids, dtype=torch.long).unique()
             scores = row[seen]
-            row[seen] = torch.where(scores < 0, scores * params.repetition_penalty,
+            penalized = torch.where(scores < 0, scores * params.repetition_penalty,
                                     scores / params.repetition_penalty)
+            # A tiny penalty can overflow float32: the largest float is "most likely".
+            row[seen] = torch.nan_to_num(penalized, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
         if (params.frequency_penalty or params.presence_penalty) and history.output_token_ids:
             counts = torch.bincount(torch.tensor(history.output_token_ids, dtype=torch.long), minlength=vocab)
             counts = counts[:vocab].to(row.dtype)

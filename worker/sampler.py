@@ -119,7 +119,9 @@ class Sampler:
         params = request.sampling_params
         if params.is_greedy:
             return int(torch.argmax(row).item())
-        scaled = row / params.temperature
+        # A tiny temperature or penalty can overflow float32; +inf becomes the largest
+        # float (the likeliest token) and NaN impossible, so softmax stays a distribution.
+        scaled = torch.nan_to_num(row / params.temperature, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
         if params.top_k > 0 and params.top_k < scaled.numel():
             kth = torch.topk(scaled, params.top_k).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -130,10 +132,13 @@ class Sampler:
             # top_p; the first token has zero mass before it, so it always stays.
             mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
             drop_sorted = mass_before >= params.top_p
+            drop_sorted[0] = False  # even when top_p rounds to 0 in float32
             drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
         if params.min_p > 0.0:
             probs = filter_min_p(probs, params.min_p)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+            return int(torch.argmax(scaled).item())  # nothing left to draw from: the likeliest token
         generator = torch.Generator(device="cpu")
         generator.manual_seed(request_step_seed(request, engine_seed))
         # Draw on CPU so every rank and device type gets the same stream.

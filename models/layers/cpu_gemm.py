@@ -21,6 +21,16 @@ import os
 import torch
 import torch.nn.functional as F
 
+# ideep (torch's oneDNN glue) and oneDNN keep one primitive per (weight, row count) they
+# have seen, up to 1024 each at about 0.5 MiB. A server sees every batch size from 1 to
+# max_num_seqs, so that grew each rank by ~66 MiB per 100 requests until ~1 GB, which
+# looks like a leak (tests/reliability/test_soak.py). A step needs one per packed weight
+# shape (four or five) and batch sizes drift slowly, so 64 keeps the last dozen sizes
+# cached (a miss rebuilds one in ~3 ms) in at most ~64 MiB. Read at first use, so setting
+# them here, before any weight is packed, is early enough; a value the user set wins.
+os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+
 # Up to this many rows the packed product wins: a 12-layer decode step's linears on the
 # 2-core VM take 63 ms packed vs 94 ms plain at 64 rows, 72 vs 72 at 96, and above that
 # the plain sgemm is as fast or faster.
@@ -29,6 +39,16 @@ PACKED_MAX_ROWS = 96
 # depend on it (checked at pack time, see PackedWeight.verify), only the op's
 # bookkeeping does, so every call passes its own row count.
 _PACK_HINT_ROWS = 32
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count a oneDNN packed product runs with: exact for decode batches (up to
+    PACKED_MAX_ROWS: padding 13 rows to 16 costs 11% here, 57 to 64 13%), the next
+    multiple of 64 above (prefill chunks, where the padding is a few per cent), so
+    that prefill adds at most max_num_batched_tokens / 64 primitives per weight shape."""
+    if rows <= PACKED_MAX_ROWS:
+        return rows
+    return -(-rows // 64) * 64
 
 
 def packing_available(kernel: str) -> bool:
@@ -104,8 +124,20 @@ class PackedWeight:
     def _packed_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        rows: int) -> torch.Tensor:
         if self.kernel == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+            return self._onednn_linear(x, bias)
         return torch.ops.mkl._mkl_linear(x, self.packed, weight, bias, rows)
+
+    def _onednn_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """oneDNN's packed product, prefill rows padded to a bucket (`onednn_rows`):
+        oneDNN builds (about 3 ms each here) and caches one primitive per row count."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        rows = x.shape[0]
+        padded = onednn_rows(rows)
+        if padded != rows:
+            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return out[:rows].reshape(*shape[:-1], self.out_features)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`weight` must be the tensor this was packed from (its shape and the
@@ -121,7 +153,7 @@ class PackedWeight:
         assert self.kernel == "onednn"
         if x.numel() == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return self._onednn_linear(x, bias)
 
     def verify(self, weight: torch.Tensor) -> bool:
         """Whether the packed product matches F.linear for a few row counts: the

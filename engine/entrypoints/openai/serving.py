@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
 _PARAM_IN_MESSAGE = re.compile(r"^(\w+) must\b")
+_FIELD_IN_MESSAGE = re.compile(r"^(stop_token_ids|allowed_token_ids|logit_bias|bad_words|stop)\b")
 # The generation-config keys vLLM takes as sampling defaults ("max_new_tokens" -> max_tokens).
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
@@ -234,7 +235,9 @@ class OpenAIServing:
         try:
             stream = await self.engine.add_request(prompt_ids, params, request_id, cache_salt=body.cache_salt)
         except ValueError as e:
-            raise APIError(400, str(e), param=prompt_param) from None
+            # The engine names a sampling field it refused first in its message; else the prompt is at fault.
+            field = _FIELD_IN_MESSAGE.match(str(e))
+            raise APIError(400, str(e), param=field.group(1) if field else prompt_param) from None
         except EngineDeadError as e:
             raise APIError(503, str(e), type="service_unavailable_error") from None
         return stream, prompt_ids

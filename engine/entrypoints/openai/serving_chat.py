@@ -158,6 +158,10 @@ def render_chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], *, 
     ``add_special_tokens`` is normally false: the template renders BOS itself. A
     template that fails, or a final message the template does not render as it is,
     is a 400."""
+    reserved = sorted({"messages", "add_generation_prompt"} & set(template_kwargs or {}))
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs cannot set {reserved}: they are request fields of their own",
+                       param="chat_template_kwargs")
     try:
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
