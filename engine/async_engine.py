@@ -507,6 +507,7 @@ class AsyncEngine:
         block_manager = scheduler.block_manager
         self.metrics.set_scheduler_state(len(scheduler.running), len(scheduler.waiting), block_manager.usage)
         self.metrics.set_prefix_cache_totals(block_manager.stats.queries, block_manager.stats.hits)
+        self.metrics.set_worker_restarts(self.core.num_worker_restarts)
 
     def _stop_accepting(self, error: EngineDeadError, abort_in_core: bool) -> None:
         """Refuse new work and fail every pending request (and queued add) with `error`."""

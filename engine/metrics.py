@@ -134,6 +134,8 @@ class EngineMetrics:
         self._rejected = counter("requests_rejected", "Requests refused as invalid (HTTP 400).")
         self._healthy = gauge("engine_healthy", "1 while every worker is alive, else 0.")
         self._step_time = histogram("engine_step_seconds", "Wall time of one engine step.", STEP_TIME_BUCKETS)
+        self._worker_restarts = counter("worker_restarts", "Times a dead or hung worker group was replaced "
+                                                           "(--max-worker-restarts).")
         self._healthy.set(1)
         self.set_sleep_state(False)
 
@@ -149,6 +151,7 @@ class EngineMetrics:
         self.kv_cache_usage = 0.0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.worker_restarts = 0
         self.engine_healthy = 1
 
     # --------------------------------------------------------------- updates
@@ -247,6 +250,13 @@ class EngineMetrics:
             self._prefix_queries.inc(new_queries)
         if new_hits > 0:
             self._prefix_hits.inc(new_hits)
+
+    def set_worker_restarts(self, total: int) -> None:
+        """The core's count of worker-group restarts (the counter follows its increase)."""
+        with self._lock:
+            new, self.worker_restarts = total - self.worker_restarts, max(total, self.worker_restarts)
+        if new > 0:
+            self._worker_restarts.inc(new)
 
     def set_sleep_state(self, sleeping: bool, level: int = 0) -> None:
         """vLLM's engine_sleep_state: awake, or asleep at `level` (1 weights offloaded,

@@ -215,6 +215,15 @@ class Scheduler:
             history=(list(request.prompt_token_ids), list(request.output_token_ids)) if send_history else None,
         )
 
+    def preempt_all_running(self) -> int:
+        """Preempt every running request by recompute (a replaced worker group has none
+        of their K/V); the queue stays in arrival order. Returns how many there were."""
+        running, self.running = self.running, []
+        # Latest arrival first: each goes to the front of the queue, as schedule() preempts.
+        for request in reversed(running):
+            self._preempt(request)
+        return len(running)
+
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: release its blocks (named ones stay cached); it
         re-prefills prompt + outputs later, from after whatever prefix is still cached."""

@@ -142,12 +142,6 @@ class WorkerRestarter:
     @staticmethod
     def _requeue_running(core: EngineCore) -> int:
         """Preempt every running request by recompute, and drop the prefix cache."""
-        scheduler = core.scheduler
-        running = list(scheduler.running)
-        scheduler.running.clear()
-        # Latest arrival first: each preempted request goes to the front of the queue,
-        # so the queue stays in arrival order (as Scheduler.schedule preempts).
-        for request in reversed(running):
-            scheduler._preempt(request)
-        scheduler.block_manager.reset_prefix_cache()
-        return len(running)
+        rerun = core.scheduler.preempt_all_running()
+        core.scheduler.block_manager.reset_prefix_cache()
+        return rerun

@@ -179,3 +179,8 @@ def test_console_entry_point_is_declared() -> None:
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["tp-runtime"] == "engine.entrypoints.cli:console_main"
+
+
+def test_check_weights_finite_reaches_the_config() -> None:
+    assert engine_config_kwargs(parse_args(["m", "--check-weights-finite"]), "m")["check_weights_finite"] is True
+    assert engine_config_kwargs(parse_args(["m"]), "m")["check_weights_finite"] is False

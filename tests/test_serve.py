@@ -697,6 +697,9 @@ def test_a_dead_worker_is_replaced_and_the_server_goes_on(serve_model: Path, sta
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert client.completions.create(**kwargs).choices[0].text == before
     assert server.proc.poll() is None
+    restarts = [line for line in httpx.get(f"{server.url}/metrics").text.splitlines()
+                if line.startswith("tp_runtime:worker_restarts_total{")]
+    assert len(restarts) == 1 and restarts[0].endswith(" 1.0"), restarts
 
 
 def test_no_model_serves_the_demo_model(start_server: Any, tmp_path: Path) -> None:

@@ -204,6 +204,9 @@ def build_parser(prog: str = "python -m engine.serve") -> argparse.ArgumentParse
                    help="replace a failed worker group (a rank died or hung) and re-run its requests, at most N "
                         "times in 10 minutes; past that, or with 0, the server exits 1 (default 2; always 0 "
                         "under torchrun, which alone can start its ranks)")
+    p.add_argument("--check-weights-finite", action="store_true",
+                   help="while loading, warn about every weight holding NaN or Inf, naming the tensor and its file "
+                        "(reads every weight once more)")
     p.add_argument("--enable-sleep-mode", action="store_true",
                    help="add POST /sleep?level=N, POST /wake_up and GET /is_sleeping: free the KV cache and the "
                         "weights between phases (RL loops, shared hosts) and get them back without a restart")
@@ -368,6 +371,7 @@ def engine_config_kwargs(args: argparse.Namespace, model: str) -> dict[str, Any]
         # torchrun started the ranks and only it could start them again.
         "max_worker_restarts": 0 if args.distributed_executor_backend == "external_launcher"
         else args.max_worker_restarts,
+        "check_weights_finite": args.check_weights_finite,
     }
 
 
