@@ -75,6 +75,16 @@ def tiny_llama_with_tokenizer(out_dir: Path, **overrides: Any) -> Path:
 
 
 @pytest.fixture(scope="session")
+def serve_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The servers' model (tests/test_serve.py and the others that start engine.serve): a
+    tiny llama with a tokenizer and chat template (vocab 512, 4 heads / 2 kv heads)."""
+    return tiny_llama_with_tokenizer(
+        tmp_path_factory.mktemp("serve_model") / "tiny", num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512, max_position_embeddings=512, init_std=0.1,
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_models")
     dirs = {}

@@ -26,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
-from tests.conftest import REPO, free_port, tiny_llama_with_tokenizer
+from tests.conftest import REPO, free_port
 
 MODEL_NAME = "tiny-serve"
 MODEL_ALIAS = "tiny-alias"  # the shared server's second --served-model-name
@@ -50,15 +50,6 @@ PROMPTS = [
     "told stories about the sea",
     "User: Of course",
 ]
-
-
-@pytest.fixture(scope="session")
-def serve_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny llama with a tokenizer and chat template (vocab 512, 4 heads / 2 kv heads)."""
-    return tiny_llama_with_tokenizer(
-        tmp_path_factory.mktemp("serve_model") / "tiny", num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=512, max_position_embeddings=512, init_std=0.1,
-    )
 
 
 @pytest.fixture(scope="session")

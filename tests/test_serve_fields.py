@@ -19,7 +19,7 @@ import pytest
 
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engine.tiny_model import EOS_ID
-from tests.test_serve import MAX_MODEL_LEN, MODEL_NAME, ServerProcess, _server_args, serve_model  # noqa: F401
+from tests.test_serve import MODEL_NAME, ServerProcess, _server_args
 
 PROMPT = "Hello, my name is"
 MESSAGES = [{"role": "user", "content": "Tell me a story"}]

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from tests.test_serve import MAX_MODEL_LEN, ServerProcess, serve_model, tokenizer  # noqa: F401 - fixtures
+from tests.test_serve import MAX_MODEL_LEN, ServerProcess, tokenizer  # noqa: F401 - a fixture
 
 NAME = "tiny-tok"
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}" \

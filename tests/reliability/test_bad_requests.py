@@ -9,6 +9,7 @@ log-likelihoods, which is valid.)
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx

@@ -177,11 +177,6 @@ class CompletionRequest(_SamplingFields):
         return problems
 
 
-class TextContentPart(_Request):
-    type: Literal["text"]
-    text: StrictStr
-
-
 class ChatMessage(_Request):
     role: StrictStr
     content: Optional[Union[StrictStr, list[dict[str, Any]]]] = None
