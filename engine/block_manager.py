@@ -12,6 +12,11 @@ name, in an LRU list; it is overwritten only when no never-used or unnamed free 
 is left. A named block's K/V is written once, in the step that named it, by the request
 that named it; a request's new tokens never land in a block named before, because only
 whole blocks are shared and at least one token of every request is computed.
+
+A request's ``cache_salt`` roots its hash chain elsewhere, so it shares blocks only with
+requests of the same salt. The samples of one prompt (``sibling_group``) share their
+prompt's blocks even with caching off, under a root only they know; such a block is
+forgotten as soon as no sample holds it.
 """
 
 from __future__ import annotations
