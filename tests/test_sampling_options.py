@@ -312,3 +312,20 @@ def test_options_that_need_the_token_history_agree_across_tp_ranks(model_dir: Pa
         assert a.token_ids == b.token_ids
     for a, b in zip(single[2].prompt_logprobs[1:], double[2].prompt_logprobs[1:]):
         assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 for k in a)
+
+
+def test_cache_salt_keeps_prefix_cache_hits_within_a_tenant(engine: EngineCore) -> None:
+    ids = engine.tokenizer.encode(PROMPT * 4)
+    stats = engine.scheduler.block_manager.stats
+
+    def hits_of(salt: str | None) -> int:
+        before = stats.hits
+        request_id = engine.add_request(ids, _greedy(max_tokens=1), cache_salt=salt)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert request_id not in engine.output_processor.parents
+        return stats.hits - before
+
+    hits_of("tenant-a")
+    assert hits_of("tenant-b") == 0  # another tenant's blocks are not found
+    assert hits_of("tenant-a") > 0 and hits_of(None) == 0 and hits_of(None) > 0
