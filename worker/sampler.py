@@ -45,7 +45,7 @@ def request_step_seed(request: ScheduledRequest, engine_seed: int = 0) -> int:
 class Sampler:
     """Turns last-position logits into one token (and optional logprobs) per request.
 
-    Holds each request's ``RequestHistory`` (for penalties and bad words) between
+    Holds each request's ``RequestHistory`` (penalties, bad words, prompt logprobs) between
     steps: ``add_history`` when the scheduler sends one (at admission), ``drop`` when
     the request finishes or is preempted. Identical on every rank, as every rank
     samples the same tokens from the same all-gathered logits.
