@@ -92,7 +92,8 @@ def edit_checkpoint(model_dir: Path, shard: Path, edit: Callable[[dict[str, torc
         index_path.write_text(json.dumps(index))
 
 
-def write_config(model_dir: Path, **changes: Any) -> None:
+def write_config(model_dir: Path, **changes: Any) -> Path:
+    """Set (or, with None, remove) keys of `model_dir`'s config.json; returns its path."""
     path = model_dir / "config.json"
     config = json.loads(path.read_text())
     for key, value in changes.items():
@@ -101,6 +102,7 @@ def write_config(model_dir: Path, **changes: Any) -> None:
         else:
             config[key] = value
     path.write_text(json.dumps(config))
+    return path
 
 
 # ----------------------------------------------------------------- numerics: TP=1

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from tests.runtime_helpers import shm_segments, wait_pids_gone
+from tests import runtime_helpers
 
 # How long a test waits for a worker to reach a fault point (start-up is ~1-3 s here).
 REACH_S = 120.0
@@ -112,15 +112,9 @@ def queue_sockets(creator_pid: int | None = None) -> dict[str, int]:
 
 def assert_nothing_left(pids: Iterable[int], ipc_dir: str | None, shm_before: set[str],
                         creator_pid: int | None = None, tmpdir: Path | None = None) -> None:
-    """Workers dead; the engine's private directory gone; no segment and no socket of
-    `creator_pid`'s queues; `tmpdir` (the engine's TMPDIR, if given) empty."""
-    pids = list(pids)
-    alive = wait_pids_gone(pids)
-    assert not alive, f"worker processes still alive: {alive} (of {pids})"
-    if ipc_dir is not None:
-        assert not Path(ipc_dir).exists(), f"private directory {ipc_dir} left behind: {os.listdir(ipc_dir)}"
-    leaked = shm_segments(creator_pid) - shm_before
-    assert not leaked, f"shared-memory segments left in /dev/shm: {sorted(leaked)}"
+    """runtime_helpers' checks (workers dead, private directory gone, no new segment),
+    plus: no socket of `creator_pid`'s queues; `tmpdir` (the engine's TMPDIR, if given) empty."""
+    runtime_helpers.assert_nothing_left(pids, ipc_dir, shm_before, creator_pid)
     deadline = time.monotonic() + 5.0
     while queue_sockets(creator_pid) and time.monotonic() < deadline:
         time.sleep(0.05)  # the kernel drops a socket when its last descriptor closes

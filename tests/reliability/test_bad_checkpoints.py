@@ -27,6 +27,7 @@ from engine.config import ConfigError, EngineConfig
 from model_loader import WeightLoadError, get_model
 from model_loader.pt_weights import load_pt_file
 from model_loader.safetensors_reader import read_safetensors_header
+from tests.test_model_loading import write_config
 
 INDEX = "model.safetensors.index.json"
 
@@ -253,18 +254,6 @@ def test_non_finite_check_covers_pt_files(copy_model, tmp_path: Path, caplog: py
 # ------------------------------------------------------------------------ config.json
 
 
-def _write_config(model_dir: Path, **changes: Any) -> Path:
-    path = model_dir / "config.json"
-    config = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    path.write_text(json.dumps(config))
-    return path
-
-
 @pytest.mark.parametrize(
     "changes, expected",
     [
@@ -290,7 +279,7 @@ def _write_config(model_dir: Path, **changes: Any) -> Path:
 )
 def test_absurd_or_missing_config_field_is_named(copy_model, changes: dict[str, Any], expected: str) -> None:
     model_dir = copy_model("llama")
-    path = _write_config(model_dir, **changes)
+    path = write_config(model_dir, **changes)
     with pytest.raises(ConfigError) as info:
         EngineConfig(model=str(model_dir), device="cpu")
     message = str(info.value)
@@ -308,7 +297,7 @@ def test_unreadable_config_json_names_the_file(copy_model, content: bytes) -> No
 def test_explicit_head_dim_need_not_divide_hidden_size(copy_model) -> None:
     # Qwen3 / Gemma style: head_dim given, heads * head_dim != hidden_size is legitimate.
     model_dir = copy_model("llama")
-    _write_config(model_dir, num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    write_config(model_dir, num_attention_heads=6, num_key_value_heads=2, head_dim=16)
     config = EngineConfig(model=str(model_dir), device="cpu")
     assert config.model_config.num_attention_heads == 6
 
@@ -331,7 +320,7 @@ def test_auto_map_code_in_the_model_directory_never_runs(copy_model, tmp_path: P
     payload = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
     for module in ("modeling_evil", "configuration_evil", "tokenization_evil"):
         (model_dir / f"{module}.py").write_text(payload)
-    _write_config(model_dir, auto_map={
+    write_config(model_dir, auto_map={
         "AutoConfig": "configuration_evil.EvilConfig",
         "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM",
         "AutoTokenizer": ["tokenization_evil.EvilTokenizer", None],

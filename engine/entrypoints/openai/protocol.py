@@ -380,22 +380,19 @@ class ChatCompletionStreamResponse(_Response[ChatCompletionStreamChoice]):
 
 def dump(model: BaseModel) -> dict[str, Any]:
     """`model` as a JSON-ready dict (the body of every response and SSE event); the
-    optional vLLM extras (prompt logprobs, token ids) appear only when set."""
+    optional vLLM extras (prompt logprobs, token ids) appear only when set. They live on
+    a response and its choices only, so only those are looked at (not the logprobs)."""
     data = model.model_dump(mode="json")
     _drop_unset_extras(data)
+    for choice in data.get("choices") or ():
+        _drop_unset_extras(choice)
     return data
 
 
 _EXTRAS = ("prompt_logprobs", "prompt_token_ids", "token_ids")
 
 
-def _drop_unset_extras(data: Any) -> None:
-    if isinstance(data, dict):
-        for key in _EXTRAS:
-            if key in data and data[key] is None:
-                del data[key]
-        for value in data.values():
-            _drop_unset_extras(value)
-    elif isinstance(data, list):
-        for value in data:
-            _drop_unset_extras(value)
+def _drop_unset_extras(data: dict[str, Any]) -> None:
+    for key in _EXTRAS:
+        if key in data and data[key] is None:
+            del data[key]

@@ -229,7 +229,7 @@ class OpenAIServing:
         try:
             self.engine.core.check_num_samples(params)
         except ValueError as e:
-            raise APIError(400, str(e), param=_PARAM_IN_MESSAGE.match(str(e)).group(1)) from None  # type: ignore[union-attr]
+            raise APIError(400, str(e), param="best_of" if params.best_of is not None else "n") from None
         prompt_ids = self.engine.core.truncate_prompt(prompt_ids, params)
         self._check_context(len(prompt_ids), params.max_tokens, prompt_param)
         try:
