@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from models.layers.build_config import LayerBuildConfig, set_layer_build_config
-from models.layers.cpu_gemm import default_packed_gemm
+from models.layers.cpu_gemm import default_packed_gemm, reusing_upcast_buffer
 from models.layers.quantization import get_quantization_config
 from models.registry import ModelRegistry
 
@@ -52,13 +52,14 @@ def process_weights_after_loading(model: nn.Module) -> None:
     """Give every module's method, then every module, its chance to repack weights once
     all of them are in place (quantisation, CPU packing, derived buffers). Runs after
     the strict all-loaded check, on every rank."""
-    for module in model.modules():
-        quant_method = getattr(module, "quant_method", None)
-        if quant_method is not None:
-            quant_method.process_weights_after_loading(module)
-        hook = getattr(module, "process_weights_after_loading", None)
-        if callable(hook) and module is not model:
-            hook()
+    with reusing_upcast_buffer():
+        for module in model.modules():
+            quant_method = getattr(module, "quant_method", None)
+            if quant_method is not None:
+                quant_method.process_weights_after_loading(module)
+            hook = getattr(module, "process_weights_after_loading", None)
+            if callable(hook) and module is not model:
+                hook()
 
 
 def get_load_device(config: EngineConfig) -> torch.device:

@@ -26,6 +26,8 @@ from models.layers.cpu_gemm import (
     mkl_packing_available,
     onednn_rows,
     packing_available,
+    reusing_upcast_buffer,
+    upcast_float32,
 )
 from models.layers.linear import LinearBase
 from models.layers.quantization.fp8 import Fp8LinearMethod
@@ -120,6 +122,23 @@ def test_bf16_weights_get_a_float32_packed_copy_only_where_the_cpu_has_no_bf16_g
         assert got.dtype == expected.dtype == torch.bfloat16
         # Both accumulate in float32; they may round the bf16 outputs of a layer differently.
         torch.testing.assert_close(got.float(), expected.float(), rtol=0.05, atol=0.05 * expected.float().abs().max().item())
+
+
+@pytest.mark.skipif(not packing_available("onednn"), reason="oneDNN packing is not available")
+def test_weights_packed_through_the_shared_upcast_buffer_keep_their_own_values():
+    """Inside reusing_upcast_buffer every weight is converted into one float32 buffer; each
+    packed copy must own its values, not alias that buffer, which the next weight
+    overwrites (a shape already verified is not checked again)."""
+    generator = torch.Generator().manual_seed(3)
+    weights = [torch.randn(48, 64, generator=generator).to(torch.bfloat16) for _ in range(3)]
+    weights.append(torch.randn(96, 64, generator=generator).to(torch.bfloat16))  # grows the buffer
+    with reusing_upcast_buffer():
+        packed = [PackedWeight(upcast_float32(w), "onednn") for w in weights]
+    x = torch.randn(5, 64, generator=generator)
+    for w, p in zip(weights, packed):
+        torch.testing.assert_close(p.linear_any_rows(x), F.linear(x, w.float()), rtol=1e-5, atol=1e-5)
+    first, second = upcast_float32(weights[0]), upcast_float32(weights[1])  # outside: a new tensor each
+    assert first.data_ptr() != second.data_ptr() and torch.equal(first, weights[0].float())
 
 
 def test_fp8_linears_are_not_packed_but_the_float32_lm_head_is(tiny_models):

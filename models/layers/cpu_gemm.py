@@ -16,7 +16,10 @@ which weights get a packed copy and when.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +105,40 @@ def default_packed_gemm() -> str:
     if _cpu_vendor() == "GenuineIntel" and mkl_packing_available():
         return "mkl"
     return "onednn" if onednn_packing_available() else "mkl"
+
+
+# The float32 buffer that `upcast_float32` reuses inside `reusing_upcast_buffer()`: a list
+# holding at most one tensor, grown to the largest weight seen. None outside the context.
+_UPCAST_BUFFER: contextvars.ContextVar[list[torch.Tensor] | None] = contextvars.ContextVar(
+    "upcast_buffer", default=None)
+
+
+@contextlib.contextmanager
+def reusing_upcast_buffer() -> Iterator[None]:
+    """While packing a whole model, let `upcast_float32` convert every weight into one
+    buffer instead of a fresh tensor each. A fresh float32 copy is memory the kernel
+    has to fault in page by page, only for the copy to be packed and dropped: for the
+    1.34 GB bfloat16 llama that was 1.0 of a 3.7 s wake-up (2.7 GB faulted), and reusing
+    one buffer saves about a third of the packing time here. The buffer (the largest
+    weight's size in float32) is freed when the block ends. Called by whoever packs
+    every layer in one pass (model_loader.utils.process_weights_after_loading,
+    prepack_cpu_weights); on every rank, on the thread that packs."""
+    token = _UPCAST_BUFFER.set([])
+    try:
+        yield
+    finally:
+        _UPCAST_BUFFER.reset(token)
+
+
+def upcast_float32(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` in float32: a view of the shared buffer inside `reusing_upcast_buffer()`
+    (valid until the next call: pack it before converting another), else a new tensor."""
+    held = _UPCAST_BUFFER.get()
+    if held is None:
+        return weight.float()
+    if not held or held[0].numel() < weight.numel():
+        held[:] = [torch.empty(weight.numel(), dtype=torch.float32, device=weight.device)]
+    return held[0][: weight.numel()].view(weight.shape).copy_(weight)
 
 
 # A memo of PackedWeight.verify's answer per (kernel, shape, dtype): a property of the

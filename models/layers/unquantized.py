@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.cpu_gemm import PackedWeight, can_pack, lacks_native_gemm, packing_available
+from models.layers.cpu_gemm import (PackedWeight, can_pack, lacks_native_gemm, packing_available,
+                                    reusing_upcast_buffer, upcast_float32)
 from models.layers.quantization.base import LinearMethodBase
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
         loading calls it again (`prepack_cpu_weights`)."""
         self.packed, self.upcast = None, False
         if lacks_native_gemm(layer.weight):
-            weight32 = layer.weight.float()
+            weight32 = upcast_float32(layer.weight)
             packed = PackedWeight(weight32, "onednn")
             if packed.verify(weight32):
                 self.packed, self.upcast = packed, True
@@ -86,9 +87,10 @@ def prepack_cpu_weights(model: nn.Module) -> int:
     copies are snapshots: call this after changing weights in place). Returns how
     many weights are packed now."""
     count = 0
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if isinstance(method, CPUUnquantizedLinearMethod):
-            method.process_weights_after_loading(module)
-            count += method.packed is not None
+    with reusing_upcast_buffer():
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, CPUUnquantizedLinearMethod):
+                method.process_weights_after_loading(module)
+                count += method.packed is not None
     return count
