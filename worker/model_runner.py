@@ -20,7 +20,7 @@ from torch import nn
 from model_loader import get_model, get_model_loader
 from model_loader.utils import process_weights_after_loading
 from models.layers.attention import Attention, AttentionBackend, AttentionMetadata, get_attn_backend
-from worker.kv_cache import KVCacheConfig, KVCacheSpec, allocate_kv_cache
+from worker.kv_cache import KVCacheConfig, KVCacheMemory, KVCacheSpec, allocate_kv_cache
 from worker.outputs import ModelRunnerOutput
 from worker.sampler import Sampler, prompt_logprobs
 
@@ -38,6 +38,7 @@ class ModelRunner:
         self.model: nn.Module | None = None
         self.attn_backend: AttentionBackend | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_cache_memory: KVCacheMemory | None = None  # what holds kv_caches' memory
         self.kv_cache_config: KVCacheConfig | None = None
         self.sampler = Sampler()
 
@@ -105,7 +106,8 @@ class ModelRunner:
         assert self.attn_backend is not None
         c = kv_cache_config
         shape = self.attn_backend.get_kv_cache_shape(c.num_blocks, c.block_size, c.num_kv_heads_per_rank, c.head_dim)
-        self.kv_caches = allocate_kv_cache(shape, c.dtype, len(self._attention_layers()), self.device)
+        self.kv_cache_memory = allocate_kv_cache(shape, c.dtype, len(self._attention_layers()), self.device)
+        self.kv_caches = self.kv_cache_memory.tensors
         self.kv_cache_config = kv_cache_config
         self.bind_kv_caches()
 

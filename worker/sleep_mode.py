@@ -2,15 +2,17 @@
 and get it back.
 
 Called by the Worker (`Worker.sleep` / `Worker.wake_up`), on every rank, between steps,
-with the same arguments on every rank. A pool's tensors are released by shrinking their
-storages to zero bytes (`UntypedStorage.resize_`), which frees the memory while every
-tensor and view of it (a layer's bound KV cache, tied embeddings, a parameter's alias)
-stays the same Python object; restoring resizes the same storages back, inside the same
-memory pool, so nothing that holds a reference has to be told.
+with the same arguments on every rank. A pool's memory is released while every tensor
+and view of it (a layer's bound KV cache, tied embeddings, a parameter's alias) stays
+the same Python object, and restored under it, inside the same memory pool, so nothing
+that holds a reference has to be told.
 
-- KV cache: discarded on sleep (level 1 and 2), zeroed again on wake-up.
-- Weights, level 1: on CUDA each storage is copied to pinned host memory first and
-  copied back on wake-up; on the CPU the weights already live in host memory and stay.
+- KV cache: discarded on sleep (level 1 and 2), zeroed again on wake-up, by its own
+  `KVCacheMemory` (worker/kv_cache.py): on the CPU madvise on its mappings, elsewhere
+  storages shrunk to zero bytes and grown back (`UntypedStorage.resize_`).
+- Weights, level 1: on CUDA each storage is copied to pinned host memory first, shrunk
+  to zero bytes (`ReleasedStorages`), and grown back and copied back on wake-up; on
+  the CPU the weights already live in host memory and stay.
 - Weights, level 2: the model is dropped altogether (its parameters may alias the
   checkpoint's file mapping, which only unmapping frees) and rebuilt on wake-up by the
   same loader and load format. The ModelRunner does that part.

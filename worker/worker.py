@@ -214,13 +214,17 @@ class Worker:
             raise ValueError(f"sleep level={level!r} must be 1 or 2 on a worker")
         start = time.perf_counter()
         runner = self._runner()
+        kv = runner.kv_cache_memory
+        if kv is not None:
+            kv.wait_committed()  # so that the memory reported before is all of it
         before = self.platform.memory_in_use()
         freed: dict[str, int] = {}
         if self._pools["kv_cache"] is PoolState.AWAKE:
             if runner.attn_backend is not None:
                 runner.attn_backend.reset()
-            self._released["kv_cache"] = ReleasedStorages(unique_storages(runner.kv_caches), offload=False)
-            freed["kv_cache"] = self._released["kv_cache"].nbytes
+            if kv is not None:
+                kv.release()
+            freed["kv_cache"] = kv.nbytes if kv is not None else 0
             self._pools["kv_cache"] = PoolState.DISCARDED
         weights = self._pools["weights"]
         if level == 1 and weights is PoolState.AWAKE and self.platform.offloads_weights_to_host:
@@ -267,10 +271,11 @@ class Worker:
                     runner.bind_kv_caches()
             self._pools["weights"] = PoolState.AWAKE
         if "kv_cache" in wanted and self._pools["kv_cache"] is not PoolState.AWAKE:
-            released = self._released.pop("kv_cache")
-            with self.platform.memory_pool("kv_cache"):
-                released.restore()
-            restored["kv_cache"] = released.nbytes
+            kv = runner.kv_cache_memory
+            if kv is not None:
+                with self.platform.memory_pool("kv_cache"):
+                    kv.restore()
+            restored["kv_cache"] = kv.nbytes if kv is not None else 0
             self._pools["kv_cache"] = PoolState.AWAKE
         return self._memory_report("wake_up", None, restored, before, start)
 
@@ -312,7 +317,7 @@ class Worker:
         if runner.model is None and self._pools["weights"] is PoolState.AWAKE:
             raise RuntimeError(f"rank {self.rank}: no model is loaded")
         kv_awake = runner.kv_cache_config is not None and self._pools["kv_cache"] is PoolState.AWAKE
-        if kv_awake and (not runner.kv_caches or any(t.untyped_storage().nbytes() == 0 for t in runner.kv_caches)):
+        if kv_awake and (runner.kv_cache_memory is None or not runner.kv_cache_memory.allocated):
             raise RuntimeError(f"rank {self.rank}: the KV cache is not allocated")
         if self.world_size > 1:
             if not torch.distributed.is_initialized() or get_tensor_model_parallel_world_size() != self.world_size:

@@ -1,0 +1,62 @@
+"""The memory behind a rank's KV cache (worker/kv_cache.py).
+
+On the CPU the cache lives in private anonymous mappings whose pages a background
+thread commits: the tensors read as zero from the start, a write made while the commit
+runs survives it, the process's RSS holds the whole cache once `wait_committed`
+returns, `release` gives it back (and the cache reads as zero again), `restore` takes it
+back. `DeviceKVCache` (torch's allocator, here on the CPU) keeps the same contract.
+"""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import torch
+
+from worker.kv_cache import DeviceKVCache, HostKVCache, allocate_kv_cache
+from worker.sleep_mode import trim_host_memory
+
+SHAPE = (64, 2, 16, 4, 64)  # 64 blocks of 16 tokens, K and V, 4 heads of 64: 2 MiB per layer in float32
+LAYERS = 24
+MIB = 1 << 20
+
+
+def rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def test_cpu_caches_are_host_mappings_and_their_tensors_are_bound_once() -> None:
+    cache = allocate_kv_cache(SHAPE, torch.float32, LAYERS, torch.device("cpu"))
+    assert isinstance(cache, HostKVCache)
+    assert cache.nbytes == LAYERS * 2 * MIB
+    assert [tuple(t.shape) for t in cache.tensors] == [SHAPE] * LAYERS
+    assert len({t.data_ptr() for t in cache.tensors}) == LAYERS
+    cache.wait_committed()  # before the mappings go, so that the next test's RSS is its own
+
+
+@pytest.mark.parametrize("kind", ["host", "device"])
+def test_cache_is_zeroed_committed_released_and_restored(kind: str) -> None:
+    before = rss()
+    if kind == "host":
+        cache = HostKVCache(SHAPE, torch.float32, LAYERS)
+    else:
+        cache = DeviceKVCache(SHAPE, torch.float32, LAYERS, torch.device("cpu"))
+    first, last = cache.tensors[0], cache.tensors[-1]
+    first[3].fill_(7.0)  # written while the commit may still run
+    cache.wait_committed()
+    assert all(float(t.abs().sum()) == (7.0 * first[3].numel() if t is first else 0.0) for t in cache.tensors)
+    assert rss() - before >= 0.9 * cache.nbytes, "the cache's pages are not resident"
+
+    resident = rss()
+    cache.release()
+    trim_host_memory()  # as the Worker does after a sleep: torch's allocator frees into malloc's heap
+    assert not cache.allocated
+    assert resident - rss() >= 0.9 * cache.nbytes, "release gave nothing back"
+
+    cache.restore()
+    cache.wait_committed()
+    assert cache.allocated and cache.tensors[0] is first and cache.tensors[-1] is last
+    assert float(first.abs().sum()) == 0.0  # what was written before the release is gone
+    assert rss() - before >= 0.9 * cache.nbytes
+    last.fill_(1.0)
+    assert float(last.sum()) == last.numel()
