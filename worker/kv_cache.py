@@ -9,10 +9,14 @@ its attention backend.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import mmap
+import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +63,7 @@ def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, num_layers: in
     """One zeroed tensor of `shape` per layer, in host memory (`HostKVCache`) on the CPU,
     else torch's allocator (`DeviceKVCache`). Called by the ModelRunner on every rank,
     with the same arguments on every rank."""
-    if device.type == "cpu" and _POPULATE_WRITE is not None:
+    if device.type == "cpu" and sys.platform.startswith("linux"):
         return HostKVCache(shape, dtype, num_layers)
     return DeviceKVCache(shape, dtype, num_layers, device)
 
@@ -107,13 +111,32 @@ class DeviceKVCache(KVCacheMemory):
         self.allocated = True
 
 
-# madvise(MADV_POPULATE_WRITE), Linux 5.14+: fault pages in writable without writing them.
-_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
+_MADV_DONTNEED = 4
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without writing to them
+
+
+@functools.cache
+def _libc_madvise() -> Callable[[int, int, int], int]:
+    fn = ctypes.CDLL(None, use_errno=True).madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def madvise(tensor: torch.Tensor, advice: int, nbytes: int | None = None) -> None:
+    """madvise(2) over the first `nbytes` (default all) of `tensor`'s page-aligned memory.
+    Through ctypes, which lets other threads run during the call; `mmap.madvise` holds
+    the GIL, and committing 1 GiB that way froze the rank's other threads for 0.6 s.
+    Raises OSError with the call's errno."""
+    length = tensor.untyped_storage().nbytes() if nbytes is None else nbytes
+    if _libc_madvise()(tensor.data_ptr(), length, advice) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"madvise({advice}): {os.strerror(errno)}")
 
 
 class HostKVCache(KVCacheMemory):
-    """The CPU's cache: one private anonymous mapping per layer, which the kernel hands
-    out zero-filled, so nothing has to write zeros.
+    """The CPU's cache (Linux): one private anonymous mapping per layer, which the kernel
+    hands out zero-filled, so nothing has to write zeros.
 
     Committing its pages (about 0.4-0.8 s per GiB on the 2-core dev VMs, the largest
     part of a TP=2 start after the spawn) runs on a background thread with
@@ -121,7 +144,7 @@ class HostKVCache(KVCacheMemory):
     the rank serves while it runs and the model's writes are never clobbered. Within
     about a second of start-up the memory is committed as torch.zeros would have done
     at once; `wait_committed` joins it (sleep mode does, before it measures memory).
-    A kernel without that advice (before 5.14) raises at the first call, and the
+    A kernel without that advice (before 5.14) refuses it at the first call, and the
     commit then writes zeros itself: before the constructor returns, while nothing
     else uses the cache. Release is madvise(MADV_DONTNEED), after which every page
     reads as zero again; restore commits again.
@@ -139,19 +162,14 @@ class HostKVCache(KVCacheMemory):
 
     def _commit(self) -> None:
         try:
-            self._maps[0].madvise(_POPULATE_WRITE, 0, mmap.PAGESIZE)  # whether the kernel knows it
+            madvise(self.tensors[0], _MADV_POPULATE_WRITE, mmap.PAGESIZE)  # whether the kernel knows it
         except OSError:  # EINVAL: an older kernel; nothing else touches the cache yet
             for tensor in self.tensors:
                 tensor.zero_()
             return
-        self._committer = threading.Thread(target=self._populate, args=(list(self._maps),), name="kv-commit",
+        self._committer = threading.Thread(target=_populate, args=(list(self.tensors),), name="kv-commit",
                                            daemon=True)
         self._committer.start()
-
-    @staticmethod
-    def _populate(maps: list[mmap.mmap]) -> None:
-        for m in maps:
-            m.madvise(_POPULATE_WRITE)  # releases the GIL for the syscall
 
     def wait_committed(self) -> None:
         if self._committer is not None:
@@ -160,10 +178,15 @@ class HostKVCache(KVCacheMemory):
 
     def release(self) -> None:
         self.wait_committed()
-        for m in self._maps:
-            m.madvise(mmap.MADV_DONTNEED)
+        for tensor in self.tensors:
+            madvise(tensor, _MADV_DONTNEED)
         self.allocated = False
 
     def restore(self) -> None:
         self.allocated = True
         self._commit()
+
+
+def _populate(tensors: list[torch.Tensor]) -> None:
+    for tensor in tensors:
+        madvise(tensor, _MADV_POPULATE_WRITE)
