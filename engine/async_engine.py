@@ -159,6 +159,7 @@ class AsyncEngine:
     ) -> None:
         self.core = core
         self.metrics = metrics or EngineMetrics(core.config.model, core.config.scheduler_config.max_model_len)
+        self.metrics.set_cache_config_info(core.cache_config_info())
         device = core.config.device_config.device_type
         self._stat_logger = LoggingStatLogger(self.metrics, device_type=device) if log_stats else None
         self.dead_event = threading.Event()  # set once the engine died (not at a clean shutdown)
@@ -447,7 +448,7 @@ class AsyncEngine:
     def _step(self) -> None:
         start, started = time.perf_counter(), time.monotonic()
         outputs = self.core.step()
-        self.metrics.on_step(time.perf_counter() - start, len(outputs))
+        self.metrics.on_step(time.perf_counter() - start, len(outputs), self.core.last_step_num_tokens)
         self._track_scheduling(started)
         self._deliver(outputs, started)
 

@@ -77,6 +77,7 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._sleep_level: int | None = None  # None while awake
         self._undelivered: list[RequestOutput] = []  # finished while going to sleep; the next step() returns them
+        self.last_step_num_tokens = 0  # tokens (prompt and decode) the last step() ran, for the metrics
 
     # ------------------------------------------------------------------ start-up
 
@@ -322,6 +323,14 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def cache_config_info(self) -> dict[str, object]:
+        """vLLM's CacheConfig.metrics_info: the cache config's fields, the block count
+        start-up chose (`num_gpu_blocks`, vLLM's name, on the CPU too) and the KV dtype."""
+        info: dict[str, object] = dataclasses.asdict(self.config.cache_config)
+        info["num_gpu_blocks"] = self.kv_cache_config.num_blocks
+        info["cache_dtype"] = str(self.kv_cache_config.dtype).removeprefix("torch.")
+        return info
+
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it on every rank, and return the requests that advanced
         (first any that finished while the engine went to sleep). While the engine
@@ -333,6 +342,7 @@ class EngineCore:
 
     def _step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
+        self.last_step_num_tokens = scheduler_output.num_batched_tokens if scheduler_output.scheduled else 0
         if not scheduler_output.scheduled:
             return []
         try:

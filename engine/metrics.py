@@ -4,7 +4,8 @@ The metric set, names, types and labels are vLLM's with `tp_runtime:` in place o
 `vllm:` (so `vllm:num_requests_running` is `tp_runtime:num_requests_running`), and
 every series carries `model_name` (the first served model name) and `engine` ("0"),
 so vLLM's Grafana dashboard works once its prefix is replaced. The histograms use
-vLLM's default buckets. A few series of our own have no vLLM counterpart:
+vLLM's default buckets; `cache_config_info`, as in vLLM, is labelled with the cache
+config's fields and `engine` only. A few series of our own have no vLLM counterpart:
 `tp_runtime:requests_received_total`, `tp_runtime:requests_rejected_total` (HTTP
 400s), `tp_runtime:engine_healthy` and `tp_runtime:engine_step_seconds`.
 
@@ -41,6 +42,8 @@ INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.
 REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 STEP_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# vLLM's iteration_tokens_total buckets (vllm/v1/metrics/buckets.py).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def request_tokens_buckets(max_model_len: int) -> list[int]:
@@ -126,6 +129,8 @@ class EngineMetrics:
                                        REQUEST_LATENCY_BUCKETS)
         self._decode_time = histogram("request_decode_time_seconds",
                                       "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        self._iteration_tokens = histogram("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                           ITERATION_TOKENS_BUCKETS)
         self._req_preemptions = histogram("request_num_preemptions",
                                           "Histogram of the number of times a request was preempted.",
                                           REQUEST_NUM_PREEMPTIONS_BUCKETS)
@@ -138,6 +143,7 @@ class EngineMetrics:
                                                            "(--max-worker-restarts).")
         self._healthy.set(1)
         self.set_sleep_state(False)
+        self._cache_config_info_set = False
 
         # Plain totals for the log line and for in-process readers, under self._lock.
         self.requests_received = 0
@@ -225,11 +231,26 @@ class EngineMetrics:
         if decode_seconds is not None and num_generation_tokens is not None and num_generation_tokens > 1:
             self._tpot.observe(decode_seconds / (num_generation_tokens - 1))
 
-    def on_step(self, seconds: float, num_new_tokens: int) -> None:
+    def on_step(self, seconds: float, num_new_tokens: int, num_batched_tokens: int | None = None) -> None:
+        """One engine step: its wall time, the tokens it generated, and the tokens it
+        ran (prompt and decode; vLLM's iteration_tokens_total), when it ran any."""
         with self._lock:
             self.generation_tokens += num_new_tokens
         self._step_time.observe(seconds)
         self._generation_tokens.inc(num_new_tokens)
+        if num_batched_tokens:
+            self._iteration_tokens.observe(num_batched_tokens)
+
+    def set_cache_config_info(self, info: dict[str, object]) -> None:
+        """vLLM's cache_config_info: a gauge at 1 whose labels are the cache config's
+        fields (and `engine`), each value as a string. The first call wins."""
+        if self._cache_config_info_set:  # a second AsyncEngine on the same metrics
+            return
+        labels = {key: str(value) for key, value in info.items()}
+        labels["engine"] = "0"
+        Gauge(PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig", list(labels),
+              registry=self.registry).labels(**labels).set(1)
+        self._cache_config_info_set = True
 
     def set_scheduler_state(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
         with self._lock:

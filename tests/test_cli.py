@@ -61,6 +61,9 @@ def test_vllm_spellings_parse() -> None:
     assert defaults.max_worker_restarts == 2
     assert (defaults.max_logprobs, defaults.generation_config, defaults.uvicorn_log_level) == (20, "auto", "info")
     assert parse_args(["m", "--log-level", "debug"]).uvicorn_log_level == "debug"
+    logged = parse_args(["m", "--enable-log-requests", "--max-log-len", "100"])
+    assert logged.enable_log_requests and logged.max_log_len == 100
+    assert not defaults.enable_log_requests and defaults.max_log_len is None
 
 
 def test_served_model_names_do_not_swallow_the_model() -> None:
@@ -111,6 +114,7 @@ def test_refusals_name_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "--trust-remote-code is refused" in _usage_error(["m", "--trust-remote-code"], capsys)
     assert "--max-logprobs" in _usage_error(["m", "--max-logprobs", "-2"], capsys)
     assert "--max-worker-restarts" in _usage_error(["m", "--max-worker-restarts", "-1"], capsys)
+    assert "--max-log-len" in _usage_error(["m", "--max-log-len", "-1"], capsys)
     assert "--gpu-memory-utilization" in _usage_error(["m", "--gpu-memory-utilization", "1.5"], capsys)
     assert "--generation-config" in _usage_error(["m", "--generation-config", str(tmp_path / "nope")], capsys)
     assert "--tokenizer" in _usage_error(["m", "--tokenizer", str(tmp_path / "nope")], capsys)

@@ -39,6 +39,7 @@ VLLM_SERIES = {
     "request_prefill_time_seconds": "histogram",
     "request_decode_time_seconds": "histogram",
     "request_num_preemptions": "histogram",
+    "iteration_tokens_total": "histogram",
     "engine_sleep_state": "gauge",
 }
 # What vLLM's Grafana dashboard (examples/online_serving/prometheus_grafana/grafana.json) queries.
@@ -123,6 +124,25 @@ def test_updates_reach_the_exposition() -> None:
     assert _value(metrics, p + "request_prompt_tokens_bucket", le="10.0") == 1
     assert _value(metrics, p + "requests_rejected_total") == 1 and _value(metrics, p + "requests_received_total") == 1
     assert metrics.requests_finished == {"stop": 0, "length": 1, "abort": 0, "error": 1}
+
+
+def test_iteration_tokens_and_cache_config_info_are_vllms() -> None:
+    metrics = EngineMetrics("m", max_model_len=100)
+    metrics.on_step(0.01, 3, num_batched_tokens=40)
+    metrics.on_step(0.01, 3, num_batched_tokens=3)
+    metrics.on_step(0.01, 0)  # nothing ran: not an iteration
+    p = PREFIX
+    assert _value(metrics, p + "iteration_tokens_total_count") == 2
+    assert _value(metrics, p + "iteration_tokens_total_sum") == 43
+    assert _value(metrics, p + "iteration_tokens_total_bucket", le="8.0") == 1
+    metrics.set_cache_config_info({"block_size": 16, "enable_prefix_caching": True, "num_gpu_blocks": 7})
+    metrics.set_cache_config_info({"block_size": 32})  # the first call wins
+    info = _families(metrics)[p + "cache_config_info"]
+    assert info.type == "gauge"
+    [sample] = info.samples
+    assert sample.value == 1
+    assert sample.labels == {"block_size": "16", "enable_prefix_caching": "True", "num_gpu_blocks": "7",
+                             "engine": "0"}
 
 
 def test_each_engine_has_its_own_registry() -> None:

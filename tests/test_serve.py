@@ -8,6 +8,7 @@ llama with a tokenizer and chat template, written once per session.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import os
@@ -440,6 +441,16 @@ def test_health_and_metrics(server: ServerProcess, client: openai.OpenAI) -> Non
     assert _metric(text, "tp_runtime:engine_step_seconds_count") > 0
     assert "# TYPE tp_runtime:time_to_first_token_seconds histogram" in text
     assert "# TYPE tp_runtime:engine_step_seconds histogram" in text
+    # One prefill step, then a step per further token: each step's tokens are observed.
+    for name in ("tp_runtime:iteration_tokens_total_count", "tp_runtime:iteration_tokens_total_sum"):
+        assert _metric(text, name) >= _metric(before.text, name) + 5, name
+    # vLLM's cache_config_info: labelled with the cache config (and engine), no model_name.
+    info = next(s for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "tp_runtime:cache_config_info")
+    assert info.value == 1 and info.labels["engine"] == "0", info
+    assert (info.labels["block_size"], info.labels["enable_prefix_caching"], info.labels["cache_dtype"]) == (
+        "16", "True", "float32"), info
+    assert int(info.labels["num_gpu_blocks"]) > 0 and info.labels["kv_cache_memory_bytes"] == str(16 << 20), info
 
 
 def test_prefix_cache_metrics_reset_and_log_line(server: ServerProcess, client: openai.OpenAI) -> None:
@@ -582,6 +593,24 @@ def test_async_engine_shutdown_fails_pending_requests(serve_model: Path) -> None
 
 
 # --------------------------------------------------------------------- own servers
+
+
+def test_enable_log_requests_logs_each_request_cut_to_max_log_len(serve_model: Path, start_server: Any) -> None:
+    """vLLM's --enable-log-requests: one INFO line per request received, naming its id,
+    prompt, parameters and prompt token ids, the prompt and the ids cut to --max-log-len."""
+    server = start_server(_server_args(serve_model, "--enable-log-requests", "--max-log-len", "3", tp=1))
+    prompt = "Hello there, how are you today?"
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0, "request_id": "logme"}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    deadline = time.monotonic() + 10
+    while "Received request cmpl-logme" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    line = next(x for x in server.log().splitlines() if "Received request cmpl-logme" in x)
+    assert "params: SamplingParams(" in line and "max_tokens=2" in line, line
+    shown = line.split("prompt_token_ids: ")[1].split("]")[0] + "]"
+    assert len(json.loads(shown)) == 3, line
+    text = line.split("prompt: ")[1].split(", params: ")[0]
+    assert len(ast.literal_eval(text)) <= 3, line
 
 
 def test_help() -> None:

@@ -212,9 +212,14 @@ def build_parser(prog: str = "python -m engine.serve") -> argparse.ArgumentParse
                         "weights between phases (RL loops, shared hosts) and get them back without a restart")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="do not log the throughput, queue and KV-cache line every 10 s")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request received (id, prompt, sampling parameters, prompt token ids) at INFO")
+    p.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="with --enable-log-requests, show at most N prompt characters and N token ids "
+                        "(default: all)")
     p.add_argument("--disable-log-requests", action="store_true",
-                   help="accepted for vLLM compatibility: this server does not log requests (vLLM's default "
-                        "too, since its --enable-log-requests replaced this flag)")
+                   help="accepted for vLLM compatibility: requests are not logged unless "
+                        "--enable-log-requests (vLLM's default too, since that flag replaced this one)")
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|PATH",
                    help="sampling defaults: auto (the model's generation_config.json), vllm (none: the "
                         "server's defaults), or a directory holding a generation_config.json")
@@ -250,6 +255,8 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
         parser.error(f"--max-worker-restarts {args.max_worker_restarts}: must be >= 0")
     if args.max_logprobs < -1:
         parser.error(f"--max-logprobs {args.max_logprobs}: must be >= 0, or -1 for no limit")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        parser.error(f"--max-log-len {args.max_log_len}: must be >= 0")
     if args.gpu_memory_utilization is not None and not 0.0 < args.gpu_memory_utilization <= 1.0:
         parser.error(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
     if args.chat_template is not None:
@@ -436,7 +443,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.serve") ->
     exit_code = 1
     try:
         app = build_app(engine, names, api_key=args.api_key, generation_config=args.generation_config,
-                        max_logprobs=args.max_logprobs)
+                        max_logprobs=args.max_logprobs, enable_log_requests=args.enable_log_requests,
+                        max_log_len=args.max_log_len)
         server = uvicorn.Server(uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=args.access_log,
             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off",

@@ -141,11 +141,14 @@ class OpenAIServing:
     """The handlers' shared logic, bound to one engine and one served model name."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, *, generation_config: str = "auto",
-                 max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, enable_log_requests: bool = False,
+                 max_log_len: int | None = None) -> None:
         self.engine = engine
         self.model_name = served_model_name
         self.tokenizer = engine.tokenizer
         self.max_logprobs = max_logprobs
+        self.enable_log_requests = enable_log_requests
+        self.max_log_len = max_log_len
         self.defaults = load_generation_defaults(generation_config, engine.core.config.model)
 
     def check_request(self, body: AnyRequest) -> None:
@@ -232,6 +235,8 @@ class OpenAIServing:
             raise APIError(400, str(e), param="best_of" if params.best_of is not None else "n") from None
         prompt_ids = self.engine.core.truncate_prompt(prompt_ids, params)
         self._check_context(len(prompt_ids), params.max_tokens, prompt_param)
+        if self.enable_log_requests:
+            self._log_request(request_id, prompt_ids, params)
         try:
             stream = await self.engine.add_request(prompt_ids, params, request_id, cache_salt=body.cache_salt)
         except ValueError as e:
@@ -241,6 +246,16 @@ class OpenAIServing:
         except EngineDeadError as e:
             raise APIError(503, str(e), type="service_unavailable_error") from None
         return stream, prompt_ids
+
+    def _log_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """vLLM's --enable-log-requests line, before the engine sees the request: its
+        prompt's text and token ids (each cut to --max-log-len) and its parameters."""
+        shown = prompt_ids if self.max_log_len is None else prompt_ids[: self.max_log_len]
+        text = self.tokenizer.decode(shown)
+        if self.max_log_len is not None:
+            text = text[: self.max_log_len]
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s, lora_request: None.",
+                    request_id, text, params, shown)
 
     def abort(self, streams: list[RequestStream]) -> None:
         for stream in streams:
