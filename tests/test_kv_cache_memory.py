@@ -65,3 +65,23 @@ def test_cache_is_zeroed_committed_released_and_restored(kind: str) -> None:
     assert rss() - released >= 0.9 * cache.nbytes, "restore did not commit the cache again"
     last.fill_(1.0)
     assert float(last.sum()) == last.numel()
+
+
+def test_a_kernel_that_refuses_the_populate_advice_gets_written_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before Linux 5.14 madvise refuses MADV_POPULATE_WRITE (EINVAL); an advice no
+    kernel knows gets the same answer here, and the cache then commits itself by
+    writing zeros, before the constructor returns."""
+    import worker.kv_cache as kv_cache
+
+    monkeypatch.setattr(kv_cache, "_MADV_POPULATE_WRITE", 0x7FFF)
+    gc.collect()
+    trim_host_memory()
+    before = rss()
+    cache = HostKVCache(SHAPE, torch.float32, LAYERS)
+    assert cache._committer is None  # nothing left running
+    assert rss() - before >= 0.9 * cache.nbytes
+    assert all(float(t.abs().sum()) == 0.0 for t in cache.tensors)
+    cache.tensors[0].fill_(2.0)
+    cache.release()
+    cache.restore()
+    assert float(cache.tensors[0].abs().sum()) == 0.0
