@@ -77,7 +77,7 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._sleep_level: int | None = None  # None while awake
         self._undelivered: list[RequestOutput] = []  # finished while going to sleep; the next step() returns them
-        self.last_step_num_tokens = 0  # tokens (prompt and decode) the last step() ran, for the metrics
+        self.last_step_num_tokens = 0  # tokens (prompt and decode) the last step() ran: 0 if none, for the metrics
 
     # ------------------------------------------------------------------ start-up
 
@@ -336,13 +336,13 @@ class EngineCore:
         (first any that finished while the engine went to sleep). While the engine
         sleeps nothing is scheduled."""
         outputs, self._undelivered = self._undelivered, []
+        self.last_step_num_tokens = 0
         if self._sleep_level is None:
             outputs += self._step()
         return outputs
 
     def _step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
-        self.last_step_num_tokens = scheduler_output.num_batched_tokens if scheduler_output.scheduled else 0
         if not scheduler_output.scheduled:
             return []
         try:
@@ -351,6 +351,7 @@ class EngineCore:
             if not self._worker_restarter.restart(e):  # self-healing (engine/worker_restart.py)
                 raise
             return []  # a fresh group: the interrupted requests are re-run from their tokens
+        self.last_step_num_tokens = scheduler_output.num_batched_tokens
         parents: dict[str, ParentRequest] = {}
         for request in self.scheduler.update_from_output(scheduler_output, runner_output):
             parent, stopped = self.output_processor.process(request)
