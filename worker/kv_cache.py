@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.sleep_mode import ReleasedStorages, unique_storages
+
 
 class KVCacheTooSmallError(RuntimeError):
     """The memory left for the KV cache cannot hold one sequence of max_model_len."""
@@ -91,23 +93,22 @@ class KVCacheMemory:
 class DeviceKVCache(KVCacheMemory):
     """torch.zeros per layer. Zeroing touches every page, so the memory is committed
     now rather than at the first long request. Release shrinks the storages to zero
-    bytes; restore grows them back and zeroes them."""
+    bytes and restore grows them back zeroed (sleep_mode.ReleasedStorages)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int, device: torch.device) -> None:
         self.tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.nbytes = sum(t.untyped_storage().nbytes() for t in self.tensors)
         self.allocated = True
-        self._sizes = [t.untyped_storage().nbytes() for t in self.tensors]
+        self._released: ReleasedStorages | None = None
 
     def release(self) -> None:
-        for tensor in self.tensors:
-            tensor.untyped_storage().resize_(0)
+        self._released = ReleasedStorages(unique_storages(self.tensors), offload=False)
         self.allocated = False
 
     def restore(self) -> None:
-        for tensor, size in zip(self.tensors, self._sizes):
-            tensor.untyped_storage().resize_(size)
-            tensor.zero_()
+        if self._released is not None:
+            self._released.restore()
+            self._released = None
         self.allocated = True
 
 
@@ -152,9 +153,9 @@ class HostKVCache(KVCacheMemory):
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int) -> None:
         layer_bytes = math.prod(shape) * dtype.itemsize
-        self._maps = [mmap.mmap(-1, layer_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                      for _ in range(num_layers)]
-        self.tensors = [torch.frombuffer(m, dtype=dtype).view(shape) for m in self._maps]
+        # Each tensor keeps its mapping alive (frombuffer holds the buffer), so no list of them.
+        self.tensors = [torch.frombuffer(mmap.mmap(-1, layer_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                                         dtype=dtype).view(shape) for _ in range(num_layers)]
         self.nbytes = layer_bytes * num_layers
         self.allocated = True
         self._committer: threading.Thread | None = None
