@@ -276,6 +276,7 @@ def test_interpreter_exit_shuts_down(tiny_models, tmp_path, engine_ipc_dirs):
 
 
 def test_shutdown_leaves_no_process_segment_or_socket(tiny_models):
+    from tests.reliability.helpers import assert_nothing_left as assert_nothing_left_or_socket
     from tests.reliability.helpers import queue_sockets
 
     shm_before = shm_segments()
@@ -289,8 +290,9 @@ def test_shutdown_leaves_no_process_segment_or_socket(tiny_models):
     assert any(name.endswith((".data", ".notify")) for name in os.listdir(ipc_dir)), os.listdir(ipc_dir)
     assert Path(ipc_dir).stat().st_mode & 0o077 == 0, "the IPC dir must be private"
     core.shutdown()
-    assert_nothing_left(pids, ipc_dir, shm_before)
-    assert not queue_sockets(), queue_sockets()
+    # ZeroMQ closes a socket's descriptor on its I/O thread, just after close() returns;
+    # the reliability helper waits (up to 5 s) for the kernel to drop it.
+    assert_nothing_left_or_socket(pids, ipc_dir, shm_before)
     assert live_children() <= children_before
     core.shutdown()  # idempotent
     with pytest.raises(EngineDeadError):
