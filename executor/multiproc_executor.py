@@ -6,8 +6,11 @@ traceback, and nothing left running). Then the shm names are unlinked (everyone 
 mapped them, so no crash can leak a segment) and a monitor thread watches the process
 sentinels: any rank exiting marks the executor failed and cancels pending calls.
 
-Processes: forkserver with torch and the worker stack preloaded (set
-TP_WORKER_MULTIPROC_METHOD=spawn to change), so a rank forks from a warm interpreter.
+Processes: forkserver with torch and the worker stack loaded (set
+TP_WORKER_MULTIPROC_METHOD=spawn to change), so a rank forks from a warm interpreter;
+where it is safe, the forkserver is a fork of this process, made before the store or the
+queues start a thread (executor/forked_forkserver.py), else the stock one importing its
+preload.
 Each worker holds the read end of a death pipe and sets PR_SET_PDEATHSIG, so it exits
 when the engine process dies, however it dies. Workers take the engine's TP_*
 environment variables at start (the forkserver's own were fixed when it started).
@@ -52,6 +55,7 @@ from typing import Any, TypeVar
 from executor import liveness
 from executor.abstract import Executor
 from executor.errors import EngineDeadError, RemoteWorkerError, ShmSpaceError, TempDirError, WorkerStartupError
+from executor.forked_forkserver import start_forked_forkserver
 from executor.liveness import StatusBoard
 from executor.message_queue import MessageQueueOwner, QueueClosedError, QueueEndpoint
 from executor.message_queue_reader import MessageQueueReader
@@ -204,7 +208,11 @@ class MultiprocExecutor(Executor):
         self._checked_calls: set[int] = set()  # ids of calls the liveness check judges
         try:
             check_shm_space(self.config, self.world_size)
-            self._ipc_dir = private_dir(os.environ.get("TP_WORKER_MULTIPROC_METHOD", "forkserver"))
+            method = os.environ.get("TP_WORKER_MULTIPROC_METHOD", "forkserver")
+            self._ipc_dir = private_dir(method)
+            if method == "forkserver":
+                # Before the store's and the queues' threads exist: see the module.
+                start_forked_forkserver(_FORKSERVER_PRELOAD, self.config.device_config.device_type)
             self._start_workers()
         except BaseException:
             self.shutdown()

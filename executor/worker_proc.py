@@ -78,10 +78,13 @@ def _arm_forkserver_cleanup() -> None:
     if frame is None:
         return  # not the forkserver (the engine, a worker, a script importing us)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    atexit.register(_remove_engine_temp_dir, os.getpid(), os.getppid())
+    atexit.register(remove_engine_temp_dir, os.getpid(), os.getppid())
 
 
-def _remove_engine_temp_dir(forkserver_pid: int, engine_pid: int) -> None:
+def remove_engine_temp_dir(forkserver_pid: int, engine_pid: int) -> None:
+    """In a forkserver on its way out (stock or forked, executor/forked_forkserver.py):
+    remove the multiprocessing temp dir its socket lives in, unless the engine still
+    lives and is its parent."""
     from multiprocessing import forkserver
 
     if os.getpid() != forkserver_pid:

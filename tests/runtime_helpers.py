@@ -75,7 +75,13 @@ def wait_pids_gone(pids: Iterable[int], timeout: float = DEATH_BOUND_S) -> list[
 def _is_mp_helper(proc: psutil.Process) -> bool:
     """The multiprocessing forkserver / resource tracker of this interpreter: shared by
     every engine by design, started once. They are direct children of this process (the
-    forkserver's own children, the workers, share its command line, so ppid tells them apart)."""
+    forkserver's own children, the workers, share its command line, so ppid tells them apart).
+    A forkserver forked from this process (executor/forked_forkserver.py) has this
+    process's command line, so it is known by the pid multiprocessing keeps for it."""
+    from multiprocessing import forkserver
+
+    if proc.pid == forkserver._forkserver._forkserver_pid:  # type: ignore[attr-defined]
+        return True
     try:
         if proc.ppid() != os.getpid():
             return False
