@@ -42,8 +42,8 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from multiprocessing import connection, forkserver, resource_tracker
-from multiprocessing import util as mp_util
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +75,14 @@ def start_forked_forkserver(preload: list[str], device_type: str) -> bool:
             os.chmod(address, 0o600)
             listener.listen()
             alive_r, alive_w = os.pipe()
-            mp_util._flush_std_streams()  # type: ignore[attr-defined]
             engine_pid = os.getpid()
-            pid = os.fork()
+            try:
+                pid = _fork()
+            except OSError as e:
+                os.close(alive_r)
+                os.close(alive_w)
+                logger.info("forkserver: cannot fork the engine process (%s); starting a fresh one", e)
+                return False
             if pid == 0:
                 _serve(listener.fileno(), alive_r, alive_w, engine_pid)  # never returns
             os.close(alive_r)
@@ -115,7 +120,7 @@ def _probe_parallel_region() -> bool:
     docstring). The probe child is SIGKILLed if it hangs."""
     import torch
 
-    pid = os.fork()
+    pid = _fork()
     if pid == 0:
         code = 1
         try:
@@ -133,6 +138,20 @@ def _probe_parallel_region() -> bool:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     return False
+
+
+def _fork() -> int:
+    """os.fork, with Python's buffered output flushed first (or a child would write it
+    again). CPython 3.12+ warns on a fork of a process with other OS threads; the only
+    ones left here are the BLAS pools that survive a fork (the probe checks OpenMP's)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return os.fork()
 
 
 def _serve(listener_fd: int, alive_r: int, alive_w: int, engine_pid: int) -> None:
