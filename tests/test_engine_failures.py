@@ -77,6 +77,8 @@ def _assert_failed_start_left_nothing(children_before: set[int], shm_before: set
         time.sleep(0.05)
     assert not live_children() - children_before, "worker processes left after a failed start-up"
     assert shm_segments() == shm_before, "shared-memory segments left after a failed start-up"
+    while queue_sockets() and time.monotonic() < deadline:
+        time.sleep(0.05)  # ZeroMQ closes a listening socket's descriptor on its reaper thread
     assert not queue_sockets(), f"sockets left after a failed start-up: {queue_sockets()}"
     assert engine_dirs() <= dirs_before, f"private directories left after a failed start-up: {engine_dirs() - dirs_before}"
     left = sorted(p.name for p in tmpdir.iterdir())
