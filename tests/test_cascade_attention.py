@@ -71,3 +71,55 @@ def test_no_cascade_without_a_long_enough_shared_prefix() -> None:
     cascade, plain, md = decode_step(shared_blocks=0, own_lens=[200, 100], dtype=torch.float32)
     assert md.decode_shared_prefix is None
     torch.testing.assert_close(cascade, plain, atol=2e-5, rtol=0)
+
+
+def test_cascade_keeps_the_suffix_across_steps_and_still_equals_the_plain_gather() -> None:
+    """Several decode steps of one batch whose whole context is too large for the decode
+    context but whose own tokens fit: the suffix context is gathered once, then extended
+    by one token per step (the same buffer), and every step's output equals the plain
+    gather's. A batch that changes is gathered afresh."""
+    gen = torch.Generator().manual_seed(1)
+    shared_blocks, own_lens, steps = 32, [3, 17, 30, 9, 1, 24], 40
+    cache = torch.randn(1024, 2, BLOCK, KV_HEADS, HEAD_SIZE, generator=gen)
+    shared = list(range(shared_blocks))
+    free = list(range(1023, shared_blocks - 1, -1))
+    tables = [shared + [free.pop() for _ in range(-(-own // BLOCK))] for own in own_lens]
+    lens = [shared_blocks * BLOCK + own for own in own_lens]
+    # Room for ~300 positions per row: the whole context (512 + own) never fits, the suffix does.
+    budget = 2 * KV_HEADS * len(lens) * 300 * HEAD_SIZE * cache.element_size()
+    cpu, sdpa = CPUAttentionBackend(num_layers=1, decode_context_bytes=budget), TorchSDPABackend()
+    layers = []
+    for backend in (cpu, sdpa):
+        layer = Attention(HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS)
+        layer.bind_kv_cache(cache, backend.make_impl(layer))
+        layers.append(layer)
+    impl = layers[0].impl
+    buffers = []
+    for step in range(steps):
+        if step == steps // 2:  # a sequence leaves: the batch changes, the suffix is gathered afresh
+            tables, lens = tables[1:], lens[1:]
+            cpu.requests_finished(["r0"])
+        names = tuple(f"r{i + (len(own_lens) - len(lens))}" for i in range(len(lens)))
+        for i, table in enumerate(tables):
+            lens[i] += 1
+            if len(table) * BLOCK < lens[i]:
+                table.append(free.pop())
+        width = max(map(len, tables))
+        block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.long)
+        slots = torch.tensor([t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, lens)])
+        common = AttentionMetadata(slot_mapping=slots, block_tables=block_tables, seq_lens=list(lens),
+                                   query_start_loc=list(range(len(lens) + 1)), block_size=BLOCK, req_ids=names)
+        q = torch.randn(len(lens), HEADS, HEAD_SIZE, generator=gen)
+        k = torch.randn(len(lens), KV_HEADS, HEAD_SIZE, generator=gen)
+        v = torch.randn(len(lens), KV_HEADS, HEAD_SIZE, generator=gen)
+        # The first layer writes this step's K/V into the shared cache; the second rewrites the same values.
+        outs = [layer.impl.forward(q.clone(), k.clone(), v.clone(), layer.kv_cache, backend.build_metadata(common))
+                for layer, backend in zip(layers, (cpu, sdpa))]
+        torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=0)
+        assert impl.decode_context.buffer is None  # the whole context never fit
+        assert impl.suffix_context.start == shared_blocks * BLOCK
+        buffers.append(impl.suffix_context.buffer)
+    first_half, second_half = buffers[: steps // 2], buffers[steps // 2:]
+    assert all(b is first_half[0] for b in first_half[: 20])  # extended in place (capacity not yet passed)
+    assert second_half[0] is not first_half[-1]  # a new batch: gathered afresh
+    assert all(b is second_half[0] for b in second_half[: 10])

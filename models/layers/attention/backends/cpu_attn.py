@@ -5,7 +5,8 @@ the attention itself. Each layer's impl keeps the decode batch's K/V contiguousl
 across steps (`DecodeContext`) and appends one token per step. A batch too large for
 that buffer whose sequences share leading blocks (the prefix cache gives one system
 prompt's blocks to every request) is attended in cascade: the shared prefix once for
-the whole batch, each sequence's own tokens apart, merged by log-sum-exp. Any other
+the whole batch, each sequence's own tokens apart (kept across steps in a second decode
+context, which holds only those), merged by log-sum-exp. Any other
 step falls back to the SDPA backend's grouped gather. The paged cache stays the source
 of truth.
 
@@ -66,15 +67,16 @@ class CPUAttentionMetadata(TorchSDPAMetadata):
     def decode_prev_lens(self) -> tuple[int, ...]:
         return tuple(n - 1 for n in self.decode_lens)
 
-    def decode_append_index(self, capacity: int) -> torch.Tensor:
-        """row * capacity + position of each decode sequence's new token, in a
-        [G, capacity] layout (one per capacity, shared by the layers)."""
-        cache: dict[int, torch.Tensor] = self.__dict__.setdefault("_decode_append_index", {})
-        if capacity not in cache:
+    def decode_append_index(self, capacity: int, start: int = 0) -> torch.Tensor:
+        """row * capacity + position - start of each decode sequence's new token, in a
+        [G, capacity] layout (one per capacity and start, shared by the layers)."""
+        cache: dict[tuple[int, int], torch.Tensor] = self.__dict__.setdefault("_decode_append_index", {})
+        if (capacity, start) not in cache:
             device = self.slot_mapping.device
             rows = torch.arange(len(self.decode_lens), device=device)
-            cache[capacity] = rows * capacity + torch.tensor(self.decode_prev_lens, dtype=torch.long, device=device)
-        return cache[capacity]
+            prev = torch.tensor(self.decode_prev_lens, dtype=torch.long, device=device) - start
+            cache[capacity, start] = rows * capacity + prev
+        return cache[capacity, start]
 
     @cached_property
     def decode_gather_blocks(self) -> tuple[torch.Tensor, int]:
@@ -138,6 +140,9 @@ class CPUAttentionImpl(TorchSDPAImpl):
     def __init__(self, layer: Attention, decode_context_bytes: int) -> None:
         super().__init__(layer)
         self.decode_context = DecodeContext(decode_context_bytes)
+        # The cascade's: what follows the shared prefix. At most one of the two holds a
+        # buffer at a time, so a layer stays within its share of the budget.
+        self.suffix_context = DecodeContext(decode_context_bytes)
 
     def decode_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: TorchSDPAMetadata
@@ -148,20 +153,23 @@ class CPUAttentionImpl(TorchSDPAImpl):
         if isinstance(md, CPUAttentionMetadata):
             context = self.decode_context.get(kv_cache, md, k, v)
             if context is not None:
+                self.suffix_context.release()
                 ctx_len = max(md.decode_lens)
                 return self.attend_padded(q, context[0, :, :, :ctx_len], context[1, :, :, :ctx_len],
                                           md.decode_mask(q.dtype))
             shared = md.decode_shared_prefix
             if shared is not None and kv_cache.device.type == "cpu":
-                return self.cascade_decode(q, kv_cache, md, *shared)
+                return self.cascade_decode(q, k, v, kv_cache, md, *shared)
         return super().decode_attention(q, k, v, kv_cache, md)
 
-    def cascade_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: CPUAttentionMetadata,
-                       prefix_blocks: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    def cascade_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                       md: CPUAttentionMetadata, prefix_blocks: torch.Tensor, prefix_len: int) -> torch.Tensor:
         """Decode attention in two parts merged by their log-sum-exp (cascade attention):
         every query of the batch against the shared prefix, gathered once, in one call;
-        then each query against its own tokens after it. Exact up to rounding: softmax
-        over the union is the two softmaxes weighted by their normalisers."""
+        then each query against its own tokens after it, which the suffix context keeps
+        across steps (a fresh gather of them cost as much as the attention). Exact up
+        to rounding: softmax over the union is the two softmaxes weighted by their
+        normalisers."""
         num_seqs, heads_per_kv, head_size = q.shape[0], self.num_heads // self.num_kv_heads, self.head_size
         by_kv = q.view(num_seqs, self.num_kv_heads, heads_per_kv, head_size)
         prefix = gather_paged_kv(kv_cache, prefix_blocks, 1, prefix_len).to(q.dtype)
@@ -169,7 +177,12 @@ class CPUAttentionImpl(TorchSDPAImpl):
         out_p, lse_p = _flash(q_prefix, prefix[0].view(1, self.num_kv_heads, prefix_len, head_size),
                               prefix[1].view(1, self.num_kv_heads, prefix_len, head_size), None, self.scale)
         blocks, ctx_len, mask = md.decode_suffix_gather(prefix_len, q.dtype)
-        suffix = gather_paged_kv(kv_cache, blocks, num_seqs, ctx_len).to(q.dtype)
+        kept = self.suffix_context.get(kv_cache, md, k, v, start=prefix_len)
+        if kept is not None:
+            ctx_len = max(md.decode_lens) - prefix_len  # past it the mask is -inf anyway
+            suffix, mask = kept[:, :, :, :ctx_len].to(q.dtype), mask[..., :ctx_len]
+        else:
+            suffix = gather_paged_kv(kv_cache, blocks, num_seqs, ctx_len).to(q.dtype)
         out_s, lse_s = _flash(by_kv.transpose(0, 1), suffix[0], suffix[1], mask, self.scale)
         lse_p = lse_p.view(self.num_kv_heads, num_seqs, heads_per_kv, 1).float()
         lse_s = lse_s.view(self.num_kv_heads, num_seqs, heads_per_kv, 1).float()
@@ -200,6 +213,7 @@ class CPUAttentionBackend(TorchSDPABackend):
         self._seq_keys.clear()
         for impl in self.impls:
             impl.decode_context.release()
+            impl.suffix_context.release()
 
     def requests_finished(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
@@ -207,6 +221,7 @@ class CPUAttentionBackend(TorchSDPABackend):
         if not self._seq_keys:  # nothing from before is still running: free the buffers
             for impl in self.impls:
                 impl.decode_context.release()
+                impl.suffix_context.release()
 
     def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:
         keys = []

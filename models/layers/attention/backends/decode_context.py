@@ -38,35 +38,39 @@ class DecodeContext:
         self.max_bytes = max_bytes
         self.buffer: torch.Tensor | None = None  # [2, kv_heads, num_seqs, capacity, head_size]
         self.keys: tuple[int, ...] = ()
-        self.lens: tuple[int, ...] = ()
+        self.lens: tuple[int, ...] = ()  # each row's valid length (from `start` on)
+        self.start = 0
 
     def get(
-        self, cache: torch.Tensor, md: CPUAttentionMetadata, k: torch.Tensor, v: torch.Tensor
+        self, cache: torch.Tensor, md: CPUAttentionMetadata, k: torch.Tensor, v: torch.Tensor, start: int = 0
     ) -> torch.Tensor | None:
-        """The decode sequences' context ([2, kv_heads, G, >= max len, head_size], rows
-        in `md.decode_seqs` order, valid up to each sequence's length) after this step's
-        `k`, `v` ([G, kv_heads, head_size], already written to the paged `cache`), or
-        None when the step carries no sequence keys, the cache is not on the CPU, or the
-        batch would not fit."""
+        """The decode sequences' context from position `start` on ([2, kv_heads, G,
+        >= max len - start, head_size], rows in `md.decode_seqs` order, valid up to each
+        sequence's length - start) after this step's `k`, `v` ([G, kv_heads, head_size],
+        already written to the paged `cache`), or None when the step carries no sequence
+        keys, the cache is not on the CPU, or the batch would not fit. `start` is 0 for
+        the whole context, or the length of a prefix every sequence shares (a multiple
+        of the block size: the cascade keeps only what follows it)."""
         keys = md.decode_keys
         if keys is None or cache.device.type != "cpu":
             return None
-        lens = md.decode_lens
+        lens = tuple(n - start for n in md.decode_lens)
         num_kv_heads, head_size = cache.shape[3], cache.shape[4]
         buffer = self.buffer
         if (
             buffer is not None
             and keys == self.keys
-            and md.decode_prev_lens == self.lens
+            and start == self.start
+            and tuple(n - 1 for n in lens) == self.lens
             and max(lens) <= buffer.shape[3]
         ):
             # One index_copy_ over [2 * Hkv, G * capacity, D] writes both K and V.
             flat = buffer.view(2 * num_kv_heads, -1, head_size)
             new = torch.stack((k, v)).to(buffer.dtype).permute(0, 2, 1, 3).reshape(2 * num_kv_heads, -1, head_size)
-            flat.index_copy_(1, md.decode_append_index(buffer.shape[3]), new)
+            flat.index_copy_(1, md.decode_append_index(buffer.shape[3], start), new)
             self.lens = lens
             return buffer
-        blocks, ctx_len = md.decode_gather_blocks
+        blocks, ctx_len = md.decode_gather_blocks if start == 0 else md.decode_suffix_gather(start, k.dtype)[:2]
         capacity = cdiv(ctx_len, _GROWTH) * _GROWTH + _GROWTH
         nbytes = 2 * num_kv_heads * len(keys) * capacity * head_size * cache.element_size()
         if nbytes > self.max_bytes:
@@ -77,8 +81,8 @@ class DecodeContext:
             # would not hide a NaN left in uninitialised memory.
             buffer = torch.zeros(2, num_kv_heads, len(keys), capacity, head_size, dtype=cache.dtype, device=cache.device)
         buffer[:, :, :, :ctx_len].copy_(gather_paged_kv(cache, blocks, len(keys), ctx_len))
-        self.buffer, self.keys, self.lens = buffer, keys, lens
+        self.buffer, self.keys, self.lens, self.start = buffer, keys, lens, start
         return buffer
 
     def release(self) -> None:
-        self.buffer, self.keys, self.lens = None, (), ()
+        self.buffer, self.keys, self.lens, self.start = None, (), (), 0
