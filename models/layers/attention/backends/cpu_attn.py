@@ -140,9 +140,10 @@ class CPUAttentionImpl(TorchSDPAImpl):
     def __init__(self, layer: Attention, decode_context_bytes: int) -> None:
         super().__init__(layer)
         self.decode_context = DecodeContext(decode_context_bytes)
-        # The cascade's: what follows the shared prefix. At most one of the two holds a
-        # buffer at a time, so a layer stays within its share of the budget.
-        self.suffix_context = DecodeContext(decode_context_bytes)
+        # The cascade's: what follows the shared prefix, built once a batch repeats (a
+        # server's cascade batches often change every step). At most one of the two
+        # holds a buffer at a time, so a layer stays within its share of the budget.
+        self.suffix_context = DecodeContext(decode_context_bytes, build_on_repeat=True)
 
     def decode_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: TorchSDPAMetadata

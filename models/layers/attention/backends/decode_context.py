@@ -34,8 +34,14 @@ _GROWTH = 64
 
 
 class DecodeContext:
-    def __init__(self, max_bytes: int = TOTAL_BYTES) -> None:
+    def __init__(self, max_bytes: int = TOTAL_BYTES, build_on_repeat: bool = False) -> None:
+        """`build_on_repeat`: make a new buffer only for a batch that already ran the
+        step before (until then `get` returns None and the caller gathers), for a
+        caller whose batches often change every step (a server's cascade decode), where
+        building a buffer each step would cost more than the gathers it replaces."""
         self.max_bytes = max_bytes
+        self.build_on_repeat = build_on_repeat
+        self.seen: tuple[int, ...] = ()  # the keys of the last step asked about
         self.buffer: torch.Tensor | None = None  # [2, kv_heads, num_seqs, capacity, head_size]
         self.keys: tuple[int, ...] = ()
         self.lens: tuple[int, ...] = ()  # each row's valid length (from `start` on)
@@ -48,12 +54,14 @@ class DecodeContext:
         >= max len - start, head_size], rows in `md.decode_seqs` order, valid up to each
         sequence's length - start) after this step's `k`, `v` ([G, kv_heads, head_size],
         already written to the paged `cache`), or None when the step carries no sequence
-        keys, the cache is not on the CPU, or the batch would not fit. `start` is 0 for
+        keys, the cache is not on the CPU, the batch would not fit, or (`build_on_repeat`)
+        it is new since the last step. `start` is 0 for
         the whole context, or the length of a prefix every sequence shares (a multiple
         of the block size: the cascade keeps only what follows it)."""
         keys = md.decode_keys
         if keys is None or cache.device.type != "cpu":
             return None
+        repeated, self.seen = keys == self.seen, keys
         lens = tuple(n - start for n in md.decode_lens)
         num_kv_heads, head_size = cache.shape[3], cache.shape[4]
         buffer = self.buffer
@@ -70,6 +78,9 @@ class DecodeContext:
             flat.index_copy_(1, md.decode_append_index(buffer.shape[3], start), new)
             self.lens = lens
             return buffer
+        if self.build_on_repeat and not repeated:
+            self.release()
+            return None
         blocks, ctx_len = md.decode_gather_blocks if start == 0 else md.decode_suffix_gather(start, k.dtype)[:2]
         capacity = cdiv(ctx_len, _GROWTH) * _GROWTH + _GROWTH
         nbytes = 2 * num_kv_heads * len(keys) * capacity * head_size * cache.element_size()
