@@ -21,7 +21,8 @@ only when all of these hold:
 - this process runs no other Python thread (their locks would be copied held);
 - the forkserver preload is imported here already;
 - `multiprocessing.forkserver` has the internals this was written against (CPython
-  3.10-3.13: no authentication key); and
+  3.11's, checked by the server loop's signature and attributes; a server that
+  authenticates its clients, as 3.14's does, is left to start the stock way); and
 - a probe child forked from this process can run a parallel torch op. GNU OpenMP keeps
   its thread pool across fork, so a fork of a process that has run a parallel region
   hangs in its next one; the probe finds this out in a few milliseconds and is killed

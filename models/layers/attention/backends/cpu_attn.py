@@ -6,9 +6,8 @@ across steps (`DecodeContext`) and appends one token per step. A batch too large
 that buffer whose sequences share leading blocks (the prefix cache gives one system
 prompt's blocks to every request) is attended in cascade: the shared prefix once for
 the whole batch, each sequence's own tokens apart (kept across steps in a second decode
-context, which holds only those), merged by log-sum-exp. Any other
-step falls back to the SDPA backend's grouped gather. The paged cache stays the source
-of truth.
+context, which holds only those), merged by log-sum-exp. Any other step falls back to
+the SDPA backend's grouped gather. The paged cache stays the source of truth.
 
 To know that a batch "continues the previous step", the backend gives each live
 request a serial key: a finished, aborted or preempted request loses it (the runner

@@ -55,9 +55,9 @@ class DecodeContext:
         sequence's length - start) after this step's `k`, `v` ([G, kv_heads, head_size],
         already written to the paged `cache`), or None when the step carries no sequence
         keys, the cache is not on the CPU, the batch would not fit, or (`build_on_repeat`)
-        it is new since the last step. `start` is 0 for
-        the whole context, or the length of a prefix every sequence shares (a multiple
-        of the block size: the cascade keeps only what follows it)."""
+        it is new since the last step. `start` is 0 for the whole context, or the length
+        of a prefix every sequence shares (a multiple of the block size: the cascade
+        keeps only what follows it)."""
         keys = md.decode_keys
         if keys is None or cache.device.type != "cpu":
             return None
