@@ -70,16 +70,15 @@ def engine_ipc_dirs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 def _assert_failed_start_left_nothing(children_before: set[int], shm_before: set[str], tmpdir: Path,
                                       dirs_before: set[str]) -> None:
-    from tests.reliability.helpers import engine_dirs, queue_sockets
+    from tests.reliability.helpers import engine_dirs, sockets_left
 
     deadline = time.monotonic() + DEATH_BOUND_S
     while live_children() - children_before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not live_children() - children_before, "worker processes left after a failed start-up"
     assert shm_segments() == shm_before, "shared-memory segments left after a failed start-up"
-    while queue_sockets() and time.monotonic() < deadline:
-        time.sleep(0.05)  # ZeroMQ closes a listening socket's descriptor on its reaper thread
-    assert not queue_sockets(), f"sockets left after a failed start-up: {queue_sockets()}"
+    left = sockets_left()
+    assert not left, f"sockets left after a failed start-up: {left}"
     assert engine_dirs() <= dirs_before, f"private directories left after a failed start-up: {engine_dirs() - dirs_before}"
     left = sorted(p.name for p in tmpdir.iterdir())
     assert not left, f"left in the temp directory after a failed start-up: {left}"

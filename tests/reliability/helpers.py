@@ -110,15 +110,23 @@ def queue_sockets(creator_pid: int | None = None) -> dict[str, int]:
     return out
 
 
+def sockets_left(creator_pid: int | None = None, timeout: float = 5.0) -> dict[str, int]:
+    """`queue_sockets(creator_pid)` once it is empty, or what is still there after
+    `timeout`: ZeroMQ closes a closed socket's descriptor on its reaper thread a moment
+    later, and the kernel drops the socket only with its last descriptor."""
+    deadline = time.monotonic() + timeout
+    while (left := queue_sockets(creator_pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
 def assert_nothing_left(pids: Iterable[int], ipc_dir: str | None, shm_before: set[str],
                         creator_pid: int | None = None, tmpdir: Path | None = None) -> None:
     """runtime_helpers' checks (workers dead, private directory gone, no new segment),
     plus: no socket of `creator_pid`'s queues; `tmpdir` (the engine's TMPDIR, if given) empty."""
     runtime_helpers.assert_nothing_left(pids, ipc_dir, shm_before, creator_pid)
-    deadline = time.monotonic() + 5.0
-    while queue_sockets(creator_pid) and time.monotonic() < deadline:
-        time.sleep(0.05)  # the kernel drops a socket when its last descriptor closes
-    assert not queue_sockets(creator_pid), f"sockets left: {sorted(queue_sockets(creator_pid))}"
+    left = sockets_left(creator_pid)
+    assert not left, f"sockets left: {sorted(left)}"
     if tmpdir is not None:
         left = sorted(str(p.relative_to(tmpdir)) for p in tmpdir.rglob("*"))
         assert not left, f"left in the temp directory {tmpdir}: {left}"
