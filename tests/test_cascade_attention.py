@@ -19,9 +19,11 @@ from models.layers.attention.backends.torch_sdpa import TorchSDPABackend
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 8, 2, 16, 16
 
 
-def decode_step(shared_blocks: int, own_lens: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Outputs of the CPU backend and of the SDPA backend for one decode step of
-    len(own_lens) sequences that share `shared_blocks` leading blocks."""
+def decode_step(shared_blocks: int, own_lens: list[int], dtype: torch.dtype,
+                paged_decode: bool = True) -> tuple[torch.Tensor, ...]:
+    """Outputs of the CPU backend (with the paged decode kernel, or on its torch path)
+    and of the SDPA backend for one decode step of len(own_lens) sequences that share
+    `shared_blocks` leading blocks."""
     gen = torch.Generator().manual_seed(0)
     num_blocks = 512
     cache = torch.randn(num_blocks, 2, BLOCK, KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
@@ -44,7 +46,9 @@ def decode_step(shared_blocks: int, own_lens: list[int], dtype: torch.dtype) -> 
     v = torch.randn(len(lens), KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
     outs = []
     # A decode-context budget of 0 bytes: the batch never fits, so the cascade path runs.
-    for backend in (CPUAttentionBackend(num_layers=1, decode_context_bytes=0), TorchSDPABackend()):
+    cpu = CPUAttentionBackend(num_layers=1, decode_context_bytes=0, paged_decode=paged_decode)
+    assert (cpu.kernel is not None) == paged_decode
+    for backend in (cpu, TorchSDPABackend()):
         layer = Attention(HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS)
         layer.bind_kv_cache(cache.clone(), backend.make_impl(layer))
         md = backend.build_metadata(common)
@@ -56,26 +60,29 @@ def backend_md(common: AttentionMetadata) -> CPUAttentionMetadata:
     return CPUAttentionBackend(num_layers=1).build_metadata(common)  # type: ignore[return-value]
 
 
+@pytest.mark.parametrize("paged_decode", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-def test_cascade_equals_the_plain_gather(dtype: torch.dtype, atol: float) -> None:
+def test_cascade_equals_the_plain_gather(dtype: torch.dtype, atol: float, paged_decode: bool) -> None:
     own = [1, 5, 16, 17, 40, 3, 33, 2, 9, 64]
-    cascade, plain, md = decode_step(shared_blocks=8, own_lens=own, dtype=dtype)
+    cascade, plain, md = decode_step(shared_blocks=8, own_lens=own, dtype=dtype, paged_decode=paged_decode)
     assert md.decode_shared_prefix is not None and md.decode_shared_prefix[1] == 8 * BLOCK
     torch.testing.assert_close(cascade.float(), plain.float(), atol=atol, rtol=0)
 
 
-def test_no_cascade_without_a_long_enough_shared_prefix() -> None:
+@pytest.mark.parametrize("paged_decode", [True, False], ids=["kernel", "torch"])
+def test_no_cascade_without_a_long_enough_shared_prefix(paged_decode: bool) -> None:
     short = CASCADE_MIN_TOKENS // BLOCK - 1
-    _, _, md = decode_step(shared_blocks=short, own_lens=[3, 4, 5], dtype=torch.float32)
+    _, _, md = decode_step(shared_blocks=short, own_lens=[3, 4, 5], dtype=torch.float32, paged_decode=paged_decode)
     assert md.decode_shared_prefix is None
-    cascade, plain, md = decode_step(shared_blocks=0, own_lens=[200, 100], dtype=torch.float32)
+    cascade, plain, md = decode_step(shared_blocks=0, own_lens=[200, 100], dtype=torch.float32,
+                                     paged_decode=paged_decode)
     assert md.decode_shared_prefix is None
     torch.testing.assert_close(cascade, plain, atol=2e-5, rtol=0)
 
 
 def test_cascade_keeps_the_suffix_across_steps_and_still_equals_the_plain_gather() -> None:
-    """Several decode steps of one batch whose whole context is too large for the decode
-    context but whose own tokens fit: the suffix context is gathered once, then extended
+    """On the torch path (no kernel): several decode steps of one batch whose whole
+    context is too large for the decode context but whose own tokens fit: the suffix context is gathered once, then extended
     by one token per step (the same buffer), and every step's output equals the plain
     gather's. A batch that changes is gathered afresh."""
     gen = torch.Generator().manual_seed(1)
@@ -87,7 +94,8 @@ def test_cascade_keeps_the_suffix_across_steps_and_still_equals_the_plain_gather
     lens = [shared_blocks * BLOCK + own for own in own_lens]
     # Room for ~300 positions per row: the whole context (512 + own) never fits, the suffix does.
     budget = 2 * KV_HEADS * len(lens) * 300 * HEAD_SIZE * cache.element_size()
-    cpu, sdpa = CPUAttentionBackend(num_layers=1, decode_context_bytes=budget), TorchSDPABackend()
+    cpu = CPUAttentionBackend(num_layers=1, decode_context_bytes=budget, paged_decode=False)
+    sdpa = TorchSDPABackend()
     layers = []
     for backend in (cpu, sdpa):
         layer = Attention(HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS)

@@ -36,7 +36,7 @@ class Sim:
         self.blocks: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}
         self.gen = torch.Generator().manual_seed(0)
-        self.cpu_backend, self.sdpa_backend = CPUAttentionBackend(num_layers=1), TorchSDPABackend()
+        self.cpu_backend, self.sdpa_backend = CPUAttentionBackend(num_layers=1, paged_decode=False), TorchSDPABackend()
         self.keyed = Attention(HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS)
         self.keyed.bind_kv_cache(self.cache, self.cpu_backend.make_impl(self.keyed))
         self.plain = Attention(HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS)

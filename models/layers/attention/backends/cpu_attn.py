@@ -1,13 +1,19 @@
-"""CPUAttentionBackend: the SDPA backend plus a per-layer decode context.
+"""CPUAttentionBackend: the SDPA backend with a paged decode kernel on the CPU.
 
-On the CPU, gathering every decode sequence's blocks each step costs about as much as
-the attention itself. Each layer's impl keeps the decode batch's K/V contiguously
-across steps (`DecodeContext`) and appends one token per step. A batch too large for
-that buffer whose sequences share leading blocks (the prefix cache gives one system
-prompt's blocks to every request) is attended in cascade: the shared prefix once for
-the whole batch, each sequence's own tokens apart (kept across steps in a second decode
-context, which holds only those), merged by log-sum-exp. Any other step falls back to
-the SDPA backend's grouped gather. The paged cache stays the source of truth.
+Decode tokens (one query per sequence) are attended by a small C kernel that reads each
+sequence's own blocks where they lie in the paged cache (`paged_decode.py`): torch's
+flash kernel over a gathered, padded batch took 3-4x as long. A batch whose sequences
+share leading blocks (the prefix cache gives one system prompt's blocks to every
+request) is attended in cascade: the shared prefix once for the whole batch, as one
+flash call, each sequence's own tokens after it by the kernel, merged by log-sum-exp.
+Prefill chunks go to the SDPA backend.
+
+Where the kernel cannot be built (no C compiler), each layer's impl instead keeps the
+decode batch's K/V contiguously across steps (`DecodeContext`) and appends one token per
+step, since gathering every sequence's blocks each step cost about as much as the
+attention itself; the cascade keeps what follows the prefix in a second decode context;
+any other step falls back to the SDPA backend's grouped gather. The paged cache stays
+the source of truth.
 
 To know that a batch "continues the previous step", the backend gives each live
 request a serial key: a finished, aborted or preempted request loses it (the runner
@@ -27,6 +33,7 @@ import torch
 from distributed.utils import cdiv
 from models.layers.attention.backends.abstract import AttentionImpl, AttentionMetadata, gather_paged_kv
 from models.layers.attention.backends.decode_context import TOTAL_BYTES, DecodeContext
+from models.layers.attention.backends.paged_decode import PagedDecodeKernel, load as load_paged_decode
 from models.layers.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAImpl, TorchSDPAMetadata
 
 if TYPE_CHECKING:
@@ -76,6 +83,16 @@ class CPUAttentionMetadata(TorchSDPAMetadata):
             prev = torch.tensor(self.decode_prev_lens, dtype=torch.long, device=device) - start
             cache[capacity, start] = rows * capacity + prev
         return cache[capacity, start]
+
+    @cached_property
+    def decode_tables_and_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode sequences' block-table rows (contiguous int64) and context lengths,
+        as the paged decode kernel takes them."""
+        seqs = self.decode_seqs
+        tables = self.block_tables
+        if len(seqs) != len(self.seq_lens):
+            tables = tables[torch.tensor(seqs, dtype=torch.long, device=tables.device)]
+        return tables.long().contiguous(), torch.tensor(self.decode_lens, dtype=torch.long)
 
     @cached_property
     def decode_gather_blocks(self) -> tuple[torch.Tensor, int]:
@@ -136,8 +153,9 @@ class CPUAttentionMetadata(TorchSDPAMetadata):
 
 
 class CPUAttentionImpl(TorchSDPAImpl):
-    def __init__(self, layer: Attention, decode_context_bytes: int) -> None:
+    def __init__(self, layer: Attention, decode_context_bytes: int, kernel: PagedDecodeKernel | None) -> None:
         super().__init__(layer)
+        self.kernel = kernel
         self.decode_context = DecodeContext(decode_context_bytes)
         # The cascade's: what follows the shared prefix, built once a batch repeats (a
         # server's cascade batches often change every step). At most one of the two
@@ -147,9 +165,16 @@ class CPUAttentionImpl(TorchSDPAImpl):
     def decode_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: TorchSDPAMetadata
     ) -> torch.Tensor:
-        """When the batch continues the previous step's, the decode context holds the
-        whole context contiguously and one SDPA call covers the batch; otherwise the
-        SDPA backend's grouped gather."""
+        """The kernel in place, or in cascade behind a shared prefix. Without it: when the
+        batch continues the previous step's, the decode context holds the whole context
+        contiguously and one SDPA call covers the batch; otherwise the SDPA backend's
+        grouped gather."""
+        if isinstance(md, CPUAttentionMetadata) and self.kernel is not None and self.kernel.supports(q, kv_cache):
+            shared = md.decode_shared_prefix
+            if shared is not None:
+                return self.cascade_decode(q, k, v, kv_cache, md, *shared)
+            tables, lens = md.decode_tables_and_lens
+            return self.kernel(q, kv_cache, tables, lens, self.scale)[0]
         if isinstance(md, CPUAttentionMetadata):
             context = self.decode_context.get(kv_cache, md, k, v)
             if context is not None:
@@ -166,46 +191,66 @@ class CPUAttentionImpl(TorchSDPAImpl):
                        md: CPUAttentionMetadata, prefix_blocks: torch.Tensor, prefix_len: int) -> torch.Tensor:
         """Decode attention in two parts merged by their log-sum-exp (cascade attention):
         every query of the batch against the shared prefix, gathered once, in one call;
-        then each query against its own tokens after it, which the suffix context keeps
-        across steps (a fresh gather of them cost as much as the attention). Exact up
-        to rounding: softmax over the union is the two softmaxes weighted by their
-        normalisers."""
+        then each query against its own tokens after it: by the kernel in place, or,
+        without it, from the suffix context kept across steps (a fresh gather of them
+        cost as much as the attention). Exact up to rounding: softmax over the union is
+        the two softmaxes weighted by their normalisers."""
         num_seqs, heads_per_kv, head_size = q.shape[0], self.num_heads // self.num_kv_heads, self.head_size
         by_kv = q.view(num_seqs, self.num_kv_heads, heads_per_kv, head_size)
         prefix = gather_paged_kv(kv_cache, prefix_blocks, 1, prefix_len).to(q.dtype)
         q_prefix = by_kv.permute(1, 0, 2, 3).reshape(1, self.num_kv_heads, num_seqs * heads_per_kv, head_size)
         out_p, lse_p = _flash(q_prefix, prefix[0].view(1, self.num_kv_heads, prefix_len, head_size),
                               prefix[1].view(1, self.num_kv_heads, prefix_len, head_size), None, self.scale)
-        blocks, ctx_len, mask = md.decode_suffix_gather(prefix_len, q.dtype)
+        # Both parts as [G, H, D] and [G, H, 1].
+        out_p = out_p.view(self.num_kv_heads, num_seqs, heads_per_kv, head_size).transpose(0, 1)
+        lse_p = lse_p.view(self.num_kv_heads, num_seqs, heads_per_kv).transpose(0, 1)
+        out_p = out_p.reshape(num_seqs, self.num_heads, head_size)
+        lse_p = lse_p.reshape(num_seqs, self.num_heads, 1).float()
+        if self.kernel is not None and self.kernel.supports(q, kv_cache):
+            tables, lens = md.decode_tables_and_lens
+            out_s, lse_s = self.kernel(q, kv_cache, tables, lens, self.scale, start=prefix_len, with_lse=True)
+            lse_s = lse_s.unsqueeze(-1)
+        else:
+            out_s, lse_s = self._suffix_by_context(by_kv, k, v, kv_cache, md, prefix_len)
+        top = torch.maximum(lse_p, lse_s)
+        w_p, w_s = torch.exp(lse_p - top), torch.exp(lse_s - top)
+        out = (out_p.float() * w_p + out_s.float() * w_s) / (w_p + w_s)
+        return out.to(q.dtype)
+
+    def _suffix_by_context(self, by_kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                           md: CPUAttentionMetadata, prefix_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cascade's second part without the kernel: queries by_kv [G, Hkv, H/Hkv, D]
+        against each sequence's tokens after the prefix; (out [G, H, D], lse [G, H, 1])."""
+        num_seqs = by_kv.shape[0]
+        blocks, ctx_len, mask = md.decode_suffix_gather(prefix_len, by_kv.dtype)
         kept = self.suffix_context.get(kv_cache, md, k, v, start=prefix_len)
         if kept is not None:
             ctx_len = max(md.decode_lens) - prefix_len  # past it the mask is -inf anyway
-            suffix, mask = kept[:, :, :, :ctx_len].to(q.dtype), mask[..., :ctx_len]
+            suffix, mask = kept[:, :, :, :ctx_len].to(by_kv.dtype), mask[..., :ctx_len]
         else:
-            suffix = gather_paged_kv(kv_cache, blocks, num_seqs, ctx_len).to(q.dtype)
+            suffix = gather_paged_kv(kv_cache, blocks, num_seqs, ctx_len).to(by_kv.dtype)
         out_s, lse_s = _flash(by_kv.transpose(0, 1), suffix[0], suffix[1], mask, self.scale)
-        lse_p = lse_p.view(self.num_kv_heads, num_seqs, heads_per_kv, 1).float()
-        lse_s = lse_s.view(self.num_kv_heads, num_seqs, heads_per_kv, 1).float()
-        top = torch.maximum(lse_p, lse_s)
-        w_p, w_s = torch.exp(lse_p - top), torch.exp(lse_s - top)
-        out = (out_p.view(self.num_kv_heads, num_seqs, heads_per_kv, head_size).float() * w_p
-               + out_s.float() * w_s) / (w_p + w_s)
-        return out.to(q.dtype).transpose(0, 1).reshape(num_seqs, self.num_heads, head_size)
+        out_s = out_s.transpose(0, 1).reshape(num_seqs, self.num_heads, self.head_size)
+        lse_s = lse_s.transpose(0, 1).reshape(num_seqs, self.num_heads, 1).float()
+        return out_s, lse_s
 
 
 class CPUAttentionBackend(TorchSDPABackend):
-    """One per rank. `decode_context_bytes`: all layers' decode buffers together."""
+    """One per rank. `decode_context_bytes`: all layers' decode buffers together (used
+    only without the kernel). `paged_decode=False` keeps the kernel out even where it
+    builds (the torch path's tests)."""
 
     name = "CPU_SDPA"
 
-    def __init__(self, num_layers: int, decode_context_bytes: int = TOTAL_BYTES) -> None:
+    def __init__(self, num_layers: int, decode_context_bytes: int = TOTAL_BYTES, paged_decode: bool = True) -> None:
+        self.kernel = load_paged_decode() if paged_decode else None
         self.per_layer_bytes = decode_context_bytes // max(num_layers, 1)
         self.impls: list[CPUAttentionImpl] = []
         self._seq_keys: dict[str, int] = {}
         self._next_seq_key = 0
 
     def make_impl(self, layer: Attention) -> AttentionImpl:
-        impl = CPUAttentionImpl(layer, self.per_layer_bytes)
+        impl = CPUAttentionImpl(layer, self.per_layer_bytes, self.kernel)
         self.impls.append(impl)
         return impl
 

@@ -1,0 +1,185 @@
+/* Paged decode attention on the CPU: one query token per sequence against the K/V in
+ * its own cache blocks, read in place (no gather, no padding to the longest).
+ *
+ * The contract (shapes, who calls, what may alias) is in paged_decode.py, which
+ * compiles this file and is its only caller. One task is one sequence and a range of
+ * its kv heads (all of them unless there are fewer sequences than threads): a cache
+ * block holds a token's K for every kv head in one row, so a task walks its blocks
+ * front to back. Tasks are spread over the caller's OpenMP threads (the process's one
+ * libgomp, which torch loaded first); each task's arithmetic is sequential and does not
+ * depend on the schedule, so results do not depend on the thread count.
+ *
+ * Compiled with -ffast-math (paged_decode.py links without it, so crtfastmath's
+ * flush-to-zero never reaches the process): it lets the compiler vectorise the dot
+ * products and call glibc's vector expf. Inputs are finite by contract.
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+typedef uint16_t bf16_t;
+
+INLINE float bf16_to_float(bf16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+INLINE bf16_t float_to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                      /* round to nearest even, as torch */
+    return (bf16_t)(u >> 16);
+}
+
+/* `n` elements at `src` (float32, or bfloat16 when `bf16`) as float32: `src` itself, or
+ * `scratch` filled with the conversion. */
+INLINE const float *as_float(const void *src, int bf16, float *scratch, int64_t n) {
+    if (!bf16) return (const float *)src;
+    const bf16_t *b = (const bf16_t *)src;
+    for (int64_t i = 0; i < n; ++i) scratch[i] = bf16_to_float(b[i]);
+    return scratch;
+}
+
+typedef struct {
+    const void *q;
+    int64_t q_seq_stride;
+    const void *cache;
+    const int64_t *tables;
+    int64_t table_stride;
+    const int64_t *seq_lens;
+    int64_t start;
+    void *out;
+    float *lse;
+    int64_t num_seqs, num_kv_heads, group, block_size;
+    float scale;
+} Args;
+
+/* Sequence g, kv heads [h0, h1). `D` is a constant in the specialised copies. */
+INLINE void attend(const Args *a, int bf16, const int64_t D, int64_t g, int64_t h0, int64_t h1,
+                   int64_t max_len, float *scratch) {
+    const int64_t R = a->group, Hkv = a->num_kv_heads, H = Hkv * R, bs = a->block_size;
+    const int64_t rows = (h1 - h0) * R; /* query rows of this task */
+    const int64_t esize = bf16 ? 2 : 4;
+    float *scores = scratch;            /* [rows, max_len] */
+    float *acc = scores + rows * max_len; /* [rows, D] */
+    float *qf = acc + rows * D;           /* [rows, D] */
+    float *row = qf + rows * D;           /* one token's K or V of the task's heads */
+    float *row_max = row + (h1 - h0) * D, *row_sum = row_max + rows;
+
+    const int64_t n = a->seq_lens[g] - a->start;
+    const int64_t *table = a->tables + g * a->table_stride;
+    const char *qg = (const char *)a->q + (g * a->q_seq_stride + h0 * R * D) * esize;
+    const float *qs = as_float(qg, bf16, qf, rows * D);
+    for (int64_t i = 0; i < rows * D; ++i) qf[i] = qs[i] * a->scale;
+
+    const int64_t slot_elems = Hkv * D, kv_elems = bs * slot_elems;
+    const char *cache = (const char *)a->cache;
+    for (int pass = 0; pass < 2; ++pass) { /* 0: scores from K, 1: weighted sum of V */
+        if (pass == 1) {
+            for (int64_t r = 0; r < rows; ++r) {
+                float *s = scores + r * max_len, top = s[0], sum = 0.f;
+                for (int64_t j = 1; j < n; ++j) top = s[j] > top ? s[j] : top;
+                for (int64_t j = 0; j < n; ++j) {
+                    s[j] = expf(s[j] - top);
+                    sum += s[j];
+                }
+                row_max[r] = top;
+                row_sum[r] = sum;
+            }
+            memset(acc, 0, sizeof(float) * rows * D);
+        }
+        for (int64_t j = 0; j < n;) { /* a block at a time */
+            const int64_t pos = a->start + j;
+            const int64_t block = table[pos / bs], first = pos % bs;
+            const int64_t count = (bs - first < n - j) ? bs - first : n - j;
+            const char *base = cache + ((block * 2 + pass) * kv_elems + first * slot_elems + h0 * D) * esize;
+            for (int64_t t = 0; t < count; ++t, ++j) {
+                const float *x = as_float(base + t * slot_elems * esize, bf16, row, (h1 - h0) * D);
+                for (int64_t hh = 0; hh < h1 - h0; ++hh) {
+                    const float *xh = x + hh * D;
+                    for (int64_t r = hh * R; r < (hh + 1) * R; ++r) {
+                        if (pass == 0) {
+                            const float *qr = qf + r * D;
+                            float dot = 0.f;
+                            for (int64_t d = 0; d < D; ++d) dot += qr[d] * xh[d];
+                            scores[r * max_len + j] = dot;
+                        } else {
+                            const float w = scores[r * max_len + j];
+                            float *o = acc + r * D;
+                            for (int64_t d = 0; d < D; ++d) o[d] += w * xh[d];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const float inv = 1.f / row_sum[r];
+        const int64_t head = h0 * R + r;
+        if (bf16) {
+            bf16_t *o = (bf16_t *)a->out + (g * H + head) * D;
+            for (int64_t d = 0; d < D; ++d) o[d] = float_to_bf16(acc[r * D + d] * inv);
+        } else {
+            float *o = (float *)a->out + (g * H + head) * D;
+            for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
+        }
+        if (a->lse) a->lse[g * H + head] = row_max[r] + logf(row_sum[r]);
+    }
+}
+
+INLINE int run(const Args *a, int bf16, int64_t D, int num_threads) {
+    int64_t max_len = 1;
+    for (int64_t g = 0; g < a->num_seqs; ++g)
+        if (a->seq_lens[g] - a->start > max_len) max_len = a->seq_lens[g] - a->start;
+    /* Fewer sequences than threads: split each sequence's kv heads among tasks. */
+    int64_t splits = 1;
+    while (splits < a->num_kv_heads && a->num_seqs * splits < num_threads) ++splits;
+    const int64_t heads_per_task = (a->num_kv_heads + splits - 1) / splits;
+    const int64_t rows = heads_per_task * a->group;
+    const size_t floats = (size_t)(rows * max_len + 2 * rows * D + heads_per_task * D + 2 * rows);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = malloc(sizeof(float) * floats);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < a->num_seqs * splits; ++task) {
+            if (!scratch) continue;
+            const int64_t g = task / splits, h0 = task % splits * heads_per_task;
+            const int64_t h1 = h0 + heads_per_task < a->num_kv_heads ? h0 + heads_per_task : a->num_kv_heads;
+            if (h0 >= h1) continue;
+            if (D == 64)
+                attend(a, bf16, 64, g, h0, h1, max_len, scratch);
+            else if (D == 128)
+                attend(a, bf16, 128, g, h0, h1, max_len, scratch);
+            else
+                attend(a, bf16, D, g, h0, h1, max_len, scratch);
+        }
+        free(scratch);
+    }
+    return failed;
+}
+
+/* Returns 0, or 1 when a thread's scratch could not be allocated. */
+#define EXPORT(NAME, BF16)                                                                      \
+    int NAME(const void *q, int64_t q_seq_stride, const void *cache, const int64_t *tables,    \
+             int64_t table_stride, const int64_t *seq_lens, int64_t start, void *out, float *lse, \
+             int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_size,         \
+             int64_t block_size, float scale, int num_threads) {                                \
+        const Args a = {q, q_seq_stride, cache, tables, table_stride, seq_lens, start, out, lse, \
+                        num_seqs, num_kv_heads, group, block_size, scale};                     \
+        return run(&a, BF16, head_size, num_threads);                                          \
+    }
+
+EXPORT(paged_decode_f32, 0)
+EXPORT(paged_decode_bf16, 1)

@@ -1,0 +1,160 @@
+"""Paged decode attention on the CPU: a small C kernel, compiled on first use.
+
+A decode step attends one query token per sequence to that sequence's cached K/V. torch
+has no kernel for it on the CPU: the SDPA backend gathers the blocks into a padded
+batch and calls the flash kernel, whose tiny per-(sequence, kv head) GEMMs (a GQA
+group's 1-8 query rows) spend about 2 ms per layer on 9 MFLOP here, ten times what
+reading the K/V costs. vLLM has such kernels in its csrc/cpu, but they come only
+with vLLM. `paged_decode.c` (about 100 lines) reads each sequence's own blocks where
+they lie in the paged cache, with no gather, no padding and no mask, and returns the
+log-sum-exp too (the cascade merges with it).
+
+The source is compiled with the system's C compiler (`$CC`, default `cc`) for this CPU
+(`-march=native`) the first time a process needs it, into
+`$TP_RUNTIME_CACHE/kernels/` (default `~/.cache/tp-runtime`), keyed by the source, the
+compiler, the flags and the CPU's feature flags, so later processes only load it (a few
+ms). When there is no compiler, the build fails, or `TP_CPU_PAGED_DECODE=0` is set,
+`load()` returns None and the backend keeps its torch path: the kernel is a speed-up,
+never a requirement. Nothing is left behind by a failed build.
+
+Called by `CPUAttentionBackend` on every rank (each loads the same file; two ranks
+building at once each write their own temporary directory and rename into place).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-strict-aliasing", "-fopenmp", "-fPIC")
+# No -ffast-math here: linking with it would add crtfastmath.o, whose constructor turns
+# on flush-to-zero for the whole process. libmvec: glibc's vector expf, which the
+# vectorised softmax calls.
+LINK_FLAGS = ("-shared", "-fopenmp")
+LINK_LIBS = ("-lmvec", "-lm")  # after the object, or --as-needed drops them
+_BUILD_TIMEOUT_S = 120
+
+_DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+
+
+def kernels_dir() -> Path:
+    root = os.environ.get("TP_RUNTIME_CACHE") or Path.home() / ".cache" / "tp-runtime"
+    return Path(root) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile SOURCE into `target` via a private temporary directory beside it, load
+    it there (a library that does not load is never cached), then rename (atomic: a
+    concurrent reader sees no file or the whole new one)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
+    try:
+        obj, lib = work / "paged_decode.o", work / "paged_decode.so"
+        for cmd in ([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+                    [compiler, *LINK_FLAGS, str(obj), *LINK_LIBS, "-o", str(lib)]):
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+            if proc.returncode != 0:
+                raise OSError(f"`{' '.join(cmd)}` exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+        PagedDecodeKernel(ctypes.CDLL(str(lib)), lib)
+        os.replace(lib, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+class PagedDecodeKernel:
+    """The loaded library; `__call__` runs it."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._fns = {}
+        for dtype, name in _DTYPES.items():
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+                           + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int])
+            self._fns[dtype] = fn
+
+    @staticmethod
+    def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        return (q.device.type == "cpu" and kv_cache.device.type == "cpu" and q.dtype == kv_cache.dtype
+                and q.dtype in _DTYPES and kv_cache.is_contiguous())
+
+    def __call__(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+        scale: float, start: int = 0, with_lse: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of q [G, H, D] (sequence g's one query token; H a multiple of the
+        cache's Hkv, query head h using kv head h // (H / Hkv)) to sequence g's cached
+        positions [start, seq_lens[g]), with kv_cache [num_blocks, 2, block_size, Hkv, D]
+        (contiguous, q's dtype, which `supports` checks) and block_tables [G, >=
+        cdiv(seq_lens[g], block_size)] int64 (entries past a sequence's length are
+        never read). Every seq_lens[g] must exceed `start`, a multiple of the block
+        size. Returns out [G, H, D] in q's dtype and, with `with_lse`, each row's
+        log-sum-exp of its scaled scores [G, H] float32 (else None). Runs on torch's
+        intra-op thread count; the GIL is released during the call."""
+        num_seqs, num_heads, head_size = q.shape
+        num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+        if q.stride(2) != 1 or q.stride(1) != head_size:
+            q = q.contiguous()
+        tables = block_tables if block_tables.dtype == torch.int64 else block_tables.long()
+        tables = tables.contiguous()
+        lens = seq_lens.to(torch.int64).contiguous()
+        out = torch.empty(num_seqs, num_heads, head_size, dtype=q.dtype)
+        lse = torch.empty(num_seqs, num_heads, dtype=torch.float32) if with_lse else None
+        failed = self._fns[q.dtype](
+            q.data_ptr(), q.stride(0), kv_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+            lens.data_ptr(), start, out.data_ptr(), lse.data_ptr() if lse is not None else None,
+            num_seqs, num_kv_heads, num_heads // num_kv_heads, head_size, block_size, scale,
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("paged decode attention could not allocate its scratch buffers")
+        return out, lse
+
+
+def build_or_load() -> PagedDecodeKernel | None:
+    """The kernel, built if this machine has none cached; None where it cannot be (the
+    reason is logged) or `TP_CPU_PAGED_DECODE=0`. Reads the environment on each call."""
+    if os.environ.get("TP_CPU_PAGED_DECODE", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or "cc"
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *COMPILE_FLAGS, *LINK_FLAGS,
+                                        *LINK_LIBS, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+        target = kernels_dir() / f"paged_decode-{key}.so"
+        if not target.is_file():
+            _build(compiler, target)
+        return PagedDecodeKernel(ctypes.CDLL(str(target)), target)
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        logger.warning("CPU paged decode kernel unavailable (%s); decode attention uses torch's SDPA", e)
+        return None
+
+
+# Once per process: every layer and every engine of a process shares the loaded library.
+load = functools.cache(build_or_load)

@@ -1,0 +1,200 @@
+"""The CPU paged decode kernel (models/layers/attention/backends/paged_decode.py, .c).
+
+Its output must equal attention computed the long way (gather, float64 softmax) for
+every layout the runner produces; its build must cache, fall back cleanly and leave
+nothing behind; and loading it must not change the process's floating-point mode or
+bring in a second OpenMP runtime.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.layers.attention.backends import paged_decode
+from models.layers.attention.backends.cpu_attn import CPUAttentionBackend
+
+KERNEL = paged_decode.load()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler on this machine")
+
+
+def paged_case(seq_lens: list[int], num_kv_heads: int, group: int, head_size: int, block_size: int,
+               dtype: torch.dtype, seed: int = 0):
+    """A cache whose blocks are handed out in shuffled order, block tables padded with
+    -1 (never to be read), and one query token per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(counts) + 3
+    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_size, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.full((len(seq_lens), max(counts) + 2), -1, dtype=torch.long)
+    for i, count in enumerate(counts):
+        tables[i, :count] = torch.tensor([order.pop() for _ in range(count)])
+    q = torch.randn(len(seq_lens), num_kv_heads * group, head_size, generator=gen).to(dtype)
+    return q, cache, tables
+
+
+def reference(q, cache, tables, seq_lens, scale, start=0):
+    """out [G, H, D] float64 and lse [G, H], from each sequence's gathered K/V."""
+    num_kv_heads, block_size = cache.shape[3], cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    outs, lses = [], []
+    for g, n in enumerate(seq_lens):
+        blocks = tables[g, : -(-n // block_size)]
+        kv = cache[blocks].double().permute(1, 3, 0, 2, 4).reshape(2, num_kv_heads, -1, cache.shape[4])
+        k, v = (x[:, start:n].repeat_interleave(group, 0) for x in kv)
+        scores = torch.einsum("hd,hld->hl", q[g].double(), k) * scale
+        outs.append(torch.einsum("hl,hld->hd", torch.softmax(scores, -1), v))
+        lses.append(torch.logsumexp(scores, -1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+CASES = {
+    # name: (seq_lens, num_kv_heads, group, head_size, block_size)
+    "gqa3-d64": ([1, 16, 17, 100, 190, 33, 64, 2], 4, 3, 64, 16),
+    "mha-d128": ([5, 48, 129], 2, 1, 128, 16),
+    "gqa8-d80": ([31, 7, 70], 1, 8, 80, 8),
+    "small-heads": ([1, 2, 3, 4, 9], 2, 2, 8, 4),
+    "one-sequence": ([300], 4, 2, 64, 16),  # fewer sequences than threads: heads split among tasks
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_kernel_equals_attention_over_the_gathered_context(case, dtype, atol):
+    seq_lens, num_kv_heads, group, head_size, block_size = CASES[case]
+    q, cache, tables = paged_case(seq_lens, num_kv_heads, group, head_size, block_size, dtype)
+    scale = head_size**-0.5
+    out, lse = KERNEL(q, cache, tables, torch.tensor(seq_lens), scale, with_lse=True)
+    expected, expected_lse = reference(q, cache, tables, seq_lens, scale)
+    assert out.dtype == dtype and out.shape == q.shape and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=0)
+    no_lse, none = KERNEL(q, cache, tables, torch.tensor(seq_lens), scale)
+    assert none is None and torch.equal(no_lse, out)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_start_skips_a_shared_prefix(dtype):
+    block_size, start = 16, 32
+    seq_lens = [33, 40, 100, 48, 49]
+    q, cache, tables = paged_case(seq_lens, 2, 3, 64, block_size, dtype, seed=1)
+    out, lse = KERNEL(q, cache, tables, torch.tensor(seq_lens), 0.125, start=start, with_lse=True)
+    expected, expected_lse = reference(q, cache, tables, seq_lens, 0.125, start=start)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=0)
+
+
+@needs_kernel
+def test_query_rows_may_be_a_strided_view_of_the_qkv_projection():
+    seq_lens, num_kv_heads, group, head_size = [10, 20, 30], 2, 2, 16
+    q, cache, tables = paged_case(seq_lens, num_kv_heads, group, head_size, 4, torch.float32)
+    qkv = torch.randn(len(seq_lens), (num_kv_heads * group + 2 * num_kv_heads) * head_size)
+    qkv[:, : q[0].numel()] = q.reshape(len(seq_lens), -1)
+    view = qkv[:, : q[0].numel()].view(q.shape)
+    assert not view.is_contiguous()
+    lens = torch.tensor(seq_lens)
+    assert torch.equal(KERNEL(view, cache, tables, lens, 0.25)[0], KERNEL(q, cache, tables, lens, 0.25)[0])
+
+
+@needs_kernel
+def test_results_do_not_depend_on_the_thread_count():
+    seq_lens = [1, 50, 200, 17, 90, 3]
+    q, cache, tables = paged_case(seq_lens, 4, 3, 64, 16, torch.float32)
+    lens = torch.tensor(seq_lens)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(KERNEL(q, cache, tables, lens, 0.125, with_lse=True))
+    finally:
+        torch.set_num_threads(threads)
+    for out, lse in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+
+
+@needs_kernel
+def test_cpu_backend_uses_the_kernel_only_for_the_dtypes_it_covers():
+    backend = CPUAttentionBackend(num_layers=1)
+    assert backend.kernel is KERNEL
+    cache = torch.zeros(4, 2, 16, 2, 8)
+    assert KERNEL.supports(torch.zeros(1, 2, 8), cache)
+    assert KERNEL.supports(torch.zeros(1, 2, 8, dtype=torch.bfloat16), cache.bfloat16())
+    assert not KERNEL.supports(torch.zeros(1, 2, 8, dtype=torch.float16), cache.half())
+    assert not KERNEL.supports(torch.zeros(1, 2, 8, dtype=torch.bfloat16), cache)  # e.g. an fp32 cache
+    assert CPUAttentionBackend(num_layers=1, paged_decode=False).kernel is None
+
+
+@needs_kernel
+def test_loading_keeps_one_openmp_runtime_and_the_float_mode():
+    # torch has run parallel ops and the kernel is loaded (at import of this module).
+    torch.randn(256, 256) @ torch.randn(256, 256)
+    with open("/proc/self/maps") as f:
+        gomp = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(gomp) == 1, gomp
+    # crtfastmath would have set flush-to-zero / denormals-are-zero for the whole process.
+    tiny = 5e-324
+    assert tiny * 1.0 != 0.0 and float(torch.tensor([1e-40]) * 1.0) != 0.0
+
+
+# --------------------------------------------------------------------------- the build
+
+
+def _leftovers(root: Path) -> list[str]:
+    kernels = root / "kernels"
+    return sorted(p.name for p in kernels.iterdir()) if kernels.exists() else []
+
+
+@needs_kernel
+def test_builds_once_into_the_cache_and_then_only_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
+    first = paged_decode.build_or_load()
+    assert first is not None and first.path.parent == tmp_path / "kernels"
+    assert _leftovers(tmp_path) == [first.path.name]  # no build directory left
+    mtime = first.path.stat().st_mtime_ns
+    second = paged_decode.build_or_load()
+    assert second is not None and second.path == first.path and second.path.stat().st_mtime_ns == mtime
+    q, cache, tables = paged_case([7, 21], 2, 2, 16, 4, torch.float32)
+    lens = torch.tensor([7, 21])
+    assert torch.equal(second(q, cache, tables, lens, 0.25)[0], KERNEL(q, cache, tables, lens, 0.25)[0])
+
+
+def _fake_compiler(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "fake-cc"
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+@pytest.mark.parametrize("compiler", ["missing", "failing", "garbage"])
+def test_a_failed_build_falls_back_and_leaves_nothing(tmp_path, monkeypatch, caplog, compiler):
+    cache_root = tmp_path / "cache"
+    monkeypatch.setenv("TP_RUNTIME_CACHE", str(cache_root))
+    if compiler == "missing":
+        cc = str(tmp_path / "no-such-cc")
+    elif compiler == "failing":
+        cc = str(_fake_compiler(tmp_path, 'echo "paged_decode.c:1: error: nope" >&2; exit 1\n'))
+    else:  # "succeeds" but writes something that is not a library: must not be cached
+        cc = str(_fake_compiler(tmp_path, 'while [ $# -gt 1 ]; do [ "$1" = -o ] && echo junk > "$2"; shift; done\n'))
+    monkeypatch.setenv("CC", cc)
+    with caplog.at_level("WARNING"):
+        assert paged_decode.build_or_load() is None
+    assert "paged decode kernel unavailable" in caplog.text
+    if compiler == "failing":
+        assert "nope" in caplog.text  # the compiler's own message reaches the log
+    assert _leftovers(cache_root) == []
+    assert CPUAttentionBackend(num_layers=1).kernel is KERNEL  # the process's loaded kernel is unaffected
+
+
+def test_disabled_by_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
+    monkeypatch.setenv("TP_CPU_PAGED_DECODE", "0")
+    assert paged_decode.build_or_load() is None
+    assert not os.listdir(tmp_path)
