@@ -198,3 +198,23 @@ def test_disabled_by_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("TP_CPU_PAGED_DECODE", "0")
     assert paged_decode.build_or_load() is None
     assert not os.listdir(tmp_path)
+
+
+def _rank_kernel(worker) -> str | None:
+    backend = worker.model_runner.attn_backend
+    kernel = getattr(backend, "kernel", None)
+    return None if kernel is None else str(kernel.path)
+
+
+@needs_kernel
+def test_every_rank_of_a_cpu_engine_decodes_with_the_kernel(tiny_models):
+    """The greedy-equals-transformers tests (test_generation.py) run on this path."""
+    from engine.core import EngineCore
+    from engine.sampling_params import SamplingParams
+
+    with EngineCore(model=str(tiny_models["llama"]), tensor_parallel_size=2, device="cpu", dtype="float32",
+                    kv_cache_memory_bytes=4 << 20, max_model_len=64, distributed_executor_backend="mp",
+                    use_tqdm_on_load=False) as core:
+        assert core.collective_rpc(_rank_kernel) == [str(KERNEL.path)] * 2
+        out, = core.generate([[1, 5, 9, 2]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        assert len(out.token_ids) == 6
