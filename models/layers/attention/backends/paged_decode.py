@@ -5,7 +5,7 @@ has no kernel for it on the CPU: the SDPA backend gathers the blocks into a padd
 batch and calls the flash kernel, whose tiny per-(sequence, kv head) GEMMs (a GQA
 group's 1-8 query rows) spend about 2 ms per layer on 9 MFLOP here, ten times what
 reading the K/V costs. vLLM has such kernels in its csrc/cpu, but they come only
-with vLLM. `paged_decode.c` (about 100 lines) reads each sequence's own blocks where
+with vLLM. `paged_decode.c` (under 200 lines) reads each sequence's own blocks where
 they lie in the paged cache, with no gather, no padding and no mask, and returns the
 log-sum-exp too (the cascade merges with it).
 
@@ -116,7 +116,9 @@ class PagedDecodeKernel:
         never read). Every seq_lens[g] must exceed `start`, a multiple of the block
         size. Returns out [G, H, D] in q's dtype and, with `with_lse`, each row's
         log-sum-exp of its scaled scores [G, H] float32 (else None). Runs on torch's
-        intra-op thread count; the GIL is released during the call."""
+        intra-op thread count; the GIL is released during the call. Besides the
+        outputs, each thread holds a scratch of about (query rows of a task) x (longest
+        context - start) floats during the call. Raises MemoryError if that fails."""
         num_seqs, num_heads, head_size = q.shape
         num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
         if q.stride(2) != 1 or q.stride(1) != head_size:
