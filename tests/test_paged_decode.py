@@ -218,3 +218,27 @@ def test_every_rank_of_a_cpu_engine_decodes_with_the_kernel(tiny_models):
         assert core.collective_rpc(_rank_kernel) == [str(KERNEL.path)] * 2
         out, = core.generate([[1, 5, 9, 2]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
         assert len(out.token_ids) == 6
+
+
+@needs_kernel
+def test_a_table_or_length_out_of_range_is_an_error_before_any_read():
+    seq_lens = [5, 20]
+    q, cache, tables = paged_case(seq_lens, 2, 2, 16, 4, torch.float32)
+    lens = torch.tensor(seq_lens)
+    bad = tables.clone()
+    bad[1, 4] = cache.shape[0]  # the last block sequence 1 needs
+    with pytest.raises(ValueError, match="outside the cache's"):
+        KERNEL(q, cache, bad, lens, 0.25)
+    bad[1, 4] = -1
+    with pytest.raises(ValueError, match="outside the cache's"):
+        KERNEL(q, cache, bad, lens, 0.25)
+    with pytest.raises(ValueError, match="too few"):
+        KERNEL(q, cache, tables[:, :3], lens, 0.25)
+    with pytest.raises(ValueError, match="not above start=8"):
+        KERNEL(q, cache, tables, lens, 0.25, start=8)
+    with pytest.raises(ValueError, match="one row per query"):
+        KERNEL(q, cache, tables[:1], lens, 0.25)
+    # Entries past a sequence's last block are never read, whatever they hold.
+    padded = tables.clone()
+    padded[0, 2:] = 10**9
+    assert torch.equal(KERNEL(q, cache, padded, lens, 0.25)[0], KERNEL(q, cache, tables, lens, 0.25)[0])

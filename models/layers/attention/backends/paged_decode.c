@@ -52,7 +52,7 @@ typedef struct {
     int64_t q_seq_stride;
     const void *cache;
     const int64_t *tables;
-    int64_t table_stride;
+    int64_t table_stride, table_width, num_blocks;
     const int64_t *seq_lens;
     int64_t start;
     void *out;
@@ -134,7 +134,25 @@ INLINE void attend(const Args *a, int bf16, const int64_t D, int64_t g, int64_t 
     }
 }
 
+/* 0, or which input is out of range (see paged_decode.py): every block a task will read
+ * is checked here, before any is, so a bad table is an error and not a wild read. */
+INLINE int check(const Args *a) {
+    for (int64_t g = 0; g < a->num_seqs; ++g) {
+        const int64_t n = a->seq_lens[g];
+        if (n <= a->start) return 2;
+        const int64_t last = (n - 1) / a->block_size;
+        if (last >= a->table_width) return 4;
+        for (int64_t b = a->start / a->block_size; b <= last; ++b) {
+            const int64_t block = a->tables[g * a->table_stride + b];
+            if (block < 0 || block >= a->num_blocks) return 3;
+        }
+    }
+    return 0;
+}
+
 INLINE int run(const Args *a, int bf16, int64_t D, int num_threads) {
+    const int bad = check(a);
+    if (bad) return bad;
     int64_t max_len = 1;
     for (int64_t g = 0; g < a->num_seqs; ++g)
         if (a->seq_lens[g] - a->start > max_len) max_len = a->seq_lens[g] - a->start;
@@ -170,14 +188,17 @@ INLINE int run(const Args *a, int bf16, int64_t D, int num_threads) {
     return failed;
 }
 
-/* Returns 0, or 1 when a thread's scratch could not be allocated. */
+/* Returns 0; 1 when a thread's scratch could not be allocated; 2-4 for an input out of
+ * range (check), before anything is read through it. */
 #define EXPORT(NAME, BF16)                                                                      \
-    int NAME(const void *q, int64_t q_seq_stride, const void *cache, const int64_t *tables,    \
-             int64_t table_stride, const int64_t *seq_lens, int64_t start, void *out, float *lse, \
-             int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_size,         \
-             int64_t block_size, float scale, int num_threads) {                                \
-        const Args a = {q, q_seq_stride, cache, tables, table_stride, seq_lens, start, out, lse, \
-                        num_seqs, num_kv_heads, group, block_size, scale};                     \
+    int NAME(const void *q, int64_t q_seq_stride, const void *cache, int64_t num_blocks,       \
+             const int64_t *tables, int64_t table_stride, int64_t table_width,                 \
+             const int64_t *seq_lens, int64_t start, void *out, float *lse, int64_t num_seqs,  \
+             int64_t num_kv_heads, int64_t group, int64_t head_size, int64_t block_size,        \
+             float scale, int num_threads) {                                                    \
+        const Args a = {q, q_seq_stride, cache, tables, table_stride, table_width, num_blocks, \
+                        seq_lens, start, out, lse, num_seqs, num_kv_heads, group, block_size,   \
+                        scale};                                                                 \
         return run(&a, BF16, head_size, num_threads);                                          \
     }
 

@@ -48,6 +48,11 @@ LINK_LIBS = ("-lmvec", "-lm")  # after the object, or --as-needed drops them
 _BUILD_TIMEOUT_S = 120
 
 _DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+_INPUT_ERRORS = {
+    2: "paged decode: a sequence length is not above start={start}",
+    3: "paged decode: a block table entry is outside the cache's {blocks} blocks",
+    4: "paged decode: block_tables has {width} columns, too few for a sequence length (block size {block_size})",
+}
 
 
 def kernels_dir() -> Path:
@@ -94,9 +99,9 @@ class PagedDecodeKernel:
         for dtype, name in _DTYPES.items():
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
-            fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-                           + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int])
+            fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                            ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                            ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int])
             self._fns[dtype] = fn
 
     @staticmethod
@@ -128,14 +133,20 @@ class PagedDecodeKernel:
         lens = seq_lens.to(torch.int64).contiguous()
         out = torch.empty(num_seqs, num_heads, head_size, dtype=q.dtype)
         lse = torch.empty(num_seqs, num_heads, dtype=torch.float32) if with_lse else None
-        failed = self._fns[q.dtype](
-            q.data_ptr(), q.stride(0), kv_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-            lens.data_ptr(), start, out.data_ptr(), lse.data_ptr() if lse is not None else None,
+        if tables.dim() != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
+            raise ValueError(f"block_tables {tuple(tables.shape)} and seq_lens {tuple(lens.shape)} must have "
+                             f"one row per query ({num_seqs})")
+        status = self._fns[q.dtype](
+            q.data_ptr(), q.stride(0), kv_cache.data_ptr(), kv_cache.shape[0], tables.data_ptr(), tables.stride(0),
+            tables.shape[1], lens.data_ptr(), start, out.data_ptr(), lse.data_ptr() if lse is not None else None,
             num_seqs, num_kv_heads, num_heads // num_kv_heads, head_size, block_size, scale,
             torch.get_num_threads(),
         )
-        if failed:
+        if status == 1:
             raise MemoryError("paged decode attention could not allocate its scratch buffers")
+        if status:
+            raise ValueError(_INPUT_ERRORS[status].format(start=start, blocks=kv_cache.shape[0],
+                                                          width=tables.shape[1], block_size=block_size))
         return out, lse
 
 
