@@ -39,7 +39,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-strict-aliasing", "-fopenmp", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 # No -ffast-math here: linking with it would add crtfastmath.o, whose constructor turns
 # on flush-to-zero for the whole process. libmvec: glibc's vector expf, which the
 # vectorised softmax calls.
@@ -119,7 +119,8 @@ class PagedDecodeKernel:
         (contiguous, q's dtype, which `supports` checks) and block_tables [G, >=
         cdiv(seq_lens[g], block_size)] int64 (entries past a sequence's length are
         never read). Every seq_lens[g] must exceed `start`, a multiple of the block
-        size. Returns out [G, H, D] in q's dtype and, with `with_lse`, each row's
+        size: a length not above it, a table too narrow for a length or a block id
+        outside the cache is a ValueError, raised before anything is read. Returns out [G, H, D] in q's dtype and, with `with_lse`, each row's
         log-sum-exp of its scaled scores [G, H] float32 (else None). Runs on torch's
         intra-op thread count; the GIL is released during the call. Besides the
         outputs, each thread holds a scratch of about (query rows of a task) x (longest
@@ -131,11 +132,11 @@ class PagedDecodeKernel:
         tables = block_tables if block_tables.dtype == torch.int64 else block_tables.long()
         tables = tables.contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
-        out = torch.empty(num_seqs, num_heads, head_size, dtype=q.dtype)
-        lse = torch.empty(num_seqs, num_heads, dtype=torch.float32) if with_lse else None
         if tables.dim() != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
             raise ValueError(f"block_tables {tuple(tables.shape)} and seq_lens {tuple(lens.shape)} must have "
                              f"one row per query ({num_seqs})")
+        out = torch.empty(num_seqs, num_heads, head_size, dtype=q.dtype)
+        lse = torch.empty(num_seqs, num_heads, dtype=torch.float32) if with_lse else None
         status = self._fns[q.dtype](
             q.data_ptr(), q.stride(0), kv_cache.data_ptr(), kv_cache.shape[0], tables.data_ptr(), tables.stride(0),
             tables.shape[1], lens.data_ptr(), start, out.data_ptr(), lse.data_ptr() if lse is not None else None,
