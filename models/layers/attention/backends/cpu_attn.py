@@ -86,13 +86,13 @@ class CPUAttentionMetadata(TorchSDPAMetadata):
 
     @cached_property
     def decode_tables_and_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decode sequences' block-table rows (contiguous int64) and context lengths,
-        as the paged decode kernel takes them."""
+        """The decode sequences' block-table rows and context lengths, as the paged
+        decode kernel takes them."""
         seqs = self.decode_seqs
         tables = self.block_tables
         if len(seqs) != len(self.seq_lens):
             tables = tables[torch.tensor(seqs, dtype=torch.long, device=tables.device)]
-        return tables.long().contiguous(), torch.tensor(self.decode_lens, dtype=torch.long)
+        return tables, torch.tensor(self.decode_lens, dtype=torch.long)
 
     @cached_property
     def decode_gather_blocks(self) -> tuple[torch.Tensor, int]:
@@ -167,31 +167,32 @@ class CPUAttentionImpl(TorchSDPAImpl):
     ) -> torch.Tensor:
         """The kernel in place, or in cascade behind a shared prefix. Without it: when the
         batch continues the previous step's, the decode context holds the whole context
-        contiguously and one SDPA call covers the batch; otherwise the SDPA backend's
-        grouped gather."""
-        if isinstance(md, CPUAttentionMetadata) and self.kernel is not None and self.kernel.supports(q, kv_cache):
-            shared = md.decode_shared_prefix
-            if shared is not None:
-                return self.cascade_decode(q, k, v, kv_cache, md, *shared)
-            tables, lens = md.decode_tables_and_lens
-            return self.kernel(q, kv_cache, tables, lens, self.scale)[0]
-        if isinstance(md, CPUAttentionMetadata):
+        contiguously and one SDPA call covers the batch; else the cascade, or the SDPA
+        backend's grouped gather."""
+        if not isinstance(md, CPUAttentionMetadata):
+            return super().decode_attention(q, k, v, kv_cache, md)
+        kernel = self.kernel if self.kernel is not None and self.kernel.supports(q, kv_cache) else None
+        if kernel is None:
             context = self.decode_context.get(kv_cache, md, k, v)
             if context is not None:
                 self.suffix_context.release()
                 ctx_len = max(md.decode_lens)
                 return self.attend_padded(q, context[0, :, :, :ctx_len], context[1, :, :, :ctx_len],
                                           md.decode_mask(q.dtype))
-            shared = md.decode_shared_prefix
-            if shared is not None and kv_cache.device.type == "cpu":
-                return self.cascade_decode(q, k, v, kv_cache, md, *shared)
+        shared = md.decode_shared_prefix
+        if shared is not None and kv_cache.device.type == "cpu":
+            return self.cascade_decode(q, k, v, kv_cache, md, *shared, kernel)
+        if kernel is not None:
+            tables, lens = md.decode_tables_and_lens
+            return kernel(q, kv_cache, tables, lens, self.scale)[0]
         return super().decode_attention(q, k, v, kv_cache, md)
 
     def cascade_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                       md: CPUAttentionMetadata, prefix_blocks: torch.Tensor, prefix_len: int) -> torch.Tensor:
+                       md: CPUAttentionMetadata, prefix_blocks: torch.Tensor, prefix_len: int,
+                       kernel: PagedDecodeKernel | None) -> torch.Tensor:
         """Decode attention in two parts merged by their log-sum-exp (cascade attention):
         every query of the batch against the shared prefix, gathered once, in one call;
-        then each query against its own tokens after it: by the kernel in place, or,
+        then each query against its own tokens after it: by `kernel` in place, or,
         without it, from the suffix context kept across steps (a fresh gather of them
         cost as much as the attention). Exact up to rounding: softmax over the union is
         the two softmaxes weighted by their normalisers."""
@@ -206,9 +207,9 @@ class CPUAttentionImpl(TorchSDPAImpl):
         lse_p = lse_p.view(self.num_kv_heads, num_seqs, heads_per_kv).transpose(0, 1)
         out_p = out_p.reshape(num_seqs, self.num_heads, head_size)
         lse_p = lse_p.reshape(num_seqs, self.num_heads, 1).float()
-        if self.kernel is not None and self.kernel.supports(q, kv_cache):
+        if kernel is not None:
             tables, lens = md.decode_tables_and_lens
-            out_s, lse_s = self.kernel(q, kv_cache, tables, lens, self.scale, start=prefix_len, with_lse=True)
+            out_s, lse_s = kernel(q, kv_cache, tables, lens, self.scale, start=prefix_len, with_lse=True)
             lse_s = lse_s.unsqueeze(-1)
         else:
             out_s, lse_s = self._suffix_by_context(by_kv, k, v, kv_cache, md, prefix_len)

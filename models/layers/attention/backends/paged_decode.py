@@ -56,6 +56,7 @@ _INPUT_ERRORS = {
 
 
 def kernels_dir() -> Path:
+    # The root is engine.entrypoints.demo_model.cache_root's (not importable from here).
     root = os.environ.get("TP_RUNTIME_CACHE") or Path.home() / ".cache" / "tp-runtime"
     return Path(root) / "kernels"
 
@@ -69,6 +70,18 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def _compiler_identity(compiler: str) -> str:
+    """The compiler's resolved file, size and mtime: changes when it is replaced or
+    upgraded, and costs a stat where `cc --version` cost a process (every rank, every
+    start). Raises FileNotFoundError for a compiler that is not there."""
+    found = shutil.which(compiler)
+    if found is None:
+        raise FileNotFoundError(f"no C compiler {compiler!r} on PATH (set CC)")
+    real = os.path.realpath(found)
+    st = os.stat(real)
+    return f"{real}:{st.st_size}:{st.st_mtime_ns}"
 
 
 def _build(compiler: str, target: Path) -> None:
@@ -129,8 +142,7 @@ class PagedDecodeKernel:
         num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
         if q.stride(2) != 1 or q.stride(1) != head_size:
             q = q.contiguous()
-        tables = block_tables if block_tables.dtype == torch.int64 else block_tables.long()
-        tables = tables.contiguous()
+        tables = block_tables.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
         if tables.dim() != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
             raise ValueError(f"block_tables {tuple(tables.shape)} and seq_lens {tuple(lens.shape)} must have "
@@ -158,8 +170,8 @@ def build_or_load() -> PagedDecodeKernel | None:
         return None
     compiler = os.environ.get("CC") or "cc"
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *COMPILE_FLAGS, *LINK_FLAGS,
+        identity = _compiler_identity(compiler)
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), identity, *COMPILE_FLAGS, *LINK_FLAGS,
                                         *LINK_LIBS, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
         target = kernels_dir() / f"paged_decode-{key}.so"
         if not target.is_file():
