@@ -1,8 +1,8 @@
-"""MKL-packed float32 GEMM on the CPU (models/layers/cpu_gemm.py).
+"""Packed float32 GEMM on the CPU (models/layers/cpu_gemm.py): MKL, oneDNN and the avx2 kernel.
 
 The packed product must equal F.linear (to float32 reassociation) for every row count
-it serves, with and without bias and for 3-D input; above PACKED_MAX_ROWS it must be
-F.linear itself. Loading packs every unquantised float32 linear layer and the LM head
+it serves, with and without bias and for 3-D input: oneDNN's every row count, MKL's up
+to PACKED_MAX_ROWS, above which it must be F.linear itself. Loading packs every unquantised float32 linear layer and the LM head
 (tied or not) and nothing else, leaves `state_dict()` unchanged, gives the logits of an
 unpacked model, and is switched off by `cpu_prepack_weights=False`. Weights changed
 after loading take effect once `prepack_cpu_weights` runs again.
@@ -23,11 +23,13 @@ from model_loader import get_model
 from models.layers.cpu_gemm import (
     PACKED_MAX_ROWS,
     PackedWeight,
+    default_packed_gemm,
     mkl_packing_available,
     onednn_rows,
     packing_available,
     reusing_upcast_buffer,
     upcast_float32,
+    upcast_gemm,
 )
 from models.layers.linear import LinearBase
 from models.layers.quantization.fp8 import Fp8LinearMethod
@@ -60,7 +62,7 @@ def test_mkl_and_onednn_packing_are_available():
     assert mkl_packing_available() and packing_available("onednn")
 
 
-@pytest.mark.parametrize("kernel", ["mkl", "onednn"])
+@pytest.mark.parametrize("kernel", ["mkl", "onednn", "avx2"])
 @pytest.mark.parametrize("shape", [(96, 64), (320, 128), (1280, 768)])
 def test_packed_linear_matches_f_linear_for_every_row_count(shape, kernel):
     if not packing_available(kernel):
@@ -70,13 +72,13 @@ def test_packed_linear_matches_f_linear_for_every_row_count(shape, kernel):
     bias = torch.randn(shape[0], generator=gen)
     packed = PackedWeight(weight, kernel)
     assert packed.verify(weight)
-    for rows in [*range(1, 40), 63, 64, 65, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 300]:
+    for rows in [*range(1, 40), 63, 64, 65, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 300, 2048]:
         x = torch.randn(rows, shape[1], generator=gen)
         for b in (None, bias):
             expected = F.linear(x, weight, b)
             got = packed.linear(x, weight, b)
             assert got.shape == expected.shape
-            if rows > PACKED_MAX_ROWS:
+            if rows > PACKED_MAX_ROWS and kernel == "mkl":
                 assert torch.equal(got, expected), rows  # the plain path itself
             else:
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4 * shape[1] ** 0.5)
@@ -92,6 +94,7 @@ def test_loading_packs_linears_and_lm_head_and_keeps_logits(name, tiny_models):
     plain = load(tiny_models[name], cpu_prepack_weights=False)
     packed = load(tiny_models[name])
     assert all(is_packed(m) for m in linears(packed))
+    assert {m.quant_method.packed.kernel for m in linears(packed)} == {default_packed_gemm()}
     assert not any(is_packed(m) for m in linears(plain))
     lm_head = packed.lm_head
     assert isinstance(lm_head, ParallelLMHead) and is_packed(lm_head)
@@ -102,7 +105,7 @@ def test_loading_packs_linears_and_lm_head_and_keeps_logits(name, tiny_models):
     assert packed.state_dict().keys() == plain.state_dict().keys()
     for key, value in packed.state_dict().items():
         assert torch.equal(value, plain.state_dict()[key]), key
-    # Decode-sized (packed) and prefill-sized (plain) batches both match.
+    # Decode-sized and prefill-sized batches both match.
     for length in (5, PACKED_MAX_ROWS + 20):
         ids = torch.randint(0, 320, (length,), generator=torch.Generator().manual_seed(length))
         torch.testing.assert_close(logits_of(packed, ids), logits_of(plain, ids), rtol=1e-5, atol=1e-5)
@@ -114,6 +117,8 @@ def test_bf16_weights_get_a_float32_packed_copy_only_where_the_cpu_has_no_bf16_g
     upcast = not torch.ops.mkldnn._is_mkldnn_bf16_supported()  # False on AVX-512 BF16 / AMX CPUs
     for m in [*linears(bf16), bf16.lm_head]:
         assert is_packed(m) == upcast and m.quant_method.upcast == upcast
+        if upcast:
+            assert m.quant_method.packed.kernel == upcast_gemm(default_packed_gemm())
         assert m.weight.dtype == torch.bfloat16  # the checkpoint's copy stays as it was
     assert not any(is_packed(m) for m in [*linears(plain), plain.lm_head])
     for length in (5, PACKED_MAX_ROWS + 20):
@@ -124,16 +129,18 @@ def test_bf16_weights_get_a_float32_packed_copy_only_where_the_cpu_has_no_bf16_g
         torch.testing.assert_close(got.float(), expected.float(), rtol=0.05, atol=0.05 * expected.float().abs().max().item())
 
 
-@pytest.mark.skipif(not packing_available("onednn"), reason="oneDNN packing is not available")
-def test_weights_packed_through_the_shared_upcast_buffer_keep_their_own_values():
+@pytest.mark.parametrize("kernel", ["onednn", "avx2"])
+def test_weights_packed_through_the_shared_upcast_buffer_keep_their_own_values(kernel):
     """Inside reusing_upcast_buffer every weight is converted into one float32 buffer; each
     packed copy must own its values, not alias that buffer, which the next weight
     overwrites (a shape already verified is not checked again)."""
+    if not packing_available(kernel):
+        pytest.skip(f"{kernel} packing is not available here")
     generator = torch.Generator().manual_seed(3)
     weights = [torch.randn(48, 64, generator=generator).to(torch.bfloat16) for _ in range(3)]
     weights.append(torch.randn(96, 64, generator=generator).to(torch.bfloat16))  # grows the buffer
     with reusing_upcast_buffer():
-        packed = [PackedWeight(upcast_float32(w), "onednn") for w in weights]
+        packed = [PackedWeight(upcast_float32(w), kernel) for w in weights]
     x = torch.randn(5, 64, generator=generator)
     for w, p in zip(weights, packed):
         torch.testing.assert_close(p.linear_any_rows(x), F.linear(x, w.float()), rtol=1e-5, atol=1e-5)

@@ -27,7 +27,7 @@ class LayerBuildConfig:
     # float32 weights on the CPU get a packed copy for decode-sized batches
     # (models/layers/unquantized.py): faster decode, twice the linear weights' memory.
     cpu_prepack_weights: bool = False
-    cpu_packed_gemm: str = "mkl"  # which library packs: "mkl" | "onednn" (cpu_gemm.default_packed_gemm)
+    cpu_packed_gemm: str = "mkl"  # which kernel packs: cpu_gemm.PACKED_GEMMS (cpu_gemm.default_packed_gemm)
 
     def linear_method(self, layer: nn.Module) -> LinearMethodBase:
         """The quantisation config's method for `layer`, else the unquantised one."""

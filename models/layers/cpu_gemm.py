@@ -4,9 +4,11 @@ For a decode step a linear layer multiplies a few rows (one per running sequence
 its whole weight. An ordinary sgemm re-packs the weight into its kernel layout on every
 call, and for a handful of rows that packing costs as much as the product; a weight
 packed once, after loading, removes it (1.4-2x faster per layer at 8-64 rows on the
-2-core development VMs). Two libraries can pack: MKL and oneDNN; which is faster depends
-on the CPU (`default_packed_gemm`). For many rows (prefill) the plain path is as fast
-or faster, so `PackedWeight.linear` dispatches on the row count. This is the CPU
+2-core development VMs). Three kernels can pack: MKL, oneDNN and our AVX2 kernel
+(`cpu_sgemm.py`); which is fastest depends on the CPU (`default_packed_gemm`). MKL's
+packed product only pays for few rows, so `PackedWeight.linear` sends MKL's larger
+batches (prefill) to the plain sgemm; oneDNN's and ours are also the faster ones for
+prefill batches, so they serve every row count. This is the CPU
 counterpart of what vLLM's CPU backend does with oneDNN in
 `process_weights_after_loading`.
 
@@ -24,6 +26,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from models.layers import cpu_sgemm
+
 # ideep (torch's oneDNN glue) and oneDNN keep one primitive per (weight, row count) they
 # have seen, up to 1024 each at about 0.5 MiB. A server sees every batch size from 1 to
 # max_num_seqs, so that grew each rank by ~66 MiB per 100 requests until ~1 GB, which
@@ -34,9 +38,12 @@ import torch.nn.functional as F
 os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 
-# Up to this many rows the packed product wins: a 12-layer decode step's linears on the
+# Up to this many rows MKL's packed product wins: a 12-layer decode step's linears on the
 # 2-core VM take 63 ms packed vs 94 ms plain at 64 rows, 72 vs 72 at 96, and above that
-# the plain sgemm is as fast or faster.
+# the plain sgemm is as fast or faster. oneDNN's packed product has no such limit: on the
+# AMD dev VM the four linears of a 100M llama layer take 11.8 ms against F.linear's 19.1
+# at 100 rows, 24.8 vs 30.7 at 256 and 136 vs 161 at 1536 (the mixed decode+prefill
+# steps of a server, and prefill chunks), so it serves every row count.
 PACKED_MAX_ROWS = 96
 # The row count the library is told when packing. The packed layout of the weight does not
 # depend on it (checked at pack time, see PackedWeight.verify), only the op's
@@ -54,7 +61,12 @@ def onednn_rows(rows: int) -> int:
     return -(-rows // 64) * 64
 
 
+PACKED_GEMMS = ("mkl", "onednn", "avx2")
+
+
 def packing_available(kernel: str) -> bool:
+    if kernel == "avx2":
+        return cpu_sgemm.load() is not None
     return onednn_packing_available() if kernel == "onednn" else mkl_packing_available()
 
 
@@ -95,16 +107,27 @@ def _cpu_vendor() -> str:
 
 
 def default_packed_gemm() -> str:
-    """Which library packs, by CPU: MKL on Intel (the fastest at decode sizes there),
-    oneDNN elsewhere (MKL takes slow generic paths on AMD: 1.3-1.6x slower whole decode
-    runs here, where the oneDNN-packed LM head runs in half F.linear's time).
-    `TP_CPU_PACKED_GEMM=mkl|onednn` overrides."""
+    """Which kernel packs, by CPU: MKL on Intel (the fastest at decode sizes there); our
+    AVX2 kernel on other CPUs without AVX-512 (1.2-1.5x oneDNN at 1-48 rows on the AMD
+    dev VM, on par above), where it builds; oneDNN elsewhere (MKL takes slow generic
+    paths on AMD: 1.3-1.6x slower whole decode runs here). `TP_CPU_PACKED_GEMM=mkl|
+    onednn|avx2` overrides (an avx2 kernel that cannot be built falls back to oneDNN)."""
     choice = os.environ.get("TP_CPU_PACKED_GEMM")
-    if choice in ("mkl", "onednn"):
+    if choice == "avx2" and not packing_available("avx2"):
+        choice = None
+    if choice in PACKED_GEMMS:
         return choice
     if _cpu_vendor() == "GenuineIntel" and mkl_packing_available():
         return "mkl"
+    if cpu_sgemm.cpu_has_avx2() and not cpu_sgemm.cpu_has_avx512() and packing_available("avx2"):
+        return "avx2"
     return "onednn" if onednn_packing_available() else "mkl"
+
+
+def upcast_gemm(kernel: str) -> str:
+    """The kernel for the float32 copy of a bf16/fp16 weight (`lacks_native_gemm`): one
+    that serves every row count, since that copy is the only one used."""
+    return "avx2" if kernel == "avx2" else "onednn"
 
 
 # The float32 buffer that `upcast_float32` reuses inside `reusing_upcast_buffer()`: a list
@@ -150,19 +173,17 @@ class PackedWeight:
     """A packed copy of one [out, in] float32 weight; `linear` computes x W^T (+ b)."""
 
     def __init__(self, weight: torch.Tensor, kernel: str) -> None:
-        """`kernel`: "mkl" or "onednn" (`default_packed_gemm()`)."""
+        """`kernel`: one of PACKED_GEMMS (`default_packed_gemm()`), available here."""
         self.kernel = kernel
         self.out_features = weight.shape[0]
-        if kernel == "onednn":
+        if kernel == "avx2":
+            self.sgemm = cpu_sgemm.load()
+            assert self.sgemm is not None, "the avx2 kernel is not available (packing_available)"
+            self.packed = self.sgemm.pack(weight)
+        elif kernel == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
         else:
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
-
-    def _packed_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       rows: int) -> torch.Tensor:
-        if self.kernel == "onednn":
-            return self._onednn_linear(x, bias)
-        return torch.ops.mkl._mkl_linear(x, self.packed, weight, bias, rows)
 
     def _onednn_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """oneDNN's packed product, prefill rows padded to a bucket (`onednn_rows`):
@@ -177,19 +198,28 @@ class PackedWeight:
         return out[:rows].reshape(*shape[:-1], self.out_features)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`weight` must be the tensor this was packed from (its shape and the
-        large-batch path use it)."""
+        """`weight` must be the tensor this was packed from (MKL's bookkeeping and its
+        large-batch path use it). oneDNN's and the avx2 packed products serve every row
+        count, MKL's up to PACKED_MAX_ROWS (above, F.linear)."""
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows == 0 or rows > PACKED_MAX_ROWS or x.dtype != torch.float32:
+        if rows == 0 or x.dtype != torch.float32:
             return F.linear(x, weight, bias)
-        return self._packed_linear(x, weight, bias, rows)
+        if self.kernel == "avx2":
+            return self.sgemm.linear(x, self.packed, self.out_features, bias)
+        if self.kernel == "onednn":
+            return self._onednn_linear(x, bias)
+        if rows > PACKED_MAX_ROWS:
+            return F.linear(x, weight, bias)
+        return torch.ops.mkl._mkl_linear(x, self.packed, weight, bias, rows)
 
     def linear_any_rows(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The packed product for every row count (oneDNN only: its packed kernel is as
-        fast as the plain one on large batches, and needs no unpacked weight)."""
-        assert self.kernel == "onednn"
+        """The packed product for every row count, with no unpacked weight needed (oneDNN
+        and avx2 only, `upcast_gemm`; for the float32 copies of bf16/fp16 weights)."""
+        assert self.kernel in ("onednn", "avx2")
         if x.numel() == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
+        if self.kernel == "avx2":
+            return self.sgemm.linear(x, self.packed, self.out_features, bias)
         return self._onednn_linear(x, bias)
 
     def verify(self, weight: torch.Tensor) -> bool:
@@ -209,7 +239,7 @@ class PackedWeight:
         for rows in (1, 7, _PACK_HINT_ROWS + 1):
             x = torch.randn(rows, weight.shape[1], generator=generator)
             expected = F.linear(x, weight)
-            got = self._packed_linear(x, weight, None, rows)
+            got = self.linear(x, weight)  # at most PACKED_MAX_ROWS rows: packed, for either kernel
             tolerance = 1e-4 * (1.0 + expected.abs().max().item())
             if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=tolerance):
                 return False

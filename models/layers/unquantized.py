@@ -1,13 +1,13 @@
 """The unquantised linear methods, one per platform.
 
 `UnquantizedLinearMethod` is plain `F.linear` (CUDA, and the CPU with packing off).
-`CPUUnquantizedLinearMethod` adds, after loading, a packed copy (MKL or oneDNN, by CPU)
-of a float32 weight for decode-sized batches (`models/layers/cpu_gemm.py`): the CPU
+`CPUUnquantizedLinearMethod` adds, after loading, a packed copy (MKL, oneDNN or our AVX2
+kernel, by CPU) of a float32 weight (`models/layers/cpu_gemm.py`): the CPU
 counterpart of what vLLM's CPU backend does with oneDNN in
 `process_weights_after_loading`. Both serve
 the parallel linear layers and the LM head; `LayerBuildConfig` picks one per layer.
 
-Memory: the packed copy is held next to the original weight, which stays for the
+Memory: the packed copy is held next to the original weight, which stays for MKL's
 large-batch path, a tied embedding and `state_dict()`; so packed weights take twice
 their size. It is made in `process_weights_after_loading`, inside the worker's
 "weights" memory pool, so KV-cache sizing sees it.
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.layers.cpu_gemm import (PackedWeight, can_pack, lacks_native_gemm, packing_available,
-                                    reusing_upcast_buffer, upcast_float32)
+                                    reusing_upcast_buffer, upcast_float32, upcast_gemm)
 from models.layers.quantization.base import LinearMethodBase
 
 logger = logging.getLogger(__name__)
@@ -43,10 +43,11 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
     F.linear on this build: the layout being independent of the row count is library
     behaviour, not an API promise, so each weight is checked when it is packed).
 
-    A bfloat16/float16 weight on a CPU with no GEMM for its dtype is `upcast`: a
-    oneDNN-packed float32 copy computes every product in float32 (the input cast up,
-    the output back), which is what oneDNN would do anyway, converting the weight on
-    each call. That copy is twice the weight's size.
+    A bfloat16/float16 weight on a CPU with no GEMM for its dtype is `upcast`: a packed
+    float32 copy (oneDNN's, or the avx2 kernel's where that packs: `upcast_gemm`)
+    computes every product in float32 (the input cast up, the output back), which is
+    what oneDNN would do anyway, converting the weight on each call. That copy is twice
+    the weight's size.
     """
 
     def __init__(self, kernel: str) -> None:
@@ -60,7 +61,7 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
         self.packed, self.upcast = None, False
         if lacks_native_gemm(layer.weight):
             weight32 = upcast_float32(layer.weight)
-            packed = PackedWeight(weight32, "onednn")
+            packed = PackedWeight(weight32, upcast_gemm(self.kernel))
             if packed.verify(weight32):
                 self.packed, self.upcast = packed, True
             return

@@ -9,32 +9,26 @@ with vLLM. `paged_decode.c` (under 200 lines) reads each sequence's own blocks w
 they lie in the paged cache, with no gather, no padding and no mask, and returns the
 log-sum-exp too (the cascade merges with it).
 
-The source is compiled with the system's C compiler (`$CC`, default `cc`) for this CPU
-(`-march=native`) the first time a process needs it, into
-`$TP_RUNTIME_CACHE/kernels/` (default `~/.cache/tp-runtime`), keyed by the source, the
-compiler, the flags and the CPU's feature flags, so later processes only load it (a few
-ms). When there is no compiler, the build fails, or `TP_CPU_PAGED_DECODE=0` is set,
-`load()` returns None and the backend keeps its torch path: the kernel is a speed-up,
-never a requirement. Nothing is left behind by a failed build.
+The source is compiled for this CPU (`-march=native`) the first time a process needs
+it and cached (models/layers/native_build.py). When there is no compiler, the build
+fails, or `TP_CPU_PAGED_DECODE=0` is set, `load()` returns None and the backend keeps
+its torch path: the kernel is a speed-up, never a requirement.
 
-Called by `CPUAttentionBackend` on every rank (each loads the same file; two ranks
-building at once each write their own temporary directory and rename into place).
+Called by `CPUAttentionBackend` on every rank.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from models.layers.native_build import build_or_load_library
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +39,6 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 # vectorised softmax calls.
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lmvec", "-lm")  # after the object, or --as-needed drops them
-_BUILD_TIMEOUT_S = 120
 
 _DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 _INPUT_ERRORS = {
@@ -53,54 +46,6 @@ _INPUT_ERRORS = {
     3: "paged decode: a block table entry is outside the cache's {blocks} blocks",
     4: "paged decode: block_tables has {width} columns, too few for a sequence length (block size {block_size})",
 }
-
-
-def kernels_dir() -> Path:
-    # The root is engine.entrypoints.demo_model.cache_root's (not importable from here).
-    root = os.environ.get("TP_RUNTIME_CACHE") or Path.home() / ".cache" / "tp-runtime"
-    return Path(root) / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler_identity(compiler: str) -> str:
-    """The compiler's resolved file, size and mtime: changes when it is replaced or
-    upgraded, and costs a stat where `cc --version` cost a process (every rank, every
-    start). Raises FileNotFoundError for a compiler that is not there."""
-    found = shutil.which(compiler)
-    if found is None:
-        raise FileNotFoundError(f"no C compiler {compiler!r} on PATH (set CC)")
-    real = os.path.realpath(found)
-    st = os.stat(real)
-    return f"{real}:{st.st_size}:{st.st_mtime_ns}"
-
-
-def _build(compiler: str, target: Path) -> None:
-    """Compile SOURCE into `target` via a private temporary directory beside it, load
-    it there (a library that does not load is never cached), then rename (atomic: a
-    concurrent reader sees no file or the whole new one)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
-    try:
-        obj, lib = work / "paged_decode.o", work / "paged_decode.so"
-        for cmd in ([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-                    [compiler, *LINK_FLAGS, str(obj), *LINK_LIBS, "-o", str(lib)]):
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
-            if proc.returncode != 0:
-                raise OSError(f"`{' '.join(cmd)}` exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
-        PagedDecodeKernel(ctypes.CDLL(str(lib)), lib)
-        os.replace(lib, target)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 class PagedDecodeKernel:
@@ -168,15 +113,10 @@ def build_or_load() -> PagedDecodeKernel | None:
     reason is logged) or `TP_CPU_PAGED_DECODE=0`. Reads the environment on each call."""
     if os.environ.get("TP_CPU_PAGED_DECODE", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or "cc"
     try:
-        identity = _compiler_identity(compiler)
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), identity, *COMPILE_FLAGS, *LINK_FLAGS,
-                                        *LINK_LIBS, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
-        target = kernels_dir() / f"paged_decode-{key}.so"
-        if not target.is_file():
-            _build(compiler, target)
-        return PagedDecodeKernel(ctypes.CDLL(str(target)), target)
+        lib, path = build_or_load_library(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBS,
+                                          lambda lib: PagedDecodeKernel(lib, Path()))
+        return PagedDecodeKernel(lib, path)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         logger.warning("CPU paged decode kernel unavailable (%s); decode attention uses torch's SDPA", e)
         return None

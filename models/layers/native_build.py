@@ -1,0 +1,97 @@
+"""Compile a small C kernel for this CPU on first use, and cache the library.
+
+The CPU kernels we ship as source (`attention/backends/paged_decode.c`, `cpu_sgemm.c`)
+come without a build step at install time: a wheel cannot know the CPU it will run
+on, and `-march=native` is where their speed comes from. The first process that needs
+one compiles it with the system's C compiler (`$CC`, default `cc`) into
+`$TP_RUNTIME_CACHE/kernels/` (default `~/.cache/tp-runtime`), keyed by the source, the
+compiler, the flags and the CPU's feature flags; later processes only load it (a few
+ms). torch's cpp_extension would need a C++ toolchain, ninja and Python headers for what
+is one C file and one ctypes call.
+
+Called by each kernel's loader on every rank (each loads the same file; two ranks
+building at once each write their own temporary directory and rename into place). A
+library that does not load is never cached, and a failed build leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+_BUILD_TIMEOUT_S = 120
+
+
+def kernels_dir() -> Path:
+    # The root is engine.entrypoints.demo_model.cache_root's (not importable from here).
+    root = os.environ.get("TP_RUNTIME_CACHE") or Path.home() / ".cache" / "tp-runtime"
+    return Path(root) / "kernels"
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags line (/proc/cpuinfo), or the processor name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler_identity(compiler: str) -> str:
+    """The compiler's resolved file, size and mtime: changes when it is replaced or
+    upgraded, and costs a stat where `cc --version` cost a process (every rank, every
+    start). Raises FileNotFoundError for a compiler that is not there."""
+    found = shutil.which(compiler)
+    if found is None:
+        raise FileNotFoundError(f"no C compiler {compiler!r} on PATH (set CC)")
+    real = os.path.realpath(found)
+    st = os.stat(real)
+    return f"{real}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _build(compiler: str, source: Path, compile_flags: Sequence[str], link_flags: Sequence[str],
+           link_libs: Sequence[str], check: Callable[[ctypes.CDLL], object], target: Path) -> None:
+    """Compile `source` into `target` via a private temporary directory beside it, load
+    and `check` it there, then rename (atomic: a concurrent reader sees no file or the
+    whole new one)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
+    try:
+        obj, lib = work / f"{source.stem}.o", work / f"{source.stem}.so"
+        for cmd in ([compiler, *compile_flags, "-c", str(source), "-o", str(obj)],
+                    [compiler, *link_flags, str(obj), *link_libs, "-o", str(lib)]):
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+            if proc.returncode != 0:
+                raise OSError(f"`{' '.join(cmd)}` exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+        check(ctypes.CDLL(str(lib)))
+        os.replace(lib, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def build_or_load_library(source: Path, compile_flags: Sequence[str], link_flags: Sequence[str],
+                          link_libs: Sequence[str], check: Callable[[ctypes.CDLL], object]
+                          ) -> tuple[ctypes.CDLL, Path]:
+    """The library built from `source` for this machine, and its path: loaded from the
+    cache, or compiled first. `check(lib)` must raise (AttributeError for a missing
+    symbol, OSError) if a freshly built library is unusable. Raises OSError (no
+    compiler, a failed compile or load), subprocess.SubprocessError (a compiler that
+    hangs) or what `check` raises; the caller decides the fallback."""
+    compiler = os.environ.get("CC") or "cc"
+    identity = _compiler_identity(compiler)
+    key = hashlib.sha256("\0".join([source.read_text(), identity, *compile_flags, *link_flags, *link_libs,
+                                    platform.machine(), cpu_flags()]).encode()).hexdigest()[:16]
+    target = kernels_dir() / f"{source.stem}-{key}.so"
+    if not target.is_file():
+        _build(compiler, source, compile_flags, link_flags, link_libs, check, target)
+    return ctypes.CDLL(str(target)), target
