@@ -1,9 +1,10 @@
 """Packed float32 GEMM on the CPU (models/layers/cpu_gemm.py): MKL, oneDNN and the avx2 kernel.
 
 The packed product must equal F.linear (to float32 reassociation) for every row count
-it serves, with and without bias and for 3-D input: oneDNN's every row count, MKL's up
-to PACKED_MAX_ROWS, above which it must be F.linear itself. Loading packs every unquantised float32 linear layer and the LM head
-(tied or not) and nothing else, leaves `state_dict()` unchanged, gives the logits of an
+it serves, with and without bias and for 3-D input: oneDNN's and the avx2 kernel's every
+row count, MKL's up to PACKED_MAX_ROWS, above which it must be F.linear itself. Loading
+packs every unquantised float32 linear layer and the LM head (tied or not) with the
+default kernel and nothing else, leaves `state_dict()` unchanged, gives the logits of an
 unpacked model, and is switched off by `cpu_prepack_weights=False`. Weights changed
 after loading take effect once `prepack_cpu_weights` runs again.
 """
