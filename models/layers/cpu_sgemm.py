@@ -1,16 +1,17 @@
 """A float32 GEMM for packed weights on AVX2 CPUs without AVX-512: a small C kernel.
 
-On the AMD dev VM (Zen 3, AVX2) oneDNN's packed product reaches 66-74 GFLOP/s on the
-two cores at 32 rows (a decode step's batch) over a 100M llama's layers; the 6x16
-register tiles of `cpu_sgemm.c`, over the weight packed into 16-column panels, reach
-88-96 GFLOP/s there (1.3-1.4x at 16-48 rows, about 1.1x at 64-128, on par from 256 to
-2048 rows), so one packed copy serves every row count. MKL and oneDNN pick AVX-512
-kernels where the CPU has them, which an AVX2 kernel cannot match; `cpu_gemm.
-default_packed_gemm` only picks this one on CPUs without AVX-512 (and not on Intel,
-where MKL's packed product is the measured default).
+On the AMD dev VM (Zen 3, AVX2) oneDNN's packed product reaches 64-74 GFLOP/s on the
+two cores at 32 rows (a decode step's batch) over a 100M llama's 12 layers (weights
+streamed from memory, as in a step); the 6x16 register tiles of `cpu_sgemm.c`, over the
+weight packed into 16-column panels, reach 82-96 GFLOP/s there: 1.5x oneDNN at 1-16
+rows, 1.2-1.3x at 32-48, on par (0.93-1.07x) from 64 to 1536 rows. So one packed copy
+serves every row count, in the memory oneDNN's copy took. MKL and oneDNN pick AVX-512
+kernels where the CPU has them, which an AVX2 kernel cannot match, so
+`cpu_gemm.default_packed_gemm` only picks this one on CPUs without AVX-512 (and not on
+Intel, where MKL's packed product is the measured default).
 
-Built on first use like the other CPU kernels (models/layers/native_build.py); no
-compiler, a failed build or no AVX2/FMA: `load()` returns None, logged, and the linear
+Built on first use like the other CPU kernels (models/layers/native_build.py). With no
+AVX2/FMA, no compiler or a failed build (logged), `load()` returns None and the linear
 method packs with oneDNN instead. Called on every rank, once per process.
 """
 
