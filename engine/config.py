@@ -200,8 +200,8 @@ class CacheConfig:
 @dataclass
 class DeviceConfig:
     device: str = "auto"
-    # Linear weights on the CPU get a packed copy for decode-sized batches
-    # (models/layers/unquantized.py): faster decode, more memory for the linear weights.
+    # Linear weights on the CPU get a packed copy (models/layers/unquantized.py): faster
+    # GEMMs (decode above all), more memory for the linear weights.
     cpu_prepack_weights: bool = True
     # Which cores each CPU rank runs on: "auto" | "none" | "0-3|4-7" (worker/cpu_affinity.py).
     cpu_threads_bind: str = "auto"

@@ -24,8 +24,8 @@ from models.layers.quantization.base import LinearMethodBase, QuantizationConfig
 class LayerBuildConfig:
     quant_config: QuantizationConfig | None = None
     device_type: str = "cpu"  # where the weights will live: "cpu" | "cuda"
-    # float32 weights on the CPU get a packed copy for decode-sized batches
-    # (models/layers/unquantized.py): faster decode, twice the linear weights' memory.
+    # float32 weights on the CPU get a packed copy (models/layers/unquantized.py): faster
+    # GEMMs (decode above all), twice the linear weights' memory.
     cpu_prepack_weights: bool = False
     cpu_packed_gemm: str = "mkl"  # which kernel packs: cpu_gemm.PACKED_GEMMS (cpu_gemm.default_packed_gemm)
 
