@@ -19,15 +19,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 from pathlib import Path
 
 import torch
 
-from models.layers.native_build import build_or_load_library, cpu_flags
-
-logger = logging.getLogger(__name__)
+from models.layers.native_build import cpu_flags, load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_sgemm.c")
 COMPILE_FLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-fPIC")
@@ -93,13 +89,8 @@ def build_or_load() -> CpuSgemmKernel | None:
     FMA, or where it cannot be built (the reason is logged)."""
     if not cpu_has_avx2():
         return None
-    try:
-        lib, path = build_or_load_library(SOURCE, COMPILE_FLAGS, LINK_FLAGS, (),
-                                          lambda lib: CpuSgemmKernel(lib, Path()))
-        return CpuSgemmKernel(lib, path)
-    except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        logger.warning("CPU sgemm kernel unavailable (%s); packed float32 weights use oneDNN", e)
-        return None
+    return load_kernel(SOURCE, COMPILE_FLAGS, LINK_FLAGS, (), CpuSgemmKernel,
+                       "CPU sgemm kernel unavailable (%s); packed float32 weights use oneDNN")
 
 
 # Once per process: every layer shares the loaded library.

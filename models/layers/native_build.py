@@ -17,7 +17,9 @@ library that does not load is never cached, and a failed build leaves nothing be
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -25,8 +27,12 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
+
+logger = logging.getLogger(__name__)
 
 _BUILD_TIMEOUT_S = 120
+T = TypeVar("T")
 
 
 def kernels_dir() -> Path:
@@ -35,8 +41,10 @@ def kernels_dir() -> Path:
     return Path(root) / "kernels"
 
 
+@functools.cache
 def cpu_flags() -> str:
-    """The CPU's feature flags line (/proc/cpuinfo), or the processor name."""
+    """The CPU's feature flags line (/proc/cpuinfo), or the processor name; read once per
+    process (every kernel's cache key and CPU check asks for it)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -95,3 +103,16 @@ def build_or_load_library(source: Path, compile_flags: Sequence[str], link_flags
     if not target.is_file():
         _build(compiler, source, compile_flags, link_flags, link_libs, check, target)
     return ctypes.CDLL(str(target)), target
+
+
+def load_kernel(source: Path, compile_flags: Sequence[str], link_flags: Sequence[str], link_libs: Sequence[str],
+                wrap: Callable[[ctypes.CDLL, Path], T], unavailable: str) -> T | None:
+    """`wrap(library, path)` for the library built from `source` (`build_or_load_library`;
+    `wrap` also checks a fresh build), or None where it cannot be built or loaded, logged
+    as the warning `unavailable` with the reason in its one %s."""
+    try:
+        lib, path = build_or_load_library(source, compile_flags, link_flags, link_libs, lambda lib: wrap(lib, Path()))
+        return wrap(lib, path)
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        logger.warning(unavailable, e)
+        return None

@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
-import subprocess
 from pathlib import Path
 
 import torch
 
-from models.layers.native_build import build_or_load_library
+from models.layers.native_build import load_kernel
 
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
@@ -113,13 +110,8 @@ def build_or_load() -> PagedDecodeKernel | None:
     reason is logged) or `TP_CPU_PAGED_DECODE=0`. Reads the environment on each call."""
     if os.environ.get("TP_CPU_PAGED_DECODE", "1") == "0":
         return None
-    try:
-        lib, path = build_or_load_library(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBS,
-                                          lambda lib: PagedDecodeKernel(lib, Path()))
-        return PagedDecodeKernel(lib, path)
-    except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        logger.warning("CPU paged decode kernel unavailable (%s); decode attention uses torch's SDPA", e)
-        return None
+    return load_kernel(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBS, PagedDecodeKernel,
+                       "CPU paged decode kernel unavailable (%s); decode attention uses torch's SDPA")
 
 
 # Once per process: every layer and every engine of a process shares the loaded library.
