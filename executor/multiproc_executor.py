@@ -63,6 +63,7 @@ from executor.message_queue_writer import MessageQueueWriter
 from executor.rpc import SHUTDOWN, ReadyMessage, RPCMethod, RPCReply, RPCRequest, plan_call
 from executor.shm_ring import RingLayout, RingSpec
 from executor.worker_proc import WorkerProc
+from worker.cpu_affinity import allowed_cpus, spare_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +232,8 @@ class MultiprocExecutor(Executor):
         self._broadcast_owner = self._track(MessageQueueOwner(ws, **mq))
         self._reply_owners = [self._track(MessageQueueOwner(1, **mq)) for _ in range(ws)]
         self._broadcast = self._track(MessageQueueWriter(self._broadcast_owner.export_handle()))
-        self._replies = [self._track(MessageQueueReader(q.export_handle(), 0)) for q in self._reply_owners]
+        self._replies = [self._track(MessageQueueReader(q.export_handle(), 0, spin=self._engine_may_spin()))
+                         for q in self._reply_owners]
 
         ctx = _mp_context()
         env = {k: v for k, v in os.environ.items() if k.startswith("TP_")}
@@ -264,6 +266,17 @@ class MultiprocExecutor(Executor):
         self.startup_timings["startup_total"] = time.perf_counter() - start
         self._monitor = threading.Thread(target=self._monitor_workers, name="worker-monitor", daemon=True)
         self._monitor.start()
+
+    def _engine_may_spin(self) -> bool:
+        """Whether this process may busy-wait for replies: not on a CPU host whose cores
+        all run ranks (cpu_threads_bind "auto" uses every core, "none" lets each rank
+        use them all), where a spin, while the ranks run a step of tens of ms, only
+        takes time from the rank on the same core. A core left to no rank, or a GPU
+        device, keeps the short spin that saves a wake-up per call."""
+        device = self.config.device_config
+        if device.device_type != "cpu":
+            return True
+        return bool(spare_cpus(device.cpu_threads_bind, self.world_size, allowed_cpus()))
 
     def _track(self, queue: _Q) -> _Q:
         self._queues.append(queue)

@@ -126,7 +126,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The causal LM: `forward(input_ids [T], positions [T]) -> hidden [T, hidden_size]`,
-    `compute_logits(hidden) -> [T, vocab_size]` on every rank."""
+    `compute_logits(hidden) -> [T, vocab_size]` on every rank, and
+    `compute_greedy_tokens(hidden) -> [T]`, their argmax, without gathering them."""
 
     qkv_bias = False
     default_tie_word_embeddings = False
@@ -158,6 +159,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)
+
+    def compute_greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_greedy_tokens(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(

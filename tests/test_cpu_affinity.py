@@ -11,7 +11,7 @@ import pytest
 
 from engine.config import ConfigError, EngineConfig
 from engine.core import EngineCore
-from worker.cpu_affinity import CpuBindError, allowed_cpus, cpu_binds
+from worker.cpu_affinity import CpuBindError, allowed_cpus, cpu_binds, spare_cpus
 
 CORES = allowed_cpus()
 needs_two_cores = pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to pin two ranks apart")
@@ -72,3 +72,24 @@ def test_two_engines_with_disjoint_binds_share_no_core(tiny_models):
         (cores_b, _), = second.collective_rpc(_affinity)
         assert cores_a == [CORES[0]] and cores_b == [CORES[1]]
         assert not set(cores_a) & set(cores_b)
+
+
+def test_the_engine_spins_for_replies_only_on_a_core_no_rank_runs_on():
+    """The cores left to no rank: the engine busy-waits for its ranks only there."""
+    assert spare_cpus("auto", 2, [0, 1, 2, 3]) == set()  # auto hands every core to a rank
+    assert spare_cpus("auto", 2, [0, 1, 2, 3, 4]) == {4}  # 5 cores, 2 ranks of 2
+    assert spare_cpus("0|1", 2, [0, 1, 2]) == {2}
+    assert spare_cpus("none", 2, [0, 1, 2, 3]) == set()  # unpinned ranks use every core
+    assert spare_cpus("auto", 4, [0, 1]) == set()  # fewer cores than ranks: none pinned
+    with pytest.raises(CpuBindError):
+        spare_cpus("0|0", 2, [0, 1])
+
+
+@needs_two_cores
+def test_a_cpu_engine_whose_ranks_take_every_core_waits_for_replies_without_spinning(tiny_models):
+    with _engine(tiny_models["llama"], 2) as core:  # auto: every core runs a rank
+        assert [reply._spin for reply in core.model_executor._replies] == [False, False]
+    spare = f"{CORES[0]}|{CORES[1]}" if len(CORES) > 2 else None
+    if spare is not None:
+        with _engine(tiny_models["llama"], 2, cpu_threads_bind=spare) as core:
+            assert all(reply._spin for reply in core.model_executor._replies)

@@ -26,6 +26,7 @@ from models.layers.cpu_gemm import (
     PackedWeight,
     default_packed_gemm,
     mkl_packing_available,
+    native_half_gemm,
     onednn_rows,
     packing_available,
     reusing_upcast_buffer,
@@ -112,14 +113,17 @@ def test_loading_packs_linears_and_lm_head_and_keeps_logits(name, tiny_models):
         torch.testing.assert_close(logits_of(packed, ids), logits_of(plain, ids), rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_weights_get_a_float32_packed_copy_only_where_the_cpu_has_no_bf16_gemm(tiny_models):
+def test_bf16_weights_are_packed_natively_or_as_float32_where_the_cpu_has_no_bf16_gemm(tiny_models):
     bf16 = load(tiny_models["llama"], dtype="bfloat16")
     plain = load(tiny_models["llama"], dtype="bfloat16", cpu_prepack_weights=False)
-    upcast = not torch.ops.mkldnn._is_mkldnn_bf16_supported()  # False on AVX-512 BF16 / AMX CPUs
+    native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # AVX-512 BF16 / AMX CPUs
     for m in [*linears(bf16), bf16.lm_head]:
-        assert is_packed(m) == upcast and m.quant_method.upcast == upcast
-        if upcast:
-            assert m.quant_method.packed.kernel == upcast_gemm(default_packed_gemm())
+        assert is_packed(m) and m.quant_method.upcast == (not native)
+        packed = m.quant_method.packed
+        if native:  # oneDNN's bf16 GEMM on a bf16 copy in its own layout, whatever packs float32
+            assert packed.kernel == "onednn" and packed.dtype == torch.bfloat16
+        else:
+            assert packed.kernel == upcast_gemm(default_packed_gemm()) and packed.dtype == torch.float32
         assert m.weight.dtype == torch.bfloat16  # the checkpoint's copy stays as it was
     assert not any(is_packed(m) for m in [*linears(plain), plain.lm_head])
     for length in (5, PACKED_MAX_ROWS + 20):
@@ -128,6 +132,32 @@ def test_bf16_weights_get_a_float32_packed_copy_only_where_the_cpu_has_no_bf16_g
         assert got.dtype == expected.dtype == torch.bfloat16
         # Both accumulate in float32; they may round the bf16 outputs of a layer differently.
         torch.testing.assert_close(got.float(), expected.float(), rtol=0.05, atol=0.05 * expected.float().abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_packed_linear_matches_f_linear_where_the_cpu_has_the_gemm(dtype):
+    """oneDNN's packed bf16/fp16 product is F.linear's to the last bit but one (both
+    accumulate in float32 and round the output once) for every row count, with bias."""
+    supported = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+                 torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}[dtype]()
+    if not (packing_available("onednn") and supported):
+        pytest.skip(f"this CPU has no oneDNN {dtype} GEMM (needs AVX-512 BF16/FP16 or AMX)")
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(320, 128, generator=gen).to(dtype)
+    assert native_half_gemm(weight) and not native_half_gemm(weight.float())
+    bias = torch.randn(320, generator=gen).to(dtype)
+    packed = PackedWeight(weight, "onednn")
+    assert packed.verify(weight)
+    eps = torch.finfo(dtype).eps
+    for rows in [1, 2, 7, 31, 32, 33, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 300]:
+        x = torch.randn(rows, 128, generator=gen).to(dtype)
+        for b in (None, bias):
+            got, expected = packed.linear(x, weight, b), F.linear(x, weight, b)
+            assert got.dtype == dtype and got.shape == expected.shape
+            torch.testing.assert_close(got.float(), expected.float(), rtol=2 * eps, atol=2 * eps * expected.abs().max().item())
+    # A float32 input is not this copy's: the plain product serves it.
+    x = torch.randn(4, 128, generator=gen)
+    assert torch.equal(packed.linear(x, weight.float()), F.linear(x, weight.float()))
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "avx2"])

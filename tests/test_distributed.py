@@ -90,6 +90,7 @@ def test_shm_all_reduce_and_gather_equal_gloo_and_are_bit_identical_on_every_ran
             r = result[key]
             assert r["max_diff"] <= tolerance, (key, rank, r["max_diff"])
             assert r["ints_equal"], (key, rank)  # small integers sum exactly in any order
+            assert r["rank_order_sum"], (key, rank)  # float32 sums in rank order, rounded once
             assert r["digest"] == first["digest"], (key, rank)  # bit-identical across ranks
             assert r["gather_equal"], (key, rank)
 
@@ -122,3 +123,21 @@ def test_a_rank_killed_during_an_all_reduce_is_named_within_seconds_and_leaves_n
                 p.kill()
             p.join(timeout=10)
     assert _our_segments() <= before  # the name went as soon as both ranks had mapped it
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_greedy_tokens_equal_the_argmax_of_the_gathered_logits_on_every_rank(world_size):
+    """compute_greedy_tokens exchanges one (value, id) per row instead of the logits: it must
+    give the argmax of the gathered logits exactly, the first maximum on ties across
+    ranks, with padded vocabulary columns (250 -> 256) and ranks whose whole range is
+    padding (a 10-token vocabulary at TP=4) never chosen."""
+    from tests.tp_helpers import tp_greedy_tokens_vs_logits
+
+    results = run_tp(tp_greedy_tokens_vs_logits, world_size, [10, 250, 320], ["float32", "bfloat16"], timeout=300)
+    for key, first in results[0].items():
+        vocab = int(key.split("-")[1])
+        assert first["tokens"][0] == 0 and first["tokens"][1] == 1, key  # ties: the first maximum
+        assert all(0 <= t < vocab for t in first["tokens"]), key
+        for rank, result in enumerate(results):
+            assert result[key]["dtype"] == "torch.int64"
+            assert result[key]["tokens"] == result[key]["expected"] == first["tokens"], (key, rank)

@@ -183,3 +183,20 @@ def test_logprobs_include_sampled_token_outside_top_k() -> None:
 def test_shape_mismatch_raises() -> None:
     with pytest.raises(ValueError, match="num_requests=2"):
         Sampler()(torch.zeros(1, VOCAB), [sreq("a"), sreq("b")])
+
+
+def test_argmax_suffices_only_for_plain_greedy_rows_with_nothing_else_to_compute() -> None:
+    """The runner skips the sampler (and, at TP > 1, the logits all-gather) only when every
+    token is the raw argmax: a batch with any row that samples, processes its logits,
+    wants logprobs or has a token history kept here needs the whole logits."""
+    sampler = Sampler()
+    greedy = [sreq("a", temperature=0.0), sreq("b", temperature=0.7, top_k=1)]
+    assert sampler.argmax_suffices(greedy)
+    for other in (sreq("c", temperature=0.7), sreq("c", temperature=0.0, logprobs=0),
+                  sreq("c", temperature=0.0, repetition_penalty=1.2), sreq("c", temperature=0.0, min_tokens=3),
+                  sreq("c", temperature=0.0, logit_bias={3: 1.0}), sreq("c", temperature=0.0, allowed_token_ids=[1, 2])):
+        assert not sampler.argmax_suffices([*greedy, other]), other.sampling_params
+    sampler.add_history("a", [1, 2], [])  # e.g. prompt_logprobs: the sampler keeps its tokens
+    assert not sampler.argmax_suffices(greedy)
+    sampler.drop(["a"])
+    assert sampler.argmax_suffices(greedy)

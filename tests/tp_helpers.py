@@ -166,10 +166,17 @@ def tp_shm_vs_gloo(rank: int, world_size: int, port: int, sizes: list[int], dtyp
                 dist.all_reduce(gloo_ints)
                 ours, ours_ints = shm.all_reduce(x.clone()), shm.all_reduce(ints.clone())
                 key = f"{dtype_name}-{size}"
+                # The contract: every rank's input added in rank order in float32, rounded once.
+                inputs = [torch.randn(size, generator=torch.Generator().manual_seed(1000 * j + size)).to(dtype)
+                          for j in range(world_size)]
+                reference = inputs[0].float()
+                for other in inputs[1:]:
+                    reference = reference + other.float()
                 out[key] = {
                     "max_diff": (ours.float() - gloo.float()).abs().max().item() if size else 0.0,
                     "scale": gloo.float().abs().max().item() if size else 0.0,
                     "ints_equal": torch.equal(ours_ints, gloo_ints),
+                    "rank_order_sum": torch.equal(ours, reference.to(dtype)),
                     "digest": hashlib.sha256(ours.view(torch.uint8).numpy().tobytes()).hexdigest(),
                 }
                 parts = [torch.empty_like(x) for _ in range(world_size)]
@@ -206,3 +213,34 @@ def tp_rank_dies_in_all_reduce(rank: int, world_size: int, port: int, queue: Any
         queue.put((str(e), time.monotonic() - start))
     else:
         queue.put(("no error", time.monotonic() - start))
+
+
+def tp_greedy_tokens_vs_logits(rank: int, world_size: int, port: int, vocab_sizes: list[int],
+                               dtypes: list[str]) -> dict[str, Any]:
+    """For each vocabulary size and dtype: `ParallelLMHead.compute_greedy_tokens` next to the
+    argmax of its all-gathered `compute_logits`, on this rank, for hidden states whose
+    logits have ties (duplicated vocabulary rows) across the ranks' ranges."""
+    from models.layers.vocab_parallel_embedding import ParallelLMHead
+
+    init_tp(rank, world_size, port)
+    try:
+        out: dict[str, Any] = {}
+        for dtype_name in dtypes:
+            dtype = getattr(torch, dtype_name)
+            for vocab in vocab_sizes:
+                head = ParallelLMHead(vocab, 16).to(dtype)
+                table = torch.randn(vocab, 16, generator=torch.Generator().manual_seed(vocab)).to(dtype)
+                table[vocab - 1] = table[0]  # the same maximum in the first and the last range
+                table[vocab // 2] = table[1]
+                head.weight_loader(head.weight, table)
+                hidden = torch.randn(9, 16, generator=torch.Generator().manual_seed(7)).to(dtype)
+                hidden[0] = table[0] * 4  # row 0: tokens 0 and vocab - 1 tie at the top
+                hidden[1] = table[1] * 4  # row 1: tokens 1 and vocab // 2 tie
+                with torch.no_grad():
+                    tokens = head.compute_greedy_tokens(hidden)
+                    expected = head.compute_logits(hidden).float().max(dim=-1).indices
+                out[f"{dtype_name}-{vocab}"] = {"tokens": tokens.tolist(), "expected": expected.tolist(),
+                                                "dtype": str(tokens.dtype)}
+        return out
+    finally:
+        shutdown_tp()

@@ -70,3 +70,13 @@ def cpu_binds(spec: str, world_size: int, allowed: list[int]) -> list[set[int]] 
             if shared:
                 raise CpuBindError(f"cpu_threads_bind={spec!r}: ranks {other} and {rank} share cpu(s) {shared}")
     return groups
+
+
+def spare_cpus(spec: str, world_size: int, allowed: list[int]) -> set[int]:
+    """The cores of `allowed` that no local rank runs on under `spec`: none when the ranks
+    are not pinned ("none", or "auto" with fewer cores than ranks), since each rank's
+    threads then use every core. The engine busy-waits for its ranks only where one is
+    left (a spin on a rank's core takes time from that rank). Raises CpuBindError as
+    `cpu_binds`."""
+    binds = cpu_binds(spec, world_size, allowed)
+    return set() if binds is None else set(allowed).difference(*binds)

@@ -3,7 +3,9 @@
 Runs inside the worker process of one TP rank (or in-process for the uni executor).
 Every rank receives the same `SchedulerOutput`, runs the same forward pass (the
 collectives line up), gets the same all-gathered logits and samples the same tokens;
-only the output rank's result travels back to the engine. Platform-specific attention
+when every token of the step is a plain argmax (`Sampler.argmax_suffices`), the ranks
+exchange one (value, id) pair per row instead of the logits (`compute_greedy_tokens`).
+Only the output rank's result travels back to the engine. Platform-specific attention
 lives in the attention backend chosen for this rank's device; the runner only lays the
 step out (`AttentionMetadata`) and tells the backend which requests finished.
 """
@@ -175,9 +177,15 @@ class ModelRunner:
         sampled_reqs = [r for r in scheduler_output.scheduled if r.sample]
         if not sampled_reqs:
             return ModelRunnerOutput([], [], [], prompt_logprobs)
+        req_ids = [r.req_id for r in sampled_reqs]
+        if hasattr(model, "compute_greedy_tokens") and self.sampler.argmax_suffices(sampled_reqs):
+            # The argmax alone: at TP > 1 the ranks exchange one (value, id) per row
+            # instead of all-gathering [rows, vocab] logits.
+            tokens = model.compute_greedy_tokens(hidden[sample_rows]).tolist()
+            return ModelRunnerOutput(req_ids, tokens, [None] * len(tokens), prompt_logprobs)
         logits = model.compute_logits(hidden[sample_rows]).float().cpu()
         tokens, logprobs = self.sampler(logits, sampled_reqs, self.config.seed)
-        return ModelRunnerOutput([r.req_id for r in sampled_reqs], tokens, logprobs, prompt_logprobs)
+        return ModelRunnerOutput(req_ids, tokens, logprobs, prompt_logprobs)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, scheduler_output: SchedulerOutput

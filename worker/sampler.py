@@ -65,6 +65,18 @@ class Sampler:
         for req_id in req_ids:
             self._histories.pop(req_id, None)
 
+    def argmax_suffices(self, requests: list[ScheduledRequest]) -> bool:
+        """Whether every request's token is the plain argmax of its raw logits and nothing
+        else is needed: greedy, no logits processor, no logprobs, no history kept here
+        (which `__call__` would extend). The runner then asks the model for the argmax
+        alone (`compute_greedy_tokens`). Depends only on the step's requests and what
+        was sent with them, so it is the same on every rank."""
+        return all(
+            r.sampling_params.is_greedy and not r.sampling_params.processes_logits
+            and r.sampling_params.logprobs is None and r.req_id not in self._histories
+            for r in requests
+        )
+
     def __call__(
         self,
         logits: torch.Tensor,

@@ -1,9 +1,10 @@
 """The unquantised linear methods, one per platform.
 
 `UnquantizedLinearMethod` is plain `F.linear` (CUDA, and the CPU with packing off).
-`CPUUnquantizedLinearMethod` adds, after loading, a packed copy (MKL, oneDNN or our AVX2
-kernel, by CPU) of a float32 weight (`models/layers/cpu_gemm.py`): the CPU
-counterpart of what vLLM's CPU backend does with oneDNN in
+`CPUUnquantizedLinearMethod` adds, after loading, a packed copy of the weight
+(`models/layers/cpu_gemm.py`): a float32 weight packed by MKL, oneDNN or our AVX2
+kernel (by CPU), a bfloat16/float16 one by oneDNN in its own dtype where the CPU has a
+GEMM for it: the CPU counterpart of what vLLM's CPU backend does with oneDNN in
 `process_weights_after_loading`. Both serve
 the parallel linear layers and the LM head; `LayerBuildConfig` picks one per layer.
 
@@ -21,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.cpu_gemm import (PackedWeight, can_pack, lacks_native_gemm, packing_available,
-                                    reusing_upcast_buffer, upcast_float32, upcast_gemm)
+from models.layers.cpu_gemm import (PackedWeight, can_pack, lacks_native_gemm, native_half_gemm,
+                                    packing_available, reusing_upcast_buffer, upcast_float32, upcast_gemm)
 from models.layers.quantization.base import LinearMethodBase
 
 logger = logging.getLogger(__name__)
@@ -43,15 +44,16 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
     F.linear on this build: the layout being independent of the row count is library
     behaviour, not an API promise, so each weight is checked when it is packed).
 
-    A bfloat16/float16 weight on a CPU with no GEMM for its dtype is `upcast`: a packed
-    float32 copy (oneDNN's, or the avx2 kernel's where that packs: `upcast_gemm`)
-    computes every product in float32 (the input cast up, the output back), which is
-    what oneDNN would do anyway, converting the weight on each call. That copy is twice
-    the weight's size.
+    A bfloat16/float16 weight is packed by oneDNN in its own dtype where the CPU has a
+    GEMM for it (`native_half_gemm`: AVX-512 BF16/FP16, AMX), whatever `kernel` packs
+    float32. On a CPU with none it is `upcast`: a packed float32 copy (oneDNN's, or the
+    avx2 kernel's where that packs: `upcast_gemm`) computes every product in float32
+    (the input cast up, the output back), which is what oneDNN would do anyway,
+    converting the weight on each call. That copy is twice the weight's size.
     """
 
     def __init__(self, kernel: str) -> None:
-        self.kernel = kernel  # "mkl" | "onednn"
+        self.kernel = kernel  # PACKED_GEMMS: the float32 one
         self.packed: PackedWeight | None = None
         self.upcast = False
 
@@ -65,12 +67,16 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
             if packed.verify(weight32):
                 self.packed, self.upcast = packed, True
             return
-        if not (packing_available(self.kernel) and can_pack(layer.weight)):
+        if native_half_gemm(layer.weight):
+            kernel = "onednn"
+        elif packing_available(self.kernel) and can_pack(layer.weight):
+            kernel = self.kernel
+        else:
             return
-        packed = PackedWeight(layer.weight, self.kernel)
+        packed = PackedWeight(layer.weight, kernel)
         if not packed.verify(layer.weight):
-            logger.warning("%s packed GEMM does not match F.linear for a %s weight; using the plain path",
-                           self.kernel, tuple(layer.weight.shape))
+            logger.warning("%s packed GEMM does not match F.linear for a %s %s weight; using the plain path",
+                           kernel, tuple(layer.weight.shape), layer.weight.dtype)
             return
         self.packed = packed
 

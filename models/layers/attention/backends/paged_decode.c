@@ -100,7 +100,19 @@ INLINE void attend(const Args *a, int bf16, const int64_t D, int64_t g, int64_t 
             const int64_t block = table[pos / bs], first = pos % bs;
             const int64_t count = (bs - first < n - j) ? bs - first : n - j;
             const char *base = cache + ((block * 2 + pass) * kv_elems + first * slot_elems + h0 * D) * esize;
+            /* The next block's rows of this pass, fetched while this block is computed: the
+             * blocks of a sequence lie anywhere in the cache, so the hardware prefetcher
+             * only catches up within a block. */
+            const char *next = NULL;
+            if (j + count < n) {
+                const int64_t npos = a->start + j + count;
+                next = cache + ((table[npos / bs] * 2 + pass) * kv_elems + h0 * D) * esize;
+            }
+            const int64_t row_bytes = (h1 - h0) * D * esize;
             for (int64_t t = 0; t < count; ++t, ++j) {
+                if (next)
+                    for (int64_t off = 0; off < row_bytes; off += 64)
+                        __builtin_prefetch(next + (first + t) * slot_elems * esize + off, 0, 3);
                 const float *x = as_float(base + t * slot_elems * esize, bf16, row, (h1 - h0) * D);
                 for (int64_t hh = 0; hh < h1 - h0; ++hh) {
                     const float *xh = x + hh * D;
