@@ -202,7 +202,8 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new
         params = request.sampling_params
-        # The runner forgot a preempted request's history: it gets it again at re-admission.
+        # The runner forgot a preempted request's params and history: it gets them again
+        # at re-admission.
         send_history = admitted and (params.needs_history or params.prompt_logprobs is not None)
         return ScheduledRequest(
             req_id=request.request_id,
@@ -210,7 +211,7 @@ class Scheduler:
             start_pos=start,
             block_ids=list(request.block_ids),
             sample=end == request.num_tokens,
-            sampling_params=request.sampling_params,
+            sampling_params=params if admitted else None,
             num_output_tokens=request.num_output_tokens,
             history=(list(request.prompt_token_ids), list(request.output_token_ids)) if send_history else None,
         )

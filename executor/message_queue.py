@@ -180,8 +180,9 @@ class QueueEndpoint:
         self._sockets.append(sock)
         return sock
 
-    def _spin_end(self, deadline: float | None) -> float:
-        return min(time.monotonic() + _SPIN_S, math.inf if deadline is None else deadline)
+    def _spin_end(self, deadline: float | None, spin_s: float | None = None) -> float:
+        spin = _SPIN_S if spin_s is None else spin_s
+        return min(time.monotonic() + spin, math.inf if deadline is None else deadline)
 
     def _check_open(self) -> None:
         if self._closed.is_set():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import pickle
 import time
 from typing import Any
@@ -24,16 +23,16 @@ class MessageQueueReader(QueueEndpoint):
     reader sees every message. Holds the ring's mapping and at most one overflow
     payload at a time. Raises ValueError on a rank outside the handle's range.
 
-    ``spin`` False: a dequeue that finds nothing sleeps at once instead of first
-    busy-waiting ``_SPIN_S``, for a reader whose process shares its cores with
+    ``spin_s``: how long a dequeue that finds nothing busy-waits before it sleeps
+    (default ``_SPIN_S``); 0 for a reader whose process shares its cores with
     processes that compute (the engine of a CPU executor, waiting on its ranks).
     """
 
-    def __init__(self, handle: MessageQueueHandle, rank: int, spin: bool = True) -> None:
+    def __init__(self, handle: MessageQueueHandle, rank: int, spin_s: float | None = None) -> None:
         if not 0 <= rank < handle.n_reader:
             raise ValueError(f"reader_rank {rank} not in [0, {handle.n_reader})")
         self._rank = rank
-        self._spin = spin
+        self.spin_s = spin_s
         super().__init__(handle)
 
     def _connect(self) -> None:
@@ -70,7 +69,7 @@ class MessageQueueReader(QueueEndpoint):
 
     def _wait_readable(self, ring: ShmRing, deadline: float | None) -> None:
         idx, rank = self._idx, self._rank
-        spin_end = self._spin_end(deadline) if self._spin else -math.inf
+        spin_end = self._spin_end(deadline, self.spin_s)
         while not ring.readable(idx, rank):
             self._check_open()
             if time.monotonic() >= spin_end:

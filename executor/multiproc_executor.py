@@ -232,7 +232,8 @@ class MultiprocExecutor(Executor):
         self._broadcast_owner = self._track(MessageQueueOwner(ws, **mq))
         self._reply_owners = [self._track(MessageQueueOwner(1, **mq)) for _ in range(ws)]
         self._broadcast = self._track(MessageQueueWriter(self._broadcast_owner.export_handle()))
-        self._replies = [self._track(MessageQueueReader(q.export_handle(), 0, spin=self._engine_may_spin()))
+        spin_s = None if self._engine_may_spin() else 0.0
+        self._replies = [self._track(MessageQueueReader(q.export_handle(), 0, spin_s=spin_s))
                          for q in self._reply_owners]
 
         ctx = _mp_context()

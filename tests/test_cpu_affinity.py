@@ -88,8 +88,8 @@ def test_the_engine_spins_for_replies_only_on_a_core_no_rank_runs_on():
 @needs_two_cores
 def test_a_cpu_engine_whose_ranks_take_every_core_waits_for_replies_without_spinning(tiny_models):
     with _engine(tiny_models["llama"], 2) as core:  # auto: every core runs a rank
-        assert [reply._spin for reply in core.model_executor._replies] == [False, False]
+        assert [reply.spin_s for reply in core.model_executor._replies] == [0.0, 0.0]
     spare = f"{CORES[0]}|{CORES[1]}" if len(CORES) > 2 else None
     if spare is not None:
         with _engine(tiny_models["llama"], 2, cpu_threads_bind=spare) as core:
-            assert all(reply._spin for reply in core.model_executor._replies)
+            assert all(reply.spin_s is None for reply in core.model_executor._replies)  # the default spin

@@ -261,6 +261,19 @@ def test_greedy_tp2_matches_tp1(tiny_models, engine_tp2):
     assert got == ref
 
 
+def test_a_step_whose_request_never_got_its_sampling_params_is_an_error_naming_it(tiny_models, engine_tp2):
+    """Params travel once, with a request's admission; a later step of a request the ranks
+    never saw admitted is refused on every rank, before any collective, and the engine
+    goes on serving."""
+    from worker.outputs import ScheduledRequest, SchedulerOutput
+
+    stray = ScheduledRequest("never-admitted", [5], 3, [0], True, None, 1)
+    with pytest.raises(RemoteWorkerError, match="never-admitted"):
+        engine_tp2.collective_rpc("execute_model", args=(SchedulerOutput([stray], [], 1),))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert len(engine_tp2.generate([[1, 2, 3]], params)[0].token_ids) == 4
+
+
 # ---------------------------------------------------------------- lifetime
 
 

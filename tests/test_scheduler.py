@@ -65,6 +65,7 @@ class FakeRunner:
         self.scheduler = scheduler
         self.expected = expected or {}
         self.computed: dict[str, int] = {}  # runner-side state, like a real KV table
+        self.params: dict[str, SamplingParams] = {}  # sent once per admission, kept till finished
         self.steps: list[SchedulerOutput] = []
 
     def tokens_for(self, req_id: str) -> list[int]:
@@ -80,10 +81,19 @@ class FakeRunner:
         assert len({s.req_id for s in out.scheduled}) == len(out.scheduled)
         for req_id in out.finished_req_ids:
             self.computed.pop(req_id, None)
+            self.params.pop(req_id, None)
         used_blocks: list[int] = []
         req_ids, tokens, logprobs = [], [], []
         for s in out.scheduled:
             req = sched.requests[s.req_id]
+            # Params come with the step that (re-)admits a request, from position 0 of
+            # whatever its cache lacks, and never again until it finished or was preempted.
+            if s.sampling_params is not None:
+                assert s.req_id not in self.params, f"{s.req_id}: params sent twice"
+                assert s.sampling_params is req.sampling_params
+                self.params[s.req_id] = s.sampling_params
+            else:
+                assert s.req_id in self.params, f"{s.req_id}: scheduled before its params were sent"
             # The chunk continues exactly where the runner's KV ends.
             assert s.start_pos == self.computed.get(s.req_id, 0)
             assert s.token_ids == req.all_token_ids[s.start_pos : s.start_pos + len(s.token_ids)]
@@ -99,7 +109,7 @@ class FakeRunner:
                 req_ids.append(s.req_id)
                 tokens.append(token)
                 logprobs.append(
-                    {token: -0.5} if s.sampling_params.logprobs is not None else None
+                    {token: -0.5} if self.params[s.req_id].logprobs is not None else None
                 )
         assert len(used_blocks) == len(set(used_blocks)), "a block is shared"
         return ModelRunnerOutput(req_ids, tokens, logprobs)

@@ -28,6 +28,7 @@ from worker.sampler import Sampler, prompt_logprobs
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from engine.sampling_params import SamplingParams
     from worker.outputs import SchedulerOutput
 
 PROMPT_LOGPROBS_ROWS = 256  # rows of prompt logits made at once: bounds the [rows, vocab] floats held
@@ -43,6 +44,8 @@ class ModelRunner:
         self.kv_cache_memory: KVCacheMemory | None = None  # what holds kv_caches' memory
         self.kv_cache_config: KVCacheConfig | None = None
         self.sampler = Sampler()
+        # Each running request's SamplingParams, sent once at admission (ScheduledRequest).
+        self._sampling_params: dict[str, SamplingParams] = {}
 
     def load_model(self, checkpoint: str | None = None) -> None:
         """Build and load this rank's model, from `checkpoint` (a directory in the
@@ -162,10 +165,30 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos_t, md, sample_rows
 
+    def _with_sampling_params(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        """`scheduler_output` with every request's SamplingParams filled in: kept from its
+        admission (when they came) until it finishes. Raises RuntimeError for a request
+        whose params never came (a scheduler that skipped its admission)."""
+        for req_id in scheduler_output.finished_req_ids:
+            self._sampling_params.pop(req_id, None)
+        scheduled = []
+        for req in scheduler_output.scheduled:
+            if req.sampling_params is not None:
+                self._sampling_params[req.req_id] = req.sampling_params
+            else:
+                params = self._sampling_params.get(req.req_id)
+                if params is None:
+                    raise RuntimeError(f"request {req.req_id!r} was scheduled without its sampling params ever "
+                                       "being sent (they come with its admission)")
+                req = dataclasses.replace(req, sampling_params=params)
+            scheduled.append(req)
+        return dataclasses.replace(scheduler_output, scheduled=scheduled)
+
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         model = self._require_model()
         self.sampler.drop(scheduler_output.finished_req_ids)
+        scheduler_output = self._with_sampling_params(scheduler_output)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput([], [], [])
         for req in scheduler_output.scheduled:

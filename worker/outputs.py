@@ -25,10 +25,13 @@ class ScheduledRequest:
     token, i.e. the runner must sample exactly one new token for it.
     ``num_output_tokens`` (outputs so far) keys the per-step random stream so
     sampling is independent of batching, preemption and rank.
-    ``history`` (prompt ids, output ids so far) comes once, when the request is
-    admitted (again after a preemption), if its sampling needs the tokens it has
-    seen (penalties, bad words) or its prompt's logprobs; the runner keeps it until
-    the id appears in ``finished_req_ids``.
+    ``sampling_params`` comes once, when the request is admitted (again after a
+    preemption), and is None in its later steps: the runner keeps it until the id
+    appears in ``finished_req_ids`` (pickling 32 requests' params cost the engine and
+    every rank about 0.3 ms a decode step).
+    ``history`` (prompt ids, output ids so far) comes once, at the same times, if its
+    sampling needs the tokens it has seen (penalties, bad words) or its prompt's
+    logprobs; the runner keeps it as long.
     """
 
     req_id: str
@@ -36,7 +39,7 @@ class ScheduledRequest:
     start_pos: int
     block_ids: list[int]
     sample: bool
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     num_output_tokens: int
     history: tuple[list[int], list[int]] | None = None
 

@@ -202,6 +202,17 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._runner().execute_model(scheduler_output)
 
+    def wait_kv_cache_committed(self) -> float:
+        """Block until every page of this rank's KV cache is backed by memory (on the CPU
+        the cache is committed on a background thread after start-up, while the rank
+        already serves: `worker/kv_cache.py`); returns the seconds waited. For callers
+        that measure memory or throughput of a settled engine."""
+        start = time.perf_counter()
+        kv = self._runner().kv_cache_memory
+        if kv is not None:
+            kv.wait_committed()
+        return time.perf_counter() - start
+
     # ------------------------------------------------------------ sleep mode
 
     def sleep(self, level: int) -> dict[str, Any]:
