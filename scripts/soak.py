@@ -15,8 +15,9 @@ process, re-scaled to end on time), at most `--concurrency` in flight. Each requ
 a completion or (if the model has a chat template) a chat completion, streamed or not,
 with a random prompt of 1..`--max-prompt-words` words and a random `max_tokens` in
 1..`--max-tokens` (`ignore_eos`, so the length is what was asked), fitted under the
-server's max_model_len. A `--cancel-fraction` of the requests are cancelled by the
-client after a random delay (the connection closes mid-request), and a
+server's max_model_len. A `--cancel-fraction` of the requests, each as long as its prompt
+allows, are cancelled by the client after a random 10-100 ms (the connection closes
+mid-request), and a
 `--disconnect-fraction` are streams the client drops after a random number of events.
 
 The checks, each a line when it fails:
@@ -278,6 +279,11 @@ def make_plans(args: argparse.Namespace, max_model_len: int, chat: bool, rng: ra
         roll = rng.random()
         kind = ("cancel" if roll < args.cancel_fraction
                 else "disconnect" if roll < args.cancel_fraction + args.disconnect_fraction else "complete")
+        if kind == "cancel":
+            # As long as the prompt allows, so that the cut (within 0.1 s) falls while it still
+            # runs however fast the engine is: a short one cut after a random half second
+            # mostly finished first once steps took ~1 ms.
+            max_tokens = budget
         stream = True if kind == "disconnect" else rng.random() < args.stream_fraction
         use_chat = chat and rng.random() < 0.2
         body: dict[str, Any] = {"model": "soak", "max_tokens": max_tokens, "ignore_eos": True, "stream": stream,
@@ -291,7 +297,7 @@ def make_plans(args: argparse.Namespace, max_model_len: int, chat: bool, rng: ra
         t += gap * scale
         plan = Plan(t, body, Outcome(kind, stream, use_chat, max_tokens))
         if kind == "cancel":
-            plan.cut_after = rng.uniform(0.01, 0.5)
+            plan.cut_after = rng.uniform(0.01, 0.1)
         elif kind == "disconnect":
             plan.events = rng.randint(1, max(1, max_tokens // 2))
         plans.append(plan)

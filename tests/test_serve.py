@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -489,6 +490,9 @@ def test_client_disconnect_aborts_the_request(server: ServerProcess) -> None:
         text = httpx.get(f"{server.url}/metrics").text
         return _metric(text, "tp_runtime:request_success_total", finished_reason="abort")
 
+    def running() -> float:
+        return _metric(httpx.get(f"{server.url}/metrics").text, "tp_runtime:num_requests_running")
+
     start = aborted()
     long = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
     # logprobs: every token makes an event (a token's text alone may be empty).
@@ -496,8 +500,20 @@ def test_client_disconnect_aborts_the_request(server: ServerProcess) -> None:
     with httpx.stream("POST", f"{server.url}/v1/completions", json=stream, timeout=60) as r:
         assert r.status_code == 200
         next(r.iter_lines())  # the stream started; now hang up
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=long, timeout=0.5)
+    deadline = time.monotonic() + 30
+    while (aborted() < start + 1 or running() > 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert aborted() == start + 1 and running() == 0
+    # A plain request: hang up once the engine runs it (not after a guess at how long
+    # 240 tokens take, which a faster engine beat).
+    body = json.dumps(long).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while running() < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert running() == 1
     deadline = time.monotonic() + 30
     while aborted() < start + 2 and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -1,4 +1,8 @@
-"""RMSNorm, optionally fused with the residual add (the vLLM calling convention)."""
+"""RMSNorm, optionally fused with the residual add (the vLLM calling convention).
+
+On the CPU one C call does both (`cpu_ops.py`) where it can; elsewhere, and as its
+fallback, torch ops with the same roundings.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.layers import cpu_ops
 from models.layers.weight_utils import default_weight_loader, set_weight_attrs
 
 
@@ -30,6 +35,11 @@ class RMSNorm(nn.Module):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the
         sum written into `x` (a layer output the caller no longer needs), as vLLM's fused
         add-norm does."""
+        kernel = cpu_ops.load() if x.device.type == "cpu" else None
+        if kernel is not None:
+            out = kernel.rms_norm(x, residual, self.weight, self.eps)
+            if out is not None:
+                return out if residual is None else (out, x)
         if residual is None:
             return self._norm(x)
         x = x.add_(residual)

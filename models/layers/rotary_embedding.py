@@ -1,4 +1,8 @@
-"""Rotary position embedding (neox style), plain or with llama3 frequency scaling."""
+"""Rotary position embedding (neox style), plain or with llama3 frequency scaling.
+
+On the CPU one C call rotates q and k (`cpu_ops.py`) where it can; elsewhere, and as its
+fallback, torch ops with the same roundings.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from models.layers import cpu_ops
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -68,8 +74,13 @@ class RotaryEmbedding(nn.Module):
         place (they are fresh projection outputs) and returned.
 
         Per head, with halves x1, x2: (x1 cos - x2 sin, x2 cos + x1 sin), the HF
-        `x * cos + rotate_half(x) * sin` with the same roundings.
+        `x * cos + rotate_half(x) * sin` with the same roundings. Raises IndexError for
+        a position past the table (max_position).
         """
+        kernel = cpu_ops.load() if q.device.type == "cpu" else None
+        if kernel is not None and kernel.rotary_neox(q, k, self.head_size, positions, self.cos_cached,
+                                                     self.sin_cached):
+            return q, k
         cos, sin = self._cos_sin(positions, q.dtype)
         half = self.head_size // 2
         for x in (q, k):

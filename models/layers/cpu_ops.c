@@ -1,0 +1,168 @@
+/* Fused CPU kernels for the small layers: residual add + RMSNorm, and neox rotary
+ * embedding of q and k. Each replaces a chain of torch ops (five for a bf16 RMSNorm,
+ * seven per tensor for the rotary), each a dispatch and a pass over memory, by one pass.
+ *
+ * The contract (shapes, strides, dtypes, who calls) is in cpu_ops.py, which compiles
+ * this file and is its only caller. dtype 0 is float32, 1 bfloat16. Rows are spread
+ * over the caller's OpenMP threads (torch's libgomp) when a call is large enough to pay
+ * for it; every row's arithmetic is sequential and does not depend on the schedule, so
+ * results do not depend on the thread count.
+ *
+ * Compiled with -ffp-contract=off and without -ffast-math: every product and sum is
+ * rounded where torch's op chain rounds it (in the dtype for bfloat16), so the rotary
+ * equals the torch path bit for bit, and the norm differs from it only in the order
+ * its sum of squares is added up.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+#define LANES 16 /* independent partial sums: the compiler vectorises them without reassociating */
+
+typedef uint16_t bf16_t;
+
+INLINE float bf16_to_float(bf16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+INLINE bf16_t float_to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* round to nearest even, as torch */
+    return (bf16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? 0x7fc0u : rounded); /* NaN stays NaN */
+}
+
+/* x rounded to bfloat16 and back: the value a bf16 op stores. */
+INLINE float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+/* The sum of squares of v[0..n) in LANES running sums (lane l takes every LANES-th
+ * element from l), added up in lane order: a fixed order the compiler vectorises. */
+INLINE float sum_squares(const float *v, int64_t n) {
+    float lanes[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; ++l) lanes[l] += v[i + l] * v[i + l];
+    for (int l = 0; i < n; ++i, ++l) lanes[l] += v[i] * v[i];
+    float sum = 0.f;
+    for (int l = 0; l < LANES; ++l) sum += lanes[l];
+    return sum;
+}
+
+/* One row: x (+= res), then out = w * x / sqrt(mean(x^2) + eps). `scratch` holds n floats. */
+INLINE void norm_row(int bf16, char *x, const char *res, const char *w, char *out, int64_t n, float eps,
+                     float *scratch) {
+    const float *v;
+    if (bf16) {
+        bf16_t *xb = (bf16_t *)x;
+        const bf16_t *rb = (const bf16_t *)res;
+        if (rb) {
+            for (int64_t i = 0; i < n; ++i) {
+                const bf16_t sum = float_to_bf16(bf16_to_float(xb[i]) + bf16_to_float(rb[i]));
+                xb[i] = sum;
+                scratch[i] = bf16_to_float(sum);
+            }
+        } else {
+            for (int64_t i = 0; i < n; ++i) scratch[i] = bf16_to_float(xb[i]);
+        }
+        v = scratch;
+    } else {
+        float *xf = (float *)x;
+        const float *rf = (const float *)res;
+        if (rf)
+            for (int64_t i = 0; i < n; ++i) xf[i] = xf[i] + rf[i];
+        v = xf;
+    }
+    const float inv = 1.f / sqrtf(sum_squares(v, n) / (float)n + eps);
+    if (bf16) {
+        /* As the HF reference: normalise in float32, round to bf16, then the bf16 scale. */
+        const bf16_t *wb = (const bf16_t *)w;
+        bf16_t *ob = (bf16_t *)out;
+        for (int64_t i = 0; i < n; ++i) ob[i] = float_to_bf16(bf16_to_float(wb[i]) * round_bf16(v[i] * inv));
+    } else {
+        const float *wf = (const float *)w;
+        float *of = (float *)out;
+        for (int64_t i = 0; i < n; ++i) of[i] = v[i] * inv * wf[i];
+    }
+}
+
+/* `rows` rows of `n` elements at row strides (in elements) x_stride, res_stride,
+ * out_stride; res may be NULL (no residual). Returns 0, or 1 when a thread's scratch
+ * row could not be allocated (then some rows were not computed). */
+int cpu_rms_norm(int dtype, void *x, int64_t x_stride, const void *res, int64_t res_stride, const void *w,
+                 void *out, int64_t out_stride, int64_t rows, int64_t n, float eps, int num_threads) {
+    const int bf16 = dtype == 1;
+    const int64_t esize = bf16 ? 2 : 4;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (rows * n >= (1 << 16))
+    {
+        float *scratch = bf16 ? malloc(sizeof(float) * n) : NULL;
+        if (bf16 && !scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r)
+            if (!bf16 || scratch)
+                norm_row(bf16, (char *)x + r * x_stride * esize,
+                         res ? (const char *)res + r * res_stride * esize : NULL, (const char *)w,
+                         (char *)out + r * out_stride * esize, n, eps, scratch);
+        free(scratch);
+    }
+    return failed;
+}
+
+/* Neox rotary of `heads` heads of `head_size` in one token's row x, in place: per head,
+ * halves x1, x2 become (x1 cos - x2 sin, x2 cos + x1 sin), each product and sum rounded
+ * as torch rounds them (bf16: cos and sin rounded to bf16 first, as `.to(dtype)`). */
+INLINE void rotate_row(int bf16, char *x, int64_t heads, int64_t head_size, const float *cos, const float *sin) {
+    const int64_t half = head_size / 2;
+    for (int64_t h = 0; h < heads; ++h) {
+        if (bf16) {
+            bf16_t *x1 = (bf16_t *)x + h * head_size, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; ++i) {
+                const float c = round_bf16(cos[i]), s = round_bf16(sin[i]);
+                const float a = bf16_to_float(x1[i]), b = bf16_to_float(x2[i]);
+                const float first = round_bf16(round_bf16(a * c) - round_bf16(b * s));
+                const float second = round_bf16(round_bf16(b * c) + round_bf16(a * s));
+                x1[i] = float_to_bf16(first);
+                x2[i] = float_to_bf16(second);
+            }
+        } else {
+            float *x1 = (float *)x + h * head_size, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = x1[i], b = x2[i];
+                const float first = a * cos[i] - b * sin[i];
+                x2[i] = b * cos[i] + a * sin[i];
+                x1[i] = first;
+            }
+        }
+    }
+}
+
+/* q [tokens, q_heads * head_size] and k [tokens, k_heads * head_size] at row strides
+ * q_stride, k_stride (elements), rotated in place at positions[t]; cos and sin are
+ * [num_positions, >= head_size / 2] float32 tables at row stride table_stride. Returns
+ * 0, or 2 (before anything is written) when a position is outside the tables. */
+int cpu_rotary_neox(int dtype, void *q, int64_t q_stride, int64_t q_heads, void *k, int64_t k_stride,
+                    int64_t k_heads, int64_t head_size, const int64_t *positions, const float *cos,
+                    const float *sin, int64_t table_stride, int64_t num_positions, int64_t tokens,
+                    int num_threads) {
+    const int bf16 = dtype == 1;
+    const int64_t esize = bf16 ? 2 : 4;
+    for (int64_t t = 0; t < tokens; ++t)
+        if (positions[t] < 0 || positions[t] >= num_positions) return 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) \
+    if (tokens * (q_heads + k_heads) * head_size >= (1 << 16))
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float *c = cos + positions[t] * table_stride, *s = sin + positions[t] * table_stride;
+        rotate_row(bf16, (char *)q + t * q_stride * esize, q_heads, head_size, c, s);
+        rotate_row(bf16, (char *)k + t * k_stride * esize, k_heads, head_size, c, s);
+    }
+    return 0;
+}

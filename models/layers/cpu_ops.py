@@ -1,0 +1,103 @@
+"""Fused CPU kernels for the small layers (`cpu_ops.c`): residual add + RMSNorm, and the
+neox rotary embedding of q and k.
+
+torch runs a bfloat16 RMSNorm with a residual as five ops (add, upcast, norm, downcast,
+scale) and the rotary as seven per tensor, each a dispatch and a pass over memory; at
+decode sizes the dispatches dominate (about 40 and 60 µs a layer on the dev VM), at
+prefill sizes the passes (the norm's upcast alone writes twice the activations). One C
+call does each in one pass, rounding where torch's chain rounds. This is what vLLM's
+RMSNorm and RotaryEmbedding custom ops do with their CPU kernels.
+
+Built on first use like the other CPU kernels (models/layers/native_build.py). Where it
+cannot be built, with `TP_CPU_FUSED_OPS=0`, or for tensors it does not take (not on the
+CPU, not float32/bfloat16, a last dimension that is not contiguous), the layers keep
+their torch ops: the kernels are a speed-up, never a requirement. Called by the layers
+on every rank; the GIL is released during each call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from models.layers.native_build import load_kernel
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC")
+LINK_FLAGS = ("-shared", "-fopenmp")
+LINK_LIBS = ("-lm",)
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _rows(t: torch.Tensor) -> bool:
+    """A 2-D CPU tensor of a kernel dtype whose rows are contiguous."""
+    return t.device.type == "cpu" and t.dim() == 2 and t.dtype in _DTYPES and t.stride(1) == 1
+
+
+class CpuOpsKernel:
+    """The loaded library; each method checks what it is given and says whether it ran."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        self._norm, self._rotary = lib.cpu_rms_norm, lib.cpu_rotary_neox
+        self._norm.restype = self._rotary.restype = ctypes.c_int
+        self._norm.argtypes = [i32, p, i64, p, i64, p, p, i64, i64, i64, f32, i32]
+        self._rotary.argtypes = [i32, p, i64, i64, p, i64, i64, i64, p, p, p, i64, i64, i64, i32]
+
+    def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor | None:
+        """`weight * rms_norm(x + residual)` for x [T, n], after `x += residual` in place
+        (rounded to x's dtype) when a residual is given; weight [n] of x's dtype. None,
+        with nothing touched, for tensors the kernel does not take. Each thread holds one
+        float32 row of scratch (bfloat16); MemoryError if that fails."""
+        if not (_rows(x) and weight.dtype == x.dtype and weight.is_contiguous() and weight.numel() == x.shape[1]
+                and (residual is None or (_rows(residual) and residual.dtype == x.dtype
+                                          and residual.shape == x.shape))):
+            return None
+        out = torch.empty(x.shape, dtype=x.dtype)
+        status = self._norm(_DTYPES[x.dtype], x.data_ptr(), x.stride(0),
+                            None if residual is None else residual.data_ptr(),
+                            0 if residual is None else residual.stride(0), weight.data_ptr(), out.data_ptr(),
+                            out.stride(0), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+        if status:
+            raise MemoryError("RMSNorm kernel could not allocate its scratch row")
+        return out
+
+    def rotary_neox(self, q: torch.Tensor, k: torch.Tensor, head_size: int, positions: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Rotate q [T, Hq * head_size] and k [T, Hk * head_size] in place at positions [T]
+        (int64) with the float32 tables cos, sin [P, >= head_size / 2] (row-contiguous).
+        False, with nothing touched, for tensors the kernel does not take. Raises
+        IndexError for a position outside the tables, before anything is written."""
+        if not (_rows(q) and _rows(k) and q.dtype == k.dtype and q.shape[0] == k.shape[0] and head_size % 2 == 0
+                and q.shape[1] % head_size == 0 and k.shape[1] % head_size == 0
+                and positions.dtype == torch.int64 and positions.is_contiguous() and positions.numel() == q.shape[0]
+                and cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape
+                and cos.stride(1) == sin.stride(1) == 1 and cos.stride(0) == sin.stride(0)
+                and cos.shape[1] >= head_size // 2):
+            return False
+        status = self._rotary(_DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.shape[1] // head_size, k.data_ptr(),
+                              k.stride(0), k.shape[1] // head_size, head_size, positions.data_ptr(), cos.data_ptr(),
+                              sin.data_ptr(), cos.stride(0), cos.shape[0], q.shape[0], torch.get_num_threads())
+        if status:
+            raise IndexError(f"rotary embedding: a position is outside the table of {cos.shape[0]} positions "
+                             "(max_model_len)")
+        return True
+
+
+def build_or_load() -> CpuOpsKernel | None:
+    """The kernels, built if this machine has none cached; None where they cannot be (the
+    reason is logged) or `TP_CPU_FUSED_OPS=0`. Reads the environment on each call."""
+    if os.environ.get("TP_CPU_FUSED_OPS", "1") == "0":
+        return None
+    return load_kernel(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBS, CpuOpsKernel,
+                       "CPU fused-op kernels unavailable (%s); RMSNorm and rotary use torch ops")
+
+
+# Once per process: every layer shares the loaded library.
+load = functools.cache(build_or_load)

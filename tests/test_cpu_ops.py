@@ -1,0 +1,160 @@
+"""The CPU fused-op kernels (models/layers/cpu_ops.py, .c): residual add + RMSNorm and the
+neox rotary embedding.
+
+The rotary must equal the layer's torch ops bit for bit (it rounds where they round), the
+norm to a few units in the last place (its sum of squares adds up in another order); the
+residual sum must be exact. Results must not depend on the thread count; tensors the kernels do
+not take must reach the torch ops untouched; a failed build must fall back.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+import torch
+
+from models.layers import cpu_ops
+from models.layers.layernorm import RMSNorm
+from models.layers.rotary_embedding import RotaryEmbedding
+
+KERNEL = cpu_ops.load()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture
+def torch_ops(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Inside: the layers run their torch ops (the kernels switched off)."""
+    monkeypatch.setenv("TP_CPU_FUSED_OPS", "0")
+    cpu_ops.load.cache_clear()
+    assert cpu_ops.load() is None
+    yield
+    monkeypatch.delenv("TP_CPU_FUSED_OPS")
+    cpu_ops.load.cache_clear()
+
+
+def _norm(hidden: int, dtype: torch.dtype) -> RMSNorm:
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = (torch.rand(hidden, generator=torch.Generator().manual_seed(hidden)) + 0.5).to(dtype)
+    return norm
+
+
+def _norm_outputs(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> list[torch.Tensor]:
+    alone = norm(x.clone())
+    summed = x.clone()
+    out, total = norm(summed, residual)
+    assert total is summed  # the sum is written into x, as vLLM's fused add-norm does
+    return [alone, out, total]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 8), (3, 768), (32, 768), (300, 1000), (2048, 64)])
+def test_rms_norm_equals_the_torch_ops(request, dtype, rows, hidden):
+    gen = torch.Generator().manual_seed(rows * hidden)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    norm = _norm(hidden, dtype)
+    fused = _norm_outputs(norm, x, residual)
+    request.getfixturevalue("torch_ops")
+    plain = _norm_outputs(norm, x, residual)
+    assert torch.equal(fused[2], plain[2])  # x + residual, rounded to the dtype
+    ulp = torch.finfo(dtype).eps  # a few: the sum of squares and the scaling round in another order
+    for got, expected in zip(fused[:2], plain[:2]):
+        assert got.dtype == dtype and got.shape == expected.shape
+        torch.testing.assert_close(got.float(), expected.float(), rtol=4 * ulp, atol=4 * ulp)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size,heads,kv_heads,scaling", [
+    (64, 12, 4, None),
+    (128, 2, 1, None),
+    (80, 3, 3, None),
+    (64, 8, 2, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}),
+])
+def test_rotary_equals_the_torch_ops_bit_for_bit_on_views_of_the_qkv_projection(request, dtype, head_size, heads,
+                                                                             kv_heads, scaling):
+    rotary = RotaryEmbedding(head_size, 300, 10000.0, scaling)
+    sizes = [heads * head_size, kv_heads * head_size, kv_heads * head_size]
+    results = []
+    for plain in (False, True):
+        if plain:
+            request.getfixturevalue("torch_ops")
+        for tokens in (1, 7, 260):
+            gen = torch.Generator().manual_seed(tokens)
+            qkv = torch.randn(tokens, sum(sizes), generator=gen).to(dtype)
+            positions = torch.randint(0, 300, (tokens,), generator=gen)
+            q, k, v = qkv.split(sizes, dim=-1)  # strided views, as the attention layer has them
+            rotary(positions, q, k)
+            results.append(qkv)
+    for fused, plain in zip(results[:3], results[3:]):
+        assert torch.equal(fused, plain)  # v untouched too
+
+
+@needs_kernel
+def test_results_do_not_depend_on_the_thread_count():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 768, generator=gen).bfloat16()
+    residual = torch.randn(512, 768, generator=gen).bfloat16()
+    qkv = torch.randn(512, 1280, generator=gen)
+    positions = torch.randint(0, 1000, (512,), generator=gen)
+    norm, rotary = _norm(768, torch.bfloat16), RotaryEmbedding(64, 1000, 10000.0)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            rotated = qkv.clone()
+            q, k, _ = rotated.split([768, 256, 256], dim=-1)
+            rotary(positions, q, k)
+            outs.append((*_norm_outputs(norm, x, residual), rotated))
+    finally:
+        torch.set_num_threads(threads)
+    for result in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(result, outs[0]))
+
+
+@needs_kernel
+def test_tensors_the_kernels_do_not_take_are_left_to_torch():
+    norm = _norm(16, torch.float16)
+    x = torch.randn(4, 16).half()
+    assert KERNEL.rms_norm(x, None, norm.weight, 1e-5) is None  # float16: not a kernel dtype
+    wide = torch.randn(4, 32)
+    assert KERNEL.rms_norm(wide[:, ::2], None, _norm(16, torch.float32).weight, 1e-5) is None  # strided last dim
+    assert KERNEL.rms_norm(torch.randn(4, 16), None, norm.weight, 1e-5) is None  # weight of another dtype
+    before = wide.clone()
+    rotary = RotaryEmbedding(8, 10, 10000.0)
+    assert not KERNEL.rotary_neox(wide[:, ::2], wide[:, 1::2], 8, torch.arange(4), rotary.cos_cached,
+                                  rotary.sin_cached)
+    assert torch.equal(wide, before)
+    # The layers still give their results through the torch ops.
+    torch.testing.assert_close(norm(x).float(), (norm.weight * torch.nn.functional.rms_norm(
+        x.float(), (16,), eps=1e-5).half()).float())
+
+
+@needs_kernel
+def test_a_position_past_the_table_is_an_error_before_anything_is_written():
+    rotary = RotaryEmbedding(8, 10, 10000.0)
+    q, k = torch.randn(3, 16), torch.randn(3, 8)
+    before = (q.clone(), k.clone())
+    with pytest.raises(IndexError, match="10 positions"):
+        rotary(torch.tensor([1, 10, 2]), q, k)
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])
+
+
+def test_a_failed_build_falls_back_to_torch_and_leaves_nothing(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with caplog.at_level("WARNING"):
+        assert cpu_ops.build_or_load() is None
+    assert "fused-op kernels unavailable" in caplog.text
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.so"))
+
+
+def test_disabled_by_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
+    monkeypatch.setenv("TP_CPU_FUSED_OPS", "0")
+    assert cpu_ops.build_or_load() is None
+    assert not list(tmp_path.iterdir())
