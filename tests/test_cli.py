@@ -59,6 +59,12 @@ def test_vllm_spellings_parse() -> None:
     assert engine_config_kwargs(torchrun, "m")["max_worker_restarts"] == 0  # only torchrun starts its ranks
     defaults = parse_args(["m"])
     assert defaults.max_worker_restarts == 2
+    # The server runs the model in its own process at every TP (vLLM's engine core / API
+    # server split); uni, asked for, keeps it in the server's process.
+    for tp in ("1", "2"):
+        assert engine_config_kwargs(parse_args(["m", "--tp", tp]), "m")["distributed_executor_backend"] == "mp"
+    uni = parse_args(["m", "--distributed-executor-backend", "uni"])
+    assert engine_config_kwargs(uni, "m")["distributed_executor_backend"] == "uni"
     assert (defaults.max_logprobs, defaults.generation_config, defaults.uvicorn_log_level) == (20, "auto", "info")
     assert parse_args(["m", "--log-level", "debug"]).uvicorn_log_level == "debug"
     logged = parse_args(["m", "--enable-log-requests", "--max-log-len", "100"])
