@@ -38,6 +38,13 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
 
 _PR_SET_PDEATHSIG = 1
+# How long a rank busy-waits for its next call before it sleeps. Back to back, the next
+# step comes about 1 ms after a rank's reply (the engine takes it in and schedules); a
+# rank that slept by then wakes later than one that spun, and its peers wait for it at
+# the step's first collective (TP=2 bf16 offline: +4% throughput against a 0.5 ms spin
+# here, in two interleaved runs). The spin
+# yields its core at every turn, so the engine, if it runs there, is not held up.
+NEXT_CALL_SPIN_S = 2e-3
 
 
 def _set_parent_death_signal() -> None:
@@ -123,7 +130,7 @@ class WorkerProc:
         # First: the engine reads liveness (heartbeat, progress) off this from now on.
         self.status = (WorkerStatus(status_board, config.parallel_config.world_size, rank)
                        if status_board is not None else None)
-        self.broadcast = MessageQueueReader(broadcast_handle, rank)
+        self.broadcast = MessageQueueReader(broadcast_handle, rank, spin_s=NEXT_CALL_SPIN_S)
         self.reply = MessageQueueWriter(reply_handle)
         self.worker = Worker(config, local_rank=local_rank, rank=rank, distributed_init_method=distributed_init_method)
         self.worker.init_device()

@@ -213,3 +213,22 @@ def test_onednn_prefill_rows_are_bucketed_and_the_cache_is_bounded():
         got = packed.linear_any_rows(x)
         assert got.shape == (rows, 96)
         torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-3)
+
+
+def test_a_weight_the_library_cannot_pack_keeps_the_plain_product(monkeypatch, caplog):
+    """A packing library that refuses a dtype (a build without its reorder) must leave the
+    layer on F.linear with a warning, not fail the load."""
+    import models.layers.unquantized as unquantized
+
+    def refuse(self, weight, kernel):
+        raise RuntimeError("no reorder for this dtype")
+
+    monkeypatch.setattr(unquantized.PackedWeight, "__init__", refuse)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(32, 16), requires_grad=False)
+    method = CPUUnquantizedLinearMethod(default_packed_gemm())
+    with caplog.at_level("WARNING"):
+        method.process_weights_after_loading(layer)
+    assert method.packed is None and "cannot pack" in caplog.text
+    x = torch.randn(3, 16)
+    assert torch.equal(method.apply(layer, x), F.linear(x, layer.weight))

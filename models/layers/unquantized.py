@@ -73,7 +73,12 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
             kernel = self.kernel
         else:
             return
-        packed = PackedWeight(layer.weight, kernel)
+        try:
+            packed = PackedWeight(layer.weight, kernel)
+        except RuntimeError as e:  # a build of the library without this dtype's reorder
+            logger.warning("%s cannot pack a %s %s weight (%s); using the plain path",
+                           kernel, tuple(layer.weight.shape), layer.weight.dtype, e)
+            return
         if not packed.verify(layer.weight):
             logger.warning("%s packed GEMM does not match F.linear for a %s %s weight; using the plain path",
                            kernel, tuple(layer.weight.shape), layer.weight.dtype)
