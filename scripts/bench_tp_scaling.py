@@ -1,0 +1,92 @@
+"""TP=2 against TP=1 on this host, in steady state: ours alone, both engines kept up.
+
+bench_vs_vllm.py times each configuration in a fresh process, first run included; here
+one TP=1 engine and one TP=2 engine stay up in one process (the TP=1 one in-process, the
+TP=2 one with its two WorkerProcs) and `generate()` alternates between them, round after
+round, so the host's drift hits both alike and nothing first-time (page faults, oneDNN
+primitives, the KV cache's commit) is measured. The workload is bench_vs_vllm.py's (32
+requests, prompts of 32-128 tokens, 64 new tokens each, greedy), prefix caching off so
+that every round prefills. Prints each round, each engine's median tok/s, prefill time
+and decode step, and the median of the per-round ratios TP=2 / TP=1.
+
+    python scripts/bench_tp_scaling.py [--dtypes float32 bfloat16] [--rounds 10]
+
+Not a test: timings on a shared machine are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+from bench_serve import MODEL_SPEC, make_prompts  # noqa: E402
+from bench_vs_vllm import KV_BYTES, MAX_TOKENS, NUM_REQUESTS, ensure_model  # noqa: E402
+
+
+def timed_generate(core, prompts: list[list[int]], params) -> dict[str, float]:
+    """One run of every prompt through `core`, step by step: total seconds, the prefill
+    steps' seconds and the median decode step."""
+    for prompt in prompts:
+        core.add_request(prompt, params)
+    steps: list[tuple[float, int]] = []
+    start = time.perf_counter()
+    while core.has_unfinished_requests():
+        step_start = time.perf_counter()
+        core.step()
+        steps.append((time.perf_counter() - step_start, core.last_step_num_tokens))
+    total = time.perf_counter() - start
+    return {"total": total, "prefill": sum(t for t, n in steps if n > NUM_REQUESTS),
+            "decode": statistics.median(t for t, n in steps if 0 < n <= NUM_REQUESTS)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--model-root", default=str(Path.home() / ".cache" / "tp-runtime" / "bench"))
+    args = p.parse_args()
+
+    from engine.core import EngineCore
+    from engine.sampling_params import SamplingParams
+
+    prompts = make_prompts(NUM_REQUESTS, MODEL_SPEC["vocab_size"])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    tokens = NUM_REQUESTS * MAX_TOKENS
+    for dtype in args.dtypes:
+        model = ensure_model(Path(args.model_root), dtype)
+        engines = {}
+        try:
+            for tp in (1, 2):
+                core = EngineCore(model=str(model), tensor_parallel_size=tp, device="cpu", dtype=dtype,
+                                  kv_cache_memory_bytes=KV_BYTES, max_num_seqs=NUM_REQUESTS, use_tqdm_on_load=False,
+                                  enable_prefix_caching=False)
+                engines[tp] = core
+                core.collective_rpc("wait_kv_cache_committed")
+                timed_generate(core, prompts[:4], params)  # warm-up
+            runs: dict[int, list[dict[str, float]]] = {1: [], 2: []}
+            for r in range(args.rounds):
+                for tp, core in engines.items():
+                    runs[tp].append(timed_generate(core, prompts, params))
+                print(f"{dtype} round {r + 1}: " + "  ".join(
+                    f"TP={tp} {tokens / runs[tp][-1]['total']:.0f} tok/s" for tp in engines), flush=True)
+        finally:
+            for core in engines.values():
+                core.shutdown()
+        for tp in (1, 2):
+            xs = runs[tp]
+            print(f"{dtype} TP={tp}: median {statistics.median(tokens / x['total'] for x in xs):.0f} tok/s, "
+                  f"prefill {statistics.median(x['prefill'] for x in xs):.3f} s, "
+                  f"decode step {statistics.median(x['decode'] for x in xs) * 1e3:.1f} ms")
+        ratios = [a["total"] / b["total"] for a, b in zip(runs[1], runs[2])]  # TP=2 tok/s over TP=1 tok/s
+        print(f"{dtype} TP=2 / TP=1: {statistics.median(ratios):.3f} (median of {args.rounds} rounds; "
+              f"{min(ratios):.2f}-{max(ratios):.2f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
