@@ -24,6 +24,9 @@
 
 typedef uint16_t bf16_t;
 
+/* The bf16 conversions repeat paged_decode.c's (this one branch-free, so loops over it
+ * vectorise): each kernel is one self-contained file, which native_build keys by its
+ * text, so a shared header could change without a rebuild. */
 INLINE float bf16_to_float(bf16_t b) {
     uint32_t u = (uint32_t)b << 16;
     float f;
