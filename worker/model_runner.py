@@ -165,30 +165,29 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos_t, md, sample_rows
 
-    def _with_sampling_params(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
-        """`scheduler_output` with every request's SamplingParams filled in: kept from its
-        admission (when they came) until it finishes. Raises RuntimeError for a request
-        whose params never came (a scheduler that skipped its admission)."""
+    def _fill_sampling_params(self, scheduler_output: SchedulerOutput) -> None:
+        """Give every scheduled request its SamplingParams, in place: those that came with
+        its admission are kept until it finishes, and set on its later steps (each step's
+        message is new: unpickled here, or built afresh by the in-process scheduler).
+        Raises RuntimeError for a request whose params never came (a scheduler that
+        skipped its admission)."""
         for req_id in scheduler_output.finished_req_ids:
             self._sampling_params.pop(req_id, None)
-        scheduled = []
         for req in scheduler_output.scheduled:
             if req.sampling_params is not None:
                 self._sampling_params[req.req_id] = req.sampling_params
-            else:
-                params = self._sampling_params.get(req.req_id)
-                if params is None:
-                    raise RuntimeError(f"request {req.req_id!r} was scheduled without its sampling params ever "
-                                       "being sent (they come with its admission)")
-                req = dataclasses.replace(req, sampling_params=params)
-            scheduled.append(req)
-        return dataclasses.replace(scheduler_output, scheduled=scheduled)
+                continue
+            params = self._sampling_params.get(req.req_id)
+            if params is None:
+                raise RuntimeError(f"request {req.req_id!r} was scheduled without its sampling params ever "
+                                   "being sent (they come with its admission)")
+            req.sampling_params = params
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         model = self._require_model()
         self.sampler.drop(scheduler_output.finished_req_ids)
-        scheduler_output = self._with_sampling_params(scheduler_output)
+        self._fill_sampling_params(scheduler_output)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput([], [], [])
         for req in scheduler_output.scheduled:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -93,10 +92,9 @@ class CpuOpsKernel:
 def build_or_load() -> CpuOpsKernel | None:
     """The kernels, built if this machine has none cached; None where they cannot be (the
     reason is logged) or `TP_CPU_FUSED_OPS=0`. Reads the environment on each call."""
-    if os.environ.get("TP_CPU_FUSED_OPS", "1") == "0":
-        return None
     return load_kernel(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBS, CpuOpsKernel,
-                       "CPU fused-op kernels unavailable (%s); RMSNorm and rotary use torch ops")
+                       "CPU fused-op kernels unavailable (%s); RMSNorm and rotary use torch ops",
+                       switch="TP_CPU_FUSED_OPS")
 
 
 # Once per process: every layer shares the loaded library.

@@ -106,10 +106,13 @@ def build_or_load_library(source: Path, compile_flags: Sequence[str], link_flags
 
 
 def load_kernel(source: Path, compile_flags: Sequence[str], link_flags: Sequence[str], link_libs: Sequence[str],
-                wrap: Callable[[ctypes.CDLL, Path], T], unavailable: str) -> T | None:
+                wrap: Callable[[ctypes.CDLL, Path], T], unavailable: str, switch: str | None = None) -> T | None:
     """`wrap(library, path)` for the library built from `source` (`build_or_load_library`;
     `wrap` also checks a fresh build), or None where it cannot be built or loaded, logged
-    as the warning `unavailable` with the reason in its one %s."""
+    as the warning `unavailable` with the reason in its one %s. None, with nothing built,
+    when the environment variable `switch` is "0" (read on each call)."""
+    if switch is not None and os.environ.get(switch, "1") == "0":
+        return None
     try:
         lib, path = build_or_load_library(source, compile_flags, link_flags, link_libs, lambda lib: wrap(lib, Path()))
         return wrap(lib, path)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -108,10 +107,9 @@ class PagedDecodeKernel:
 def build_or_load() -> PagedDecodeKernel | None:
     """The kernel, built if this machine has none cached; None where it cannot be (the
     reason is logged) or `TP_CPU_PAGED_DECODE=0`. Reads the environment on each call."""
-    if os.environ.get("TP_CPU_PAGED_DECODE", "1") == "0":
-        return None
     return load_kernel(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBS, PagedDecodeKernel,
-                       "CPU paged decode kernel unavailable (%s); decode attention uses torch's SDPA")
+                       "CPU paged decode kernel unavailable (%s); decode attention uses torch's SDPA",
+                       switch="TP_CPU_PAGED_DECODE")
 
 
 # Once per process: every layer and every engine of a process shares the loaded library.
