@@ -218,6 +218,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    # Plan step N+1 while step N runs (engine/core.py). None: wherever the executor
+    # can (mp); True where it cannot is a ConfigError.
+    async_scheduling: bool | None = None
 
 
 @dataclass
@@ -235,6 +238,10 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
+    # vLLM's flag: plan each step while the one before it runs on the ranks, so they never
+    # wait for the scheduler. None: on with the mp executor (the only one that runs
+    # steps in the background); False: one step at a time.
+    async_scheduling: bool | None = None
     block_size: int = 16
     # None: 0.9 on CUDA; on the CPU, None (with no kv_cache_memory_bytes) means a fixed
     # CPU_DEFAULT_KV_CACHE_BYTES per rank, and a value given here asks for the share rule
@@ -368,7 +375,9 @@ class EngineConfig:
         max_len = self.model_config.max_model_len
         batched = self.max_num_batched_tokens if self.max_num_batched_tokens is not None else max(max_len, 2048)
         _positive("max_num_batched_tokens", batched)
-        self.scheduler_config = SchedulerConfig(self.max_num_seqs, batched, max_len)
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ConfigError(f"async_scheduling={self.async_scheduling!r} must be True, False or None (automatic)")
+        self.scheduler_config = SchedulerConfig(self.max_num_seqs, batched, max_len, self.async_scheduling)
         self._check_parallel_fits_model()
 
     def _build_model_config(self) -> ModelConfig:

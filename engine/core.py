@@ -3,12 +3,18 @@
 `EngineCore(config)` returns only when every rank has loaded its shard and allocated
 the same number of KV blocks, or raises with nothing left running. Shutdown is
 idempotent and also runs at garbage collection and at interpreter exit.
+
+Async scheduling (vLLM's): with an executor that runs steps in the background (mp),
+`step()` plans and sends step N+1 before it waits for step N, so the ranks go from one
+step to the next without waiting for the engine to take in N's result and schedule.
+Each call still returns the outputs of one step; a step may be in flight between calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from concurrent.futures import Future
 import logging
 import os
 import time
@@ -18,7 +24,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from distributed.utils import cdiv
 from engine.block_hash import prefix_cache_salt
 from engine.block_manager import KVBlockManager
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.output_processor import OutputProcessor, ParentRequest
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
@@ -29,6 +35,7 @@ from engine.worker_restart import WorkerRestarter
 from executor.abstract import Executor, RPCMethod
 from executor.errors import EngineDeadError
 from worker.kv_cache import KVCacheConfig, KVCacheTooSmallError
+from worker.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +54,11 @@ class EngineCore:
             raise TypeError("pass either an EngineConfig or keywords, not both")
         self.config = config
         start = time.perf_counter()
-        self.model_executor: Executor = Executor.get_class(config)(config)
+        executor_class = Executor.get_class(config)
+        self.async_scheduling = self._resolve_async_scheduling(executor_class)
+        # The step sent ahead (async scheduling): its output and the executor's Future.
+        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
+        self.model_executor: Executor = executor_class(config)
         # The finalizer holds the executor, not self, so the core can be collected.
         self._finalizer = weakref.finalize(self, self.model_executor.shutdown)
         try:
@@ -80,6 +91,19 @@ class EngineCore:
         self.last_step_num_tokens = 0  # tokens (prompt and decode) the last step() ran: 0 if none, for the metrics
 
     # ------------------------------------------------------------------ start-up
+
+    def _resolve_async_scheduling(self, executor_class: type[Executor]) -> bool:
+        """`async_scheduling` None: on wherever the executor runs steps in the
+        background. True with one that cannot is a ConfigError naming both."""
+        wanted = self.config.scheduler_config.async_scheduling
+        supported = executor_class.supports_async_scheduling
+        if wanted and not supported:
+            raise ConfigError(
+                f"async_scheduling=True needs an executor that runs steps in the background "
+                f"(distributed_executor_backend='mp'); {executor_class.__name__} runs each step on the engine's "
+                "thread"
+            )
+        return supported if wanted is None else wanted
 
     def _initialize_kv_caches(self) -> KVCacheConfig:
         spec = self.model_executor.get_kv_cache_spec()
@@ -342,15 +366,60 @@ class EngineCore:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.scheduled:
-            return []
         try:
-            runner_output = self.model_executor.execute_model(scheduler_output)
+            if self.async_scheduling:
+                step = self._run_step_async()
+            else:
+                scheduler_output = self.scheduler.schedule()
+                if not scheduler_output.scheduled:
+                    return []
+                step = scheduler_output, self.model_executor.execute_model(scheduler_output)
         except EngineDeadError as e:
             if not self._worker_restarter.restart(e):  # self-healing (engine/worker_restart.py)
+                self.rerun_running_requests()  # none of their steps will ever report
                 raise
             return []  # a fresh group: the interrupted requests are re-run from their tokens
+        except Exception:
+            # A worker raised: no result of a step scheduled so far will be applied.
+            self.rerun_running_requests()
+            raise
+        if step is None:
+            return []
+        return self._apply(*step)
+
+    def _run_step_async(self) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
+        """Wait for the step in flight (sent by the previous call, or now), after sending
+        the one that follows it; None when there is nothing to run."""
+        if self._in_flight is None:
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.scheduled:
+                return None
+            self._in_flight = scheduler_output, self.model_executor.execute_model(scheduler_output, non_block=True)
+        scheduler_output, future = self._in_flight
+        self._in_flight = None
+        # Planned on what this step will leave: its sampled tokens are placeholders.
+        following = self.scheduler.schedule()
+        if following.scheduled:
+            self._in_flight = following, self.model_executor.execute_model(following, non_block=True)
+        return scheduler_output, future.result()
+
+    def rerun_running_requests(self) -> int:
+        """After a failed step or a replaced worker group: preempt every running request
+        by recompute (re-run later from its tokens), drop the step in flight and every
+        cached block (a step that failed may not have written their K/V). Returns how
+        many requests were running. Call from the thread that steps the core."""
+        if self._in_flight is not None:
+            future, self._in_flight = self._in_flight[1], None
+            try:
+                future.result()  # collected, so that no later step is sent as queued behind it
+            except Exception:  # noqa: BLE001 - planned on the failed step: its result is void anyway
+                pass
+        rerun = self.scheduler.preempt_all_running()
+        self.scheduler.block_manager.reset_prefix_cache()
+        return rerun
+
+    def _apply(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """Take one step's result into the scheduler and the requests' outputs."""
         self.last_step_num_tokens = scheduler_output.num_batched_tokens
         parents: dict[str, ParentRequest] = {}
         for request in self.scheduler.update_from_output(scheduler_output, runner_output):

@@ -38,9 +38,11 @@ _FINISH_REASONS: dict[RequestStatus, str] = {
 class Request:
     """One generation request as the engine tracks it.
 
-    ``num_computed_tokens`` counts the leading tokens of :attr:`all_token_ids`
-    whose KV is in the cache; ``block_ids`` is the block table covering them
-    (plus any slots allocated for the step in flight), of which the first
+    ``num_computed_tokens`` counts the leading tokens whose KV is in the cache or
+    is computed by a step already scheduled (the scheduler advances it when it
+    schedules); ``num_output_placeholders`` counts the tokens those steps will
+    sample that have not come back yet (0 unless steps are scheduled ahead: async
+    scheduling). ``block_ids`` is the block table covering them, of which the first
     ``num_cached_blocks`` have been offered to the prefix cache; ``block_hashes``
     memoises the hashes of its full blocks (tokens never change, so they stay
     valid across preemption). ``arrival_index`` orders
@@ -62,6 +64,7 @@ class Request:
         self.output_logprobs: list[dict[int, float]] = []
         self.status: RequestStatus = RequestStatus.WAITING
         self.num_computed_tokens: int = 0
+        self.num_output_placeholders: int = 0
         self.block_ids: list[int] = []
         self.num_cached_blocks: int = 0
         self.block_hashes: list[bytes] = []

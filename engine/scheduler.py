@@ -2,10 +2,16 @@
 recompute preemption.
 
 One rule covers prefill and decode alike (vLLM v1 style): every scheduled
-request computes ``min(num_tokens - num_computed_tokens, remaining_budget)``
-tokens this step. A request whose chunk reaches its last known token gets one
-new token sampled for it. At admission (first or after a preemption) the block
-manager's cached prefix of the request counts as computed.
+request computes ``min(num_tokens + num_output_placeholders - num_computed_tokens,
+remaining_budget)`` tokens this step. A request whose chunk reaches its last token
+gets one new token sampled for it. At admission (first or after a preemption) the
+block manager's cached prefix of the request counts as computed.
+
+``num_computed_tokens`` advances when a step is scheduled, as in vLLM v1, so the
+next step can be planned before this one's result is back (async scheduling): a
+token the step in flight will sample is a placeholder
+(``worker.outputs.PLACEHOLDER_TOKEN_ID``) in the next step's input, which every
+rank replaces with the token it sampled itself.
 """
 
 from __future__ import annotations
@@ -16,15 +22,21 @@ from collections.abc import Collection
 
 from engine.block_manager import KVBlockManager
 from engine.request import Request, RequestStatus
-from worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from worker.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
     """Decides, step by step, which tokens of which requests the runner computes.
 
     Protocol: call :meth:`schedule`, run the model, then call
-    :meth:`update_from_output` with that same ``SchedulerOutput`` before the
-    next :meth:`schedule` (one step in flight at a time).
+    :meth:`update_from_output` with that same ``SchedulerOutput``. Outputs are
+    updated in the order they were scheduled, and at most one may be outstanding
+    when :meth:`schedule` is called: synchronous engines update each before the
+    next schedule; async scheduling plans step N+1 while step N runs. A request
+    whose outstanding tokens will end it (``max_tokens``, ``max_model_len``) is
+    not scheduled again; one that a stop token or a stop string ends had a step
+    scheduled behind the one that ended it, whose result is dropped (at most one
+    wasted token of compute per such request).
 
     Priority is arrival order (the order of :meth:`add_request` calls):
     ``running`` is kept sorted by it, so the last running request is always the
@@ -73,6 +85,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()  # sorted by arrival_index
         self.running: list[Request] = []  # sorted by arrival_index
         self._finished_ids: list[str] = []  # reported in the next SchedulerOutput
+        # Scheduled, not yet updated: each output with the requests it scheduled, oldest first.
+        self._outstanding: deque[tuple[SchedulerOutput, list[Request]]] = deque()
         self._next_arrival = 0
         self._capacity_tokens = block_manager.num_blocks * block_manager.block_size
 
@@ -132,12 +146,26 @@ class Scheduler:
     def num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    @property
+    def num_outstanding_steps(self) -> int:
+        """Outputs scheduled whose results have not been applied yet."""
+        return len(self._outstanding)
+
     # ---------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step: running requests first, then waiting ones FCFS."""
+        """Plan one step: running requests first, then waiting ones FCFS.
+
+        With a step outstanding (async scheduling), a victim preempted here may be in
+        that step: its result is dropped when it comes (the request is no longer
+        running), and its blocks, freed now, are reused only by steps the ranks run
+        after that one."""
+        if len(self._outstanding) > 1:
+            raise RuntimeError(f"schedule() with {len(self._outstanding)} outputs outstanding: update the oldest "
+                               "first (at most one step is planned ahead)")
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        scheduled_requests: list[Request] = []
         preempted: list[Request] = []
 
         # Running requests, oldest first. Victims are popped from the tail, so
@@ -146,6 +174,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_new_tokens(request, budget)
+            if num_new <= 0 or (request.num_output_placeholders and self._ends_with_pending(request)):
+                i += 1  # its outstanding step samples its last token
+                continue
             while not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -153,8 +184,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self.block_manager.cache_full_blocks(request, request.num_computed_tokens + num_new)
-                scheduled.append(self._make_scheduled(request, num_new))
+                scheduled.append(self._schedule_chunk(request, num_new))
+                scheduled_requests.append(request)
                 budget -= num_new
                 i += 1
 
@@ -172,11 +203,11 @@ class Scheduler:
                 if not self.block_manager.allocate_slots(request, num_new, cached):
                     break  # strict FCFS: nobody overtakes the head of the queue
                 self.block_manager.record_lookup(request.num_tokens, num_cached_tokens)
-                self.block_manager.cache_full_blocks(request, request.num_computed_tokens + num_new)
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 bisect.insort(self.running, request, key=_arrival)
-                scheduled.append(self._make_scheduled(request, num_new, admitted=True))
+                scheduled.append(self._schedule_chunk(request, num_new, admitted=True))
+                scheduled_requests.append(request)
                 budget -= num_new
 
         # Preempted ids go out with this very output (they are not in its
@@ -186,39 +217,67 @@ class Scheduler:
         # An output with nothing scheduled never reaches the workers (EngineCore.step
         # skips it), so its ids are reported again with the next one.
         self._finished_ids = [] if scheduled else list(finished_ids)
-        return SchedulerOutput(
+        output = SchedulerOutput(
             scheduled=scheduled,
             finished_req_ids=finished_ids,
             num_batched_tokens=self.max_num_batched_tokens - budget,
         )
+        if scheduled:
+            self._outstanding.append((output, scheduled_requests))
+        return output
 
     def _num_new_tokens(self, request: Request, budget: int, num_cached_tokens: int = 0) -> int:
-        num_new = min(request.num_tokens - request.num_computed_tokens - num_cached_tokens, budget)
+        num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+                      - num_cached_tokens, budget)
         if 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
         return num_new
 
-    def _make_scheduled(self, request: Request, num_new: int, admitted: bool = False) -> ScheduledRequest:
+    def _ends_with_pending(self, request: Request) -> bool:
+        """Whether the tokens its outstanding steps sample will end ``request`` by
+        length (``_check_stop``'s length rules, counted with those tokens)."""
+        total = request.num_tokens + request.num_output_placeholders
+        return (request.num_output_tokens + request.num_output_placeholders >= request.sampling_params.max_tokens
+                or total >= self.max_model_len or total > self._capacity_tokens)
+
+    def _schedule_chunk(self, request: Request, num_new: int, admitted: bool = False) -> ScheduledRequest:
+        """The message for ``request``'s next ``num_new`` tokens (slots already
+        allocated); names the blocks they fill and advances the request past them."""
         start = request.num_computed_tokens
         end = start + num_new
+        known = request.num_tokens
+        last = known + request.num_output_placeholders
+        # Blocks are named by their tokens: one that a placeholder fills is named by the
+        # schedule after its token came back.
+        self.block_manager.cache_full_blocks(request, min(end, known))
+        token_ids = request.all_token_ids[start:end]
+        if end > known:
+            token_ids += [PLACEHOLDER_TOKEN_ID] * (end - max(start, known))
         params = request.sampling_params
         # The runner forgot a preempted request's params and history: it gets them again
         # at re-admission.
         send_history = admitted and (params.needs_history or params.prompt_logprobs is not None)
-        return ScheduledRequest(
+        scheduled = ScheduledRequest(
             req_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=token_ids,
             start_pos=start,
             block_ids=list(request.block_ids),
-            sample=end == request.num_tokens,
+            sample=end == last,
             sampling_params=params if admitted else None,
-            num_output_tokens=request.num_output_tokens,
+            num_output_tokens=request.num_output_tokens + request.num_output_placeholders,
             history=(list(request.prompt_token_ids), list(request.output_token_ids)) if send_history else None,
         )
+        request.num_computed_tokens = end
+        if scheduled.sample:
+            request.num_output_placeholders += 1
+        return scheduled
 
     def preempt_all_running(self) -> int:
-        """Preempt every running request by recompute (a replaced worker group has none
-        of their K/V); the queue stays in arrival order. Returns how many there were."""
+        """Preempt every running request by recompute (a replaced worker group, or a
+        step that failed, left none of their K/V we can trust); the queue stays in
+        arrival order. Outstanding outputs are void: their results must not be
+        applied. Returns how many requests there were."""
+        self._outstanding.clear()
         running, self.running = self.running, []
         # Latest arrival first: each goes to the front of the queue, as schedule() preempts.
         for request in reversed(running):
@@ -230,6 +289,7 @@ class Scheduler:
         re-prefills prompt + outputs later, from after whatever prefix is still cached."""
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         # Victims leave in latest-arrival-first order, so pushing each to the
@@ -241,14 +301,19 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
-        """Apply one step's results.
+        """Apply the results of the oldest outstanding step, ``scheduler_output``.
 
-        Advances ``num_computed_tokens`` for every scheduled request, appends
-        each sampled token (and logprobs, if requested), applies stop
-        conditions and frees finished requests. Returns the requests that got a
-        new token this step (finished ones included), in scheduled order.
-        Requests aborted while the step was in flight are skipped.
+        Appends each sampled token (and logprobs, if requested) in place of its
+        placeholder, applies stop conditions and frees finished requests. Returns
+        the requests that got a new token this step (finished ones included), in
+        scheduled order. Requests that finished, were aborted or were preempted
+        since the step was scheduled are skipped. Raises RuntimeError for an output
+        that is not the oldest outstanding one.
         """
+        if not self._outstanding or self._outstanding[0][0] is not scheduler_output:
+            raise RuntimeError("update_from_output() must get the oldest outstanding SchedulerOutput "
+                               "(outputs are applied in the order they were scheduled, each once)")
+        _, requests = self._outstanding.popleft()
         samples = {
             req_id: (token, logprobs)
             for req_id, token, logprobs in zip(
@@ -256,11 +321,9 @@ class Scheduler:
             )
         }
         updated: list[Request] = []
-        for sched in scheduler_output.scheduled:
-            request = self.requests.get(sched.req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted mid-step
-            request.num_computed_tokens += len(sched.token_ids)
+        for sched, request in zip(scheduler_output.scheduled, requests):
+            if request.status != RequestStatus.RUNNING or self.requests.get(sched.req_id) is not request:
+                continue  # ended (or preempted) since it was scheduled
             if sched.req_id in runner_output.prompt_logprobs:
                 request.add_prompt_logprobs(*runner_output.prompt_logprobs[sched.req_id])
             if not sched.sample:
@@ -268,6 +331,7 @@ class Scheduler:
             if sched.req_id not in samples:
                 raise RuntimeError(f"runner returned no sampled token for {sched.req_id!r}")
             token, logprobs = samples[sched.req_id]
+            request.num_output_placeholders -= 1
             if request.sampling_params.max_tokens == 0:  # prompt scoring: the prompt was all it wanted
                 status: RequestStatus | None = RequestStatus.FINISHED_LENGTH
             else:

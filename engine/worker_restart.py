@@ -141,7 +141,6 @@ class WorkerRestarter:
 
     @staticmethod
     def _requeue_running(core: EngineCore) -> int:
-        """Preempt every running request by recompute, and drop the prefix cache."""
-        rerun = core.scheduler.preempt_all_running()
-        core.scheduler.block_manager.reset_prefix_cache()
-        return rerun
+        """Preempt every running request by recompute, drop the step in flight and the
+        prefix cache."""
+        return core.rerun_running_requests()

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from executor.registry import get_executor_backend_cls
 from executor.rpc import RPCMethod
@@ -29,6 +30,10 @@ EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("TP_EXECUTE_MODEL_TIMEOUT", "300"
 
 
 class Executor(ABC):
+    # Whether execute_model(non_block=True) returns while the ranks still run the step,
+    # so the engine can plan the next one meanwhile (async scheduling).
+    supports_async_scheduling: ClassVar[bool] = False
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.world_size: int = config.parallel_config.world_size
@@ -93,13 +98,25 @@ class Executor(ABC):
     def initialize_from_config(self, kv_cache_config: "KVCacheConfig") -> None:
         self.collective_rpc("initialize_from_config", args=(kv_cache_config,))
 
-    def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":
-        return self.collective_rpc(
-            "execute_model",
-            args=(scheduler_output,),
-            timeout=EXECUTE_MODEL_TIMEOUT_S,
-            unique_reply_rank=self.output_rank,
-        )
+    def execute_model(
+        self, scheduler_output: "SchedulerOutput", non_block: bool = False
+    ) -> "ModelRunnerOutput | Future[ModelRunnerOutput]":
+        """Run one step on every rank; the output rank's result. With `non_block`, a
+        Future of it: here one already done (the step ran on this thread), while an
+        executor with `supports_async_scheduling` returns as soon as the step is sent."""
+        if not non_block:
+            return self.collective_rpc(
+                "execute_model",
+                args=(scheduler_output,),
+                timeout=EXECUTE_MODEL_TIMEOUT_S,
+                unique_reply_rank=self.output_rank,
+            )
+        future: Future[ModelRunnerOutput] = Future()
+        try:
+            future.set_result(self.execute_model(scheduler_output))
+        except Exception as e:  # noqa: BLE001 - the caller gets it from the future
+            future.set_exception(e)
+        return future
 
     def worker_timings(self) -> list[dict[str, float]]:
         return self.collective_rpc("get_timings")

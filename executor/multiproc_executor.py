@@ -36,6 +36,15 @@ A call that failed on one rank while another still runs it is settled before the
 call is sent: if the other rank is stuck waiting in a collective the failed rank left,
 the group is out of step and the executor fails (within about a second) instead of
 sending a call whose collectives would pair with the stuck one.
+
+Async scheduling: `execute_model(non_block=True)` sends the step and returns a Future
+at once, so the engine plans step N+1 while the ranks run step N and sends it before
+N's result is back; each rank starts N+1 the moment it finishes N. Replies are
+collected in the order the calls were sent: when a Future's result is asked for, or
+before any other call goes out (so a collective_rpc never overtakes a step). A step
+sent behind another names it (`after_call`): a rank on which the earlier step failed
+answers the later one with a failure instead of running it, and a rank left waiting in
+its collectives is found stuck by the settle check above.
 """
 
 from __future__ import annotations
@@ -48,22 +57,27 @@ import socket
 import tempfile
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future
 from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection, wait
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from executor import liveness
-from executor.abstract import Executor
+from executor.abstract import EXECUTE_MODEL_TIMEOUT_S, Executor
 from executor.errors import EngineDeadError, RemoteWorkerError, ShmSpaceError, TempDirError, WorkerStartupError
 from executor.forked_forkserver import start_forked_forkserver
 from executor.liveness import StatusBoard
 from executor.message_queue import MessageQueueOwner, QueueClosedError, QueueEndpoint
 from executor.message_queue_reader import MessageQueueReader
 from executor.message_queue_writer import MessageQueueWriter
-from executor.rpc import SHUTDOWN, ReadyMessage, RPCMethod, RPCReply, RPCRequest, plan_call
+from executor.rpc import SHUTDOWN, CallPlan, ReadyMessage, RPCMethod, RPCReply, RPCRequest, plan_call
 from executor.shm_ring import RingLayout, RingSpec
 from executor.worker_proc import WorkerProc
 from worker.cpu_affinity import allowed_cpus, spare_cpus
+
+if TYPE_CHECKING:
+    from worker.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +202,36 @@ def check_shm_space(config: Any, world_size: int) -> None:
         )
 
 
+class _SentCall(NamedTuple):
+    """A call on the broadcast queue whose replies are not collected yet."""
+
+    call_id: int
+    plan: CallPlan
+    reply_rank: int | None
+    deadline: float | None
+    timeout: float | None
+    checked: bool  # judged by the liveness check
+
+
+class _StepFuture(Future):
+    """A step sent ahead (execute_model(non_block=True)). Its replies are collected on
+    the thread that asks for `result()`, or by the executor before its next call."""
+
+    def __init__(self, executor: MultiprocExecutor, call: _SentCall) -> None:
+        super().__init__()
+        self._executor = executor
+        self.call = call
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The step's output; `timeout` is not used: the step's own deadline
+        (TP_EXECUTE_MODEL_TIMEOUT) bounds the wait."""
+        self._executor._collect_through(self)
+        return super().result()
+
+
 class MultiprocExecutor(Executor):
+    supports_async_scheduling = True
+
     def _init_executor(self) -> None:
         self._failure: str | None = None
         self._shutdown_started = False
@@ -207,6 +250,7 @@ class MultiprocExecutor(Executor):
         # (call_id, name, failed rank, when); settled before the next call goes out.
         self._unsettled: tuple[int, str, int, float] | None = None
         self._checked_calls: set[int] = set()  # ids of calls the liveness check judges
+        self._pending: deque[_StepFuture] = deque()  # steps sent ahead, oldest first
         try:
             check_shm_space(self.config, self.world_size)
             method = os.environ.get("TP_WORKER_MULTIPROC_METHOD", "forkserver")
@@ -421,7 +465,8 @@ class MultiprocExecutor(Executor):
                 row = self._board.row(r)
                 entered = row[liveness.IN_COLLECTIVE]
                 silent = now - row[liveness.PROGRESS]
-                in_failed_call = int(row[liveness.BUSY_CALL]) == call_id
+                # Or in a step sent before it, whose failure elsewhere made this one fail.
+                in_failed_call = 0 < int(row[liveness.BUSY_CALL]) <= call_id
                 if (in_failed_call and ((entered and now - entered > _SETTLE_GRACE_S) or silent > _SETTLE_GRACE_S)) \
                         or (self._liveness_s and silent > self._liveness_s):
                     stuck.append(r)
@@ -459,21 +504,66 @@ class MultiprocExecutor(Executor):
         unique_reply_rank: int | None = None,
     ) -> Any:
         plan = plan_call(method, unique_reply_rank, self.world_size)
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._rpc_lock:
-            if self._unsettled is not None:
-                self._settle()
-            self._call_id += 1
-            call_id = self._call_id
-            request = RPCRequest(call_id, plan.payload, tuple(args), dict(kwargs or {}), unique_reply_rank)
-            checked = plan.name in _LIVENESS_CHECKED
-            if checked:
-                self._checked_calls.add(call_id)
-            self._enqueue(request, deadline, plan.name)
-            results = self._collect_replies(plan.ranks, call_id, plan.name, deadline, timeout)
-            if checked:
-                self._checked_calls.discard(call_id)
-        return plan.results(results, unique_reply_rank)
+            while self._pending:
+                self._collect_oldest_step()
+            call = self._send(plan, args, kwargs, unique_reply_rank, timeout)
+            return self._receive(call)
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """One step on every rank. With `non_block`, the step is sent and a Future of
+        its output returned at once; at most two steps should be outstanding (the
+        engine's async scheduling keeps one running and one queued)."""
+        if not non_block:
+            return super().execute_model(scheduler_output)
+        plan = plan_call("execute_model", self.output_rank, self.world_size)
+        with self._rpc_lock:
+            after = self._pending[-1].call.call_id if self._pending else None
+            call = self._send(plan, (scheduler_output,), None, self.output_rank, EXECUTE_MODEL_TIMEOUT_S, after)
+            future = _StepFuture(self, call)
+            self._pending.append(future)
+        return future
+
+    def _send(self, plan: CallPlan, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+              reply_rank: int | None, timeout: float | None, after_call: int | None = None) -> _SentCall:
+        """Put one call on the broadcast queue (under _rpc_lock), after settling a failed one."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._unsettled is not None:
+            self._settle()
+        self._call_id += 1
+        call_id = self._call_id
+        request = RPCRequest(call_id, plan.payload, tuple(args), dict(kwargs or {}), reply_rank, after_call)
+        checked = plan.name in _LIVENESS_CHECKED
+        if checked:
+            self._checked_calls.add(call_id)
+        self._enqueue(request, deadline, plan.name)
+        return _SentCall(call_id, plan, reply_rank, deadline, timeout, checked)
+
+    def _receive(self, call: _SentCall) -> Any:
+        """Collect a sent call's replies (under _rpc_lock): collective_rpc's result."""
+        results = self._collect_replies(call.plan.ranks, call.call_id, call.plan.name, call.deadline, call.timeout)
+        if call.checked:
+            self._checked_calls.discard(call.call_id)
+        return call.plan.results(results, call.reply_rank)
+
+    def _collect_oldest_step(self) -> None:
+        """Collect the oldest step sent ahead into its Future (under _rpc_lock)."""
+        future = self._pending.popleft()
+        try:
+            future.set_result(self._receive(future.call))
+        except Exception as e:  # noqa: BLE001 - its owner gets it from the future
+            future.set_exception(e)
+        except BaseException as e:
+            future.set_exception(e)
+            raise
+
+    def _collect_through(self, future: _StepFuture) -> None:
+        """Collect steps sent ahead, oldest first, until `future` is done."""
+        with self._rpc_lock:
+            while not future.done() and self._pending:
+                self._collect_oldest_step()
 
     def _collect_replies(
         self, ranks: list[int], call_id: int, name: str, deadline: float | None, timeout: float | None
@@ -492,6 +582,10 @@ class MultiprocExecutor(Executor):
                 results[rank] = self._result_of(reply, name, call_id)
                 waiting.remove(rank)
                 continue
+            if self._unsettled is not None:
+                # An earlier step failed on some rank while this one was queued behind it:
+                # a rank waiting in this one's collectives for the failed rank never returns.
+                self._settle(wait=False)
             for other in range(self.world_size):
                 if other == rank or other in results:
                     continue

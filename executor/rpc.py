@@ -30,6 +30,9 @@ class RPCRequest(NamedTuple):
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = {}
     reply_rank: int | None = None  # None: every rank replies
+    # A step sent while this earlier one was still running (async scheduling): a rank on
+    # which that call failed answers this one with a failure instead of running it.
+    after_call: int | None = None
 
 
 class RPCReply(NamedTuple):

@@ -6,7 +6,8 @@ see executor/liveness.py), attach to the broadcast queue (reader) and to this ra
 reply queue (writer), build the Worker, init_device() (its collectives then report to
 the board), load_model(), report READY (or FAILED with the traceback) over the ready
 pipe, then serve RPCs until told to stop, marking each call's start and end on the board. A worker
-exception is sent back as a reply and the loop goes on; only the death of the engine,
+exception is sent back as a reply and the loop goes on (a step queued behind the failed
+one, `after_call`, is answered with a failure, not run); only the death of the engine,
 a SHUTDOWN message or a signal ends the process.
 """
 
@@ -174,6 +175,7 @@ class WorkerProc:
         proc.close()
 
     def busy_loop(self) -> None:
+        failed_call = 0  # the latest call that failed here
         while True:
             try:
                 request: RPCRequest = self.broadcast.dequeue()
@@ -185,9 +187,13 @@ class WorkerProc:
             if self.status is not None:
                 self.status.begin_call(request.call_id)
             try:
+                if request.after_call is not None and request.after_call == failed_call:
+                    # It was planned on that call's result; the engine drops it too.
+                    raise RuntimeError(f"not run: call {failed_call}, sent before it, failed on rank {self.rank}")
                 result = run_method(self.worker, request.method, request.args, request.kwargs)
                 reply = RPCReply(request.call_id, self.rank, True, result=result if must_reply else None)
             except Exception as e:
+                failed_call = request.call_id
                 reply = RPCReply(request.call_id, self.rank, False, error=f"{type(e).__name__}: {e}",
                                  traceback=traceback.format_exc())
             finally:

@@ -82,6 +82,7 @@ def test_shm_all_reduce_and_gather_equal_gloo_and_are_bit_identical_on_every_ran
     from tests.tp_helpers import tp_shm_vs_gloo
 
     results = run_tp(tp_shm_vs_gloo, world_size, SIZES, ["float32", "bfloat16"], timeout=600)
+    assert all(r.pop("uses_kernel") for r in results), "the C all-reduce round is not active"
     for key, first in results[0].items():
         dtype = key.split("-")[0]
         # gloo adds in its own order (and bf16 in bf16); ours in rank order, bf16 in float32.
@@ -93,6 +94,23 @@ def test_shm_all_reduce_and_gather_equal_gloo_and_are_bit_identical_on_every_ran
             assert r["rank_order_sum"], (key, rank)  # float32 sums in rank order, rounded once
             assert r["digest"] == first["digest"], (key, rank)  # bit-identical across ranks
             assert r["gather_equal"], (key, rank)
+
+
+def test_shm_all_reduce_torch_path_gives_the_kernels_bits(monkeypatch):
+    """Where the C round cannot be built (or TP_CPU_SHM_ALLREDUCE_KERNEL=0), the torch ops
+    run the same protocol and give the same bits."""
+    from tests.tp_helpers import tp_shm_vs_gloo
+
+    sizes = [1, 1023, 65536, (4 << 20) // 4 + 5]
+    with_kernel = run_tp(tp_shm_vs_gloo, 2, sizes, ["float32", "bfloat16"], timeout=600)
+    monkeypatch.setenv("TP_CPU_SHM_ALLREDUCE_KERNEL", "0")
+    without = run_tp(tp_shm_vs_gloo, 2, sizes, ["float32", "bfloat16"], timeout=600)
+    assert [r.pop("uses_kernel") for r in with_kernel] == [True, True]
+    assert [r.pop("uses_kernel") for r in without] == [False, False]
+    for rank in range(2):
+        for key, result in with_kernel[rank].items():
+            assert result["digest"] == without[rank][key]["digest"], (rank, key)
+            assert without[rank][key]["rank_order_sum"], (rank, key)
 
 
 def _our_segments() -> set[str]:

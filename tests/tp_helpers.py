@@ -154,7 +154,7 @@ def tp_shm_vs_gloo(rank: int, world_size: int, port: int, sizes: list[int], dtyp
         communicator = get_tp_group().communicator
         shm = communicator.shm
         assert shm is not None, "the shared-memory path is not active"
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"uses_kernel": shm.uses_kernel}
         for dtype_name in dtypes:
             dtype = getattr(torch, dtype_name)
             for size in sizes:

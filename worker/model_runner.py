@@ -23,7 +23,7 @@ from model_loader import get_model, get_model_loader
 from model_loader.utils import process_weights_after_loading
 from models.layers.attention import Attention, AttentionBackend, AttentionMetadata, get_attn_backend
 from worker.kv_cache import KVCacheConfig, KVCacheMemory, KVCacheSpec, allocate_kv_cache
-from worker.outputs import ModelRunnerOutput
+from worker.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput
 from worker.sampler import Sampler, prompt_logprobs
 
 if TYPE_CHECKING:
@@ -46,6 +46,8 @@ class ModelRunner:
         self.sampler = Sampler()
         # Each running request's SamplingParams, sent once at admission (ScheduledRequest).
         self._sampling_params: dict[str, SamplingParams] = {}
+        # The token each request sampled in its latest step: what a placeholder stands for.
+        self._last_sampled: dict[str, int] = {}
 
     def load_model(self, checkpoint: str | None = None) -> None:
         """Build and load this rank's model, from `checkpoint` (a directory in the
@@ -165,15 +167,24 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos_t, md, sample_rows
 
-    def _fill_sampling_params(self, scheduler_output: SchedulerOutput) -> None:
+    def _fill_request_state(self, scheduler_output: SchedulerOutput) -> None:
         """Give every scheduled request its SamplingParams, in place: those that came with
         its admission are kept until it finishes, and set on its later steps (each step's
         message is new: unpickled here, or built afresh by the in-process scheduler).
-        Raises RuntimeError for a request whose params never came (a scheduler that
-        skipped its admission)."""
+        A placeholder token (async scheduling) becomes the token this rank sampled for
+        the request in the previous step. Raises RuntimeError for a request whose params
+        never came (a scheduler that skipped its admission), or a placeholder with no
+        sampled token behind it."""
         for req_id in scheduler_output.finished_req_ids:
             self._sampling_params.pop(req_id, None)
+            self._last_sampled.pop(req_id, None)
         for req in scheduler_output.scheduled:
+            if req.token_ids and req.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                token = self._last_sampled.get(req.req_id)
+                if token is None:
+                    raise RuntimeError(f"request {req.req_id!r} was scheduled after a step that sampled nothing "
+                                       "for it: its placeholder token has no value")
+                req.token_ids[-1] = token
             if req.sampling_params is not None:
                 self._sampling_params[req.req_id] = req.sampling_params
                 continue
@@ -187,7 +198,7 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         model = self._require_model()
         self.sampler.drop(scheduler_output.finished_req_ids)
-        self._fill_sampling_params(scheduler_output)
+        self._fill_request_state(scheduler_output)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput([], [], [])
         for req in scheduler_output.scheduled:
@@ -204,9 +215,11 @@ class ModelRunner:
             # The argmax alone: at TP > 1 the ranks exchange one (value, id) per row
             # instead of all-gathering [rows, vocab] logits.
             tokens = model.compute_greedy_tokens(hidden[sample_rows]).tolist()
+            self._last_sampled.update(zip(req_ids, tokens))
             return ModelRunnerOutput(req_ids, tokens, [None] * len(tokens), prompt_logprobs)
         logits = model.compute_logits(hidden[sample_rows]).float().cpu()
         tokens, logprobs = self.sampler(logits, sampled_reqs, self.config.seed)
+        self._last_sampled.update(zip(req_ids, tokens))
         return ModelRunnerOutput(req_ids, tokens, logprobs, prompt_logprobs)
 
     def _prompt_logprobs(

@@ -14,13 +14,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
 
+# In ``ScheduledRequest.token_ids``: the token this request's previous step samples,
+# scheduled before that step's result came back (async scheduling). Every rank samples
+# the same token, so each puts its own in this place.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass
 class ScheduledRequest:
     """One request's work for one step.
 
     ``token_ids`` are the tokens whose KV this step computes, starting at
-    absolute position ``start_pos``. ``block_ids`` is the whole block table
+    absolute position ``start_pos``; the last may be ``PLACEHOLDER_TOKEN_ID``, the
+    token the request's previous step samples (async scheduling). ``block_ids`` is the whole block table
     after allocation. ``sample`` is True iff the chunk reaches the last known
     token, i.e. the runner must sample exactly one new token for it.
     ``num_output_tokens`` (outputs so far) keys the per-step random stream so

@@ -194,6 +194,10 @@ def build_parser(prog: str = "python -m engine.serve") -> argparse.ArgumentParse
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most requests in one batch (default 64)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
                    help="token budget of one step (default: max(max_model_len, 2048))")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan each step while the one before it runs, so the ranks never wait for the scheduler "
+                        "(default: on with the mp backend, the only one that can; --no-async-scheduling runs one "
+                        "step at a time)")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block (default 16)")
     p.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", dest="kv_cache_memory", type=parse_bytes,
                    default=None, metavar="BYTES",
@@ -370,7 +374,7 @@ def engine_config_kwargs(args: argparse.Namespace, model: str) -> dict[str, Any]
         "load_format": args.load_format, "quantization": args.quantization, "revision": args.revision,
         "download_dir": args.download_dir, "seed": args.seed, "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "block_size": args.block_size, "kv_cache_memory_bytes": kv_bytes,
+        "block_size": args.block_size, "kv_cache_memory_bytes": kv_bytes, "async_scheduling": args.async_scheduling,
         "gpu_memory_utilization": args.gpu_memory_utilization, "tokenizer": args.tokenizer,
         "cpu_prepack_weights": args.cpu_prepack_weights, "cpu_threads_bind": args.cpu_threads_bind,
         # The model in its own process even at TP=1, as vLLM's API server keeps its engine

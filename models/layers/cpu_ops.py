@@ -8,7 +8,7 @@ prefill sizes the passes (the norm's upcast alone writes twice the activations).
 call does each in one pass, rounding where torch's chain rounds. This is what vLLM's
 RMSNorm and RotaryEmbedding custom ops do with their CPU kernels.
 
-Built on first use like the other CPU kernels (models/layers/native_build.py). Where it
+Built on first use like the other CPU kernels (distributed/native_build.py). Where it
 cannot be built, with `TP_CPU_FUSED_OPS=0`, or for tensors it does not take (not on the
 CPU, not float32/bfloat16, a last dimension that is not contiguous), the layers keep
 their torch ops: the kernels are a speed-up, never a requirement. Called by the layers
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from models.layers.native_build import load_kernel
+from distributed.native_build import load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC")

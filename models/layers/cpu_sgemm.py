@@ -10,7 +10,7 @@ kernels where the CPU has them, which an AVX2 kernel cannot match, so
 `cpu_gemm.default_packed_gemm` only picks this one on CPUs without AVX-512 (and not on
 Intel, where MKL's packed product is the measured default).
 
-Built on first use like the other CPU kernels (models/layers/native_build.py). With no
+Built on first use like the other CPU kernels (distributed/native_build.py). With no
 AVX2/FMA, no compiler or a failed build (logged), `load()` returns None and the linear
 method packs with oneDNN instead. Called on every rank, once per process.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from models.layers.native_build import cpu_flags, load_kernel
+from distributed.native_build import cpu_flags, load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_sgemm.c")
 COMPILE_FLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-fPIC")

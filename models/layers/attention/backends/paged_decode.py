@@ -10,7 +10,7 @@ they lie in the paged cache, with no gather, no padding and no mask, and returns
 log-sum-exp too (the cascade merges with it).
 
 The source is compiled for this CPU (`-march=native`) the first time a process needs
-it and cached (models/layers/native_build.py). When there is no compiler, the build
+it and cached (distributed/native_build.py). When there is no compiler, the build
 fails, or `TP_CPU_PAGED_DECODE=0` is set, `load()` returns None and the backend keeps
 its torch path: the kernel is a speed-up, never a requirement.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from models.layers.native_build import load_kernel
+from distributed.native_build import load_kernel
 
 
 SOURCE = Path(__file__).with_name("paged_decode.c")

@@ -1,0 +1,100 @@
+/* One round of ShmAllReduce (shm_allreduce.py) in one call: publish this rank's chunk,
+ * wait for every peer's, sum the slots in rank order into the chunk.
+ *
+ * The Python round costs about 20 us of dispatch for a decode-sized chunk, and a decode
+ * step makes two per layer; here it is a few. The protocol, the slots and the result
+ * are the Python path's: sums run in float32 in rank order 0..W-1 and a bfloat16
+ * result is rounded once, to nearest even (torch's rounding, NaN as 0x7FC0), so every
+ * rank gets the same bits whichever path runs. The wait spins at most `max_spins`
+ * times and then returns 1, leaving the back-off (yield, sleep, the peers' liveness)
+ * to the caller, which calls again with published = 1.
+ *
+ * Built with -O3 -march=native -ffp-contract=off: no fused multiply-adds, no fast-math.
+ */
+#include <stdint.h>
+#include <string.h>
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0u : (uint16_t)rounded;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void sum_f32(float *out, char *const *slots, int world, int64_t n) {
+    const float *s0 = (const float *)slots[0];
+    const float *s1 = (const float *)slots[1];
+    for (int64_t i = 0; i < n; i++) out[i] = s0[i] + s1[i];
+    for (int r = 2; r < world; r++) {
+        const float *s = (const float *)slots[r];
+        for (int64_t i = 0; i < n; i++) out[i] += s[i];
+    }
+}
+
+static void sum_bf16(uint16_t *out, char *const *slots, int world, int64_t n) {
+    enum { BLOCK = 1024 };
+    float acc[BLOCK];
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        int64_t len = n - start < BLOCK ? n - start : BLOCK;
+        const uint16_t *s0 = (const uint16_t *)slots[0] + start;
+        for (int64_t i = 0; i < len; i++) acc[i] = bf16_to_f32(s0[i]);
+        for (int r = 1; r < world; r++) {
+            const uint16_t *s = (const uint16_t *)slots[r] + start;
+            for (int64_t i = 0; i < len; i++) acc[i] += bf16_to_f32(s[i]);
+        }
+        for (int64_t i = 0; i < len; i++) out[start + i] = f32_to_bf16(acc[i]);
+    }
+}
+
+/* What stays the same for every round of one communicator. */
+typedef struct {
+    char *const *slots[2]; /* per round parity: the W slots */
+    int64_t *arrive;       /* the W arrival counters, `stride` int64 apart */
+    int64_t stride;
+    int32_t world;
+    int32_t rank;
+} shm_group;
+
+/* x: this rank's chunk (nbytes, numel elements of dtype), summed over the ranks in place
+ * in round `seq`. Returns 0 once done, 1 when a peer had not arrived within max_spins
+ * (nothing summed yet), 2 for a dtype it does not take (nothing touched). */
+int shm_allreduce_round(const shm_group *g, char *x, int64_t nbytes, int64_t numel, int dtype, int64_t seq,
+                        int published, int64_t max_spins) {
+    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 2;
+    char *const *slots = g->slots[seq & 1];
+    if (!published) {
+        memcpy(slots[g->rank], x, (size_t)nbytes);
+        __atomic_store_n(&g->arrive[g->rank * g->stride], seq, __ATOMIC_RELEASE);
+    }
+    int64_t spins = 0;
+    for (int peer = 0; peer < g->world; peer++) {
+        if (peer == g->rank) continue;
+        while (__atomic_load_n(&g->arrive[peer * g->stride], __ATOMIC_ACQUIRE) < seq) {
+            if (++spins > max_spins) return 1;
+            cpu_relax();
+        }
+    }
+    if (g->world < 2) return 0;
+    if (dtype == DTYPE_F32)
+        sum_f32((float *)x, slots, g->world, numel);
+    else
+        sum_bf16((uint16_t *)x, slots, g->world, numel);
+    return 0;
+}
