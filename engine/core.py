@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from concurrent.futures import Future
 import logging
 import os
 import time
 import weakref
+from concurrent.futures import Future
 from typing import Any, Iterable, Mapping, Sequence
 
 from distributed.utils import cdiv
@@ -357,8 +357,9 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it on every rank, and return the requests that advanced
-        (first any that finished while the engine went to sleep). While the engine
-        sleeps nothing is scheduled."""
+        (first any that finished while the engine went to sleep). With async scheduling
+        the batch that returns may be the one the previous call sent, and the next one
+        is sent before this returns. While the engine sleeps nothing is scheduled."""
         outputs, self._undelivered = self._undelivered, []
         self.last_step_num_tokens = 0
         if self._sleep_level is None:
@@ -379,8 +380,9 @@ class EngineCore:
                 self.rerun_running_requests()  # none of their steps will ever report
                 raise
             return []  # a fresh group: the interrupted requests are re-run from their tokens
-        except Exception:
-            # A worker raised: no result of a step scheduled so far will be applied.
+        except BaseException:
+            # A worker raised (or the wait was interrupted): no result of a step scheduled
+            # so far will be applied.
             self.rerun_running_requests()
             raise
         if step is None:

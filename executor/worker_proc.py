@@ -39,12 +39,12 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
 
 _PR_SET_PDEATHSIG = 1
-# How long a rank busy-waits for its next call before it sleeps. Back to back, the next
-# step comes about 1 ms after a rank's reply (the engine takes it in and schedules); a
-# rank that slept by then wakes later than one that spun, and its peers wait for it at
-# the step's first collective (TP=2 bf16 offline: +4% throughput against a 0.5 ms spin
-# here, in two interleaved runs). The spin yields its core at every turn, so the engine,
-# if it runs there, is not held up.
+# How long a rank busy-waits for its next call before it sleeps. With async scheduling
+# the next step is usually queued already; without, it comes about 1 ms after a rank's
+# reply (the engine takes it in and schedules); a rank that slept by then wakes later
+# than one that spun, and its peers wait for it at the step's first collective (TP=2
+# bf16 offline: +4% throughput against a 0.5 ms spin here, in two interleaved runs).
+# The spin yields its core at every turn, so the engine, if it runs there, is not held up.
 NEXT_CALL_SPIN_S = 2e-3
 
 

@@ -194,3 +194,10 @@ def test_console_entry_point_is_declared() -> None:
 def test_check_weights_finite_reaches_the_config() -> None:
     assert engine_config_kwargs(parse_args(["m", "--check-weights-finite"]), "m")["check_weights_finite"] is True
     assert engine_config_kwargs(parse_args(["m"]), "m")["check_weights_finite"] is False
+
+
+def test_async_scheduling_flags_reach_the_config() -> None:
+    """vLLM's flag pair; unset leaves the engine's choice (on with mp)."""
+    assert engine_config_kwargs(parse_args(["m"]), "m")["async_scheduling"] is None
+    assert engine_config_kwargs(parse_args(["m", "--async-scheduling"]), "m")["async_scheduling"] is True
+    assert engine_config_kwargs(parse_args(["m", "--no-async-scheduling"]), "m")["async_scheduling"] is False
