@@ -8,6 +8,7 @@ Workers import this module when a function defined here is sent to them by refer
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -27,8 +28,9 @@ def arm_forward_fault(worker: Any, rank: int, action: str, at_forward: int = 1, 
     """Install a forward pre-hook on the last decoder layer of `rank`'s model, so the
     fault strikes mid-forward, after the first layers' all-reduces: on its
     `at_forward`-th forward (the profile run counts if it comes later) it writes its pid
-    to `marker` (if given), then "raise"s, "hang"s (sleeps for good) or keeps the CPU
-    "busy" for `seconds` (a slow step that is not hung). Returns whether it armed."""
+    to `marker` (if given), then "raise"s, "hang"s (sleeps for good), SIGKILLs its own
+    process ("sigkill") or keeps the CPU "busy" for `seconds` (a slow step that is not
+    hung). Returns whether it armed."""
     if worker.rank != rank:
         return False
     layers = worker.model_runner.model.model.layers
@@ -45,6 +47,8 @@ def arm_forward_fault(worker: Any, rank: int, action: str, at_forward: int = 1, 
         if action == "hang":
             while True:
                 time.sleep(3600)
+        if action == "sigkill":  # dies mid-forward, at a known step
+            os.kill(os.getpid(), signal.SIGKILL)
         if action == "busy":
             end = time.monotonic() + seconds
             x = 0
