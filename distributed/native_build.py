@@ -1,7 +1,9 @@
 """Compile a small C kernel for this CPU on first use, and cache the library.
 
-The CPU kernels we ship as source (`attention/backends/paged_decode.c`, `cpu_sgemm.c`,
-`cpu_ops.c`) come without a build step at install time: a wheel cannot know the CPU it will run
+The CPU kernels we ship as source (`models/layers/attention/backends/paged_decode.c`,
+`models/layers/cpu_sgemm.c`, `models/layers/cpu_ops.c`, and the communicator's
+`distributed/device_communicators/shm_allreduce.c`; this module sits at the bottom of
+the layering so that both can use it) come without a build step at install time: a wheel cannot know the CPU it will run
 on, and `-march=native` is where their speed comes from. The first process that needs
 one compiles it with the system's C compiler (`$CC`, default `cc`) into
 `$TP_RUNTIME_CACHE/kernels/` (default `~/.cache/tp-runtime`), keyed by the source, the
