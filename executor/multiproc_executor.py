@@ -553,11 +553,10 @@ class MultiprocExecutor(Executor):
         future = self._pending.popleft()
         try:
             future.set_result(self._receive(future.call))
-        except Exception as e:  # noqa: BLE001 - its owner gets it from the future
+        except BaseException as e:  # noqa: BLE001 - its owner gets it from the future
             future.set_exception(e)
-        except BaseException as e:
-            future.set_exception(e)
-            raise
+            if not isinstance(e, Exception):
+                raise  # an interrupt still stops this thread
 
     def _collect_through(self, future: _StepFuture) -> None:
         """Collect steps sent ahead, oldest first, until `future` is done."""

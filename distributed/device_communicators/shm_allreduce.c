@@ -16,6 +16,9 @@
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 
+/* The bf16 conversions repeat cpu_ops.c's: each kernel is one self-contained file, which
+ * native_build keys by its text, so a shared header could change without a rebuild. */
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;

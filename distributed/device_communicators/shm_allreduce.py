@@ -123,6 +123,7 @@ class ShmAllReduce:
         if fn is None or not all(loaded):
             return None
         base = self._bytes.data_ptr() + self._slots_offset
+        # Kept as attributes: _group holds their addresses, not references.
         self._slot_ptrs = [(ctypes.c_void_p * self.world_size)(
             *(base + (j * 2 + phase) * self.slot_bytes for j in range(self.world_size))) for phase in (0, 1)]
         self._group = _ShmGroup(ctypes.addressof(self._slot_ptrs[0]), ctypes.addressof(self._slot_ptrs[1]),
