@@ -14,6 +14,7 @@ _EXPORTS = {
     "EngineConfig": "engine.config",
     "EngineCore": "engine.core",
     "SamplingParams": "engine.sampling_params",
+    "RequestOutputKind": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
 }
 

@@ -12,6 +12,7 @@ Each call still returns the outputs of one step; a step may be in flight between
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import logging
@@ -28,7 +29,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.output_processor import OutputProcessor, ParentRequest
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import load_tokenizer
 from engine.worker_restart import WorkerRestarter
@@ -555,7 +556,9 @@ class EngineCore:
         prompts: Prompt | Iterable[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts (strings or token-id lists) to completion; outputs in prompt order."""
+        """Run prompts (strings or token-id lists) to completion; outputs in prompt order.
+        Only each request's final output is made (vLLM's LLM asks for FINAL_ONLY too),
+        on copies: the caller's SamplingParams are left as they are."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -565,6 +568,12 @@ class EngineCore:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        final_only: dict[int, SamplingParams] = {}
+        for sp in params:
+            if id(sp) not in final_only:
+                final_only[id(sp)] = copy.copy(sp)
+                final_only[id(sp)].output_kind = RequestOutputKind.FINAL_ONLY
+        params = [final_only[id(sp)] for sp in params]
         if self._sleep_level is not None:
             raise RuntimeError(f"the engine is sleeping (level {self._sleep_level}); call wake_up() first")
         ids: list[str] = []

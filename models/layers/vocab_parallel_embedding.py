@@ -19,6 +19,7 @@ from distributed import (
 )
 from distributed.utils import cdiv
 from models.errors import WeightLoadError
+from models.layers import cpu_ops
 from models.layers.build_config import get_layer_build_config
 from models.layers.quantization import LinearMethodBase
 from models.layers.weight_utils import load_whole, set_weight_attrs
@@ -102,10 +103,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         one. A collective: every rank calls it with the same number of rows."""
         if self.tp_size > 1 and self.num_embeddings_padded > _FLOAT32_EXACT_IDS:
             return self.compute_logits(hidden_states).float().max(dim=-1).indices
-        logits = self.quant_method.apply(self, hidden_states).float()
+        logits = self.quant_method.apply(self, hidden_states)
         valid = min(self.num_embeddings - self.vocab_start_index, logits.shape[-1])  # the rest is padding
         if valid > 0:
-            values, ids = logits[..., :valid].max(dim=-1)
+            values, ids = _first_max(logits, valid)
         else:  # a rank whose whole range is padding (a tiny vocabulary at a large TP)
             values = logits.new_full(logits.shape[:-1], float("-inf"))
             ids = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
@@ -119,3 +120,12 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is not an embedding lookup; call compute_logits()")
+
+
+def _first_max(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's maximum over its first `n` logits, as float32, and the index of its
+    first occurrence: one C pass on the CPU where the kernel takes the tensor
+    (`cpu_ops.py`), else torch's max, which gives the same values and indices."""
+    kernel = cpu_ops.load() if logits.device.type == "cpu" else None
+    found = kernel.argmax_rows(logits, n) if kernel is not None else None
+    return found if found is not None else logits[..., :n].float().max(dim=-1)
