@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from executor.abstract import Executor
 from executor.errors import EngineDeadError
 from executor.lockstep import LockstepChannel, LockstepFollower
-from executor.rpc import RPCMethod, run_method
+from executor.rpc import RPCMethod, check_rpc_method, run_method
 from worker.worker import Worker
 
 if TYPE_CHECKING:
@@ -168,6 +168,7 @@ class ExternalLauncherExecutor(Executor):
     ) -> Any:
         """Run `method` on this rank's worker (sent to the followers first while rank 0
         leads); `timeout` is not enforced, the call runs on the caller's thread."""
+        check_rpc_method(method)
         worker = self._live_worker()
         kwargs = dict(kwargs or {})
         if self._leading:

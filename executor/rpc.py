@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["SHUTDOWN", "CallPlan", "RPCMethod", "RPCReply", "RPCRequest", "ReadyMessage", "plan_call", "run_method"]
+__all__ = ["SHUTDOWN", "CallPlan", "RPCMethod", "RPCReply", "RPCRequest", "ReadyMessage", "check_rpc_method",
+           "plan_call", "run_method"]
 
 # A Worker method name, or a picklable fn(worker, *args, **kwargs).
 RPCMethod = str | Callable[..., Any]
@@ -68,10 +69,19 @@ class CallPlan(NamedTuple):
         return replies[unique_reply_rank] if unique_reply_rank is not None else [replies[r] for r in self.ranks]
 
 
+def check_rpc_method(method: object) -> None:
+    """Raises TypeError, in the caller, for a collective_rpc method that is neither a
+    Worker method name nor a callable (bytes, say, which would reach the workers)."""
+    if not isinstance(method, str) and not callable(method):
+        raise TypeError(f"collective_rpc method must be a Worker method name or a callable fn(worker, ...), "
+                        f"got {type(method).__name__!r}")
+
+
 def plan_call(method: RPCMethod, unique_reply_rank: int | None, world_size: int) -> CallPlan:
     """Validate and prepare one collective_rpc of a process-based executor (mp, ray): the
     callable is pickled here, so an unpicklable one raises in the caller. Raises
     ValueError for a `unique_reply_rank` outside the world."""
+    check_rpc_method(method)
     if unique_reply_rank is not None and not 0 <= unique_reply_rank < world_size:
         raise ValueError(f"unique_reply_rank={unique_reply_rank} is outside [0, {world_size})")
     name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))

@@ -7,7 +7,7 @@ from typing import Any
 
 from executor.abstract import Executor
 from executor.errors import EngineDeadError
-from executor.rpc import RPCMethod, run_method
+from executor.rpc import RPCMethod, check_rpc_method, run_method
 from worker.worker import Worker
 
 
@@ -30,6 +30,7 @@ class UniProcExecutor(Executor):
         timeout: float | None = None,
         unique_reply_rank: int | None = None,
     ) -> Any:
+        check_rpc_method(method)
         if self.worker is None:
             raise EngineDeadError("the executor has been shut down")
         result = run_method(self.worker, method, args, kwargs or {})

@@ -147,6 +147,16 @@ def test_rpc_unique_reply_rank(engine_tp2):
     assert engine_tp2.collective_rpc(lambda w: w.rank) == [0, 1]
 
 
+def test_rpc_method_that_is_neither_a_name_nor_a_callable_is_refused_in_the_caller(engine_tp2, tiny_models):
+    with pytest.raises(TypeError, match="Worker method name or a callable.*got 'bytes'"):
+        engine_tp2.collective_rpc(b"pickled elsewhere")
+    assert engine_tp2.collective_rpc(lambda w: w.rank) == [0, 1]
+    with EngineCore(engine_config(tiny_models["llama"], tp=1)) as uni:  # the in-process executor
+        with pytest.raises(TypeError, match="got 'int'"):
+            uni.collective_rpc(42)
+        assert uni.collective_rpc(lambda w: w.rank) == [0]
+
+
 def test_rpc_timeout_then_engine_still_works(engine_tp2):
     def slow(worker, seconds):
         time.sleep(seconds)
