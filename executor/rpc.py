@@ -80,7 +80,8 @@ def check_rpc_method(method: object) -> None:
 def plan_call(method: RPCMethod, unique_reply_rank: int | None, world_size: int) -> CallPlan:
     """Validate and prepare one collective_rpc of a process-based executor (mp, ray): the
     callable is pickled here, so an unpicklable one raises in the caller. Raises
-    ValueError for a `unique_reply_rank` outside the world."""
+    TypeError for a method that is neither a name nor a callable, ValueError for a
+    `unique_reply_rank` outside the world."""
     check_rpc_method(method)
     if unique_reply_rank is not None and not 0 <= unique_reply_rank < world_size:
         raise ValueError(f"unique_reply_rank={unique_reply_rank} is outside [0, {world_size})")
