@@ -14,15 +14,24 @@ Three roles, one class each::
 Messages are pickled (protocol 5) into the ring of :mod:`executor.shm_ring`. A
 pickle larger than ``max_chunk_bytes`` is sent over a ZeroMQ PUB socket instead
 and its chunk only carries an overflow marker, so there is no size cap. Readers
-spin briefly, then sleep on a ZeroMQ notify socket that the writer only pokes
-when some reader has announced (in shared memory) that it is asleep; every
-blocking poll is bounded to 100 ms and re-checks the ring, so a missed wake-up
-costs latency, never liveness.
+spin briefly, then sleep in poll() on their own FIFO (named pipe), to which the
+writer writes one byte only when that reader has announced (in shared memory)
+that it is asleep; every blocking poll is bounded to 100 ms and re-checks the
+ring, so a missed wake-up costs latency, never liveness.
+
+Why a FIFO and not a ZeroMQ socket: a wake-up is on the critical path of every
+step (a rank's reply wakes the engine), and it comes after tens of ms of model
+code that evicted every cache. A ZeroMQ send then cost the sender 140-150 µs (its
+code, then a hand-off to its I/O thread, which also ran on the sender's core) and
+the receiver one more thread hop; a FIFO write is one system call (22 µs cold,
+the read included) and wakes the sleeping reader directly. Both ends open the
+FIFO read-write, so neither open blocks or depends on the other's order, and a
+wake-up sent before the reader attached simply waits in the pipe.
 
 This module holds what the roles share: the handle, the error, the tunables and
 the writer's and reader's common base (:class:`QueueEndpoint`). The writer is in
 :mod:`executor.message_queue_writer`, the reader in
-:mod:`executor.message_queue_reader`. POSIX only (shm_open + ipc:// sockets).
+:mod:`executor.message_queue_reader`. POSIX only (shm_open, ipc:// sockets, mkfifo).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import select
 import shutil
 import tempfile
 import threading
@@ -49,9 +59,6 @@ __all__ = ["MessageQueueHandle", "MessageQueueOwner", "QueueClosedError", "Queue
 # Tunables, read at call time (scripts/bench_rpc.py patches _SPIN_S in every process).
 _SPIN_S = 5e-4  # busy-wait budget before a reader sleeps / a writer on a full ring backs off
 _SHUTDOWN_JOIN_S = 2.0  # how long shutdown() waits for a blocked call to bail out
-# Wake-ups are tiny, but a small high-water mark made libzmq drop some even when the
-# reader had drained its queue (measured: ~6% of hand-offs then waited a full poll tick).
-NOTIFY_HWM = 1000
 
 
 class QueueClosedError(RuntimeError):
@@ -64,16 +71,18 @@ class MessageQueueHandle(RingSpec):
     """Everything a process needs to attach; picklable (sent to spawned workers)."""
 
     data_addr: str  # writer XPUB for overflow payloads
-    notify_addr: str  # writer XPUB for wake-ups
+    wake_paths: tuple[str, ...]  # reader r's FIFO for wake-ups is wake_paths[r]
 
 
 class MessageQueueOwner:
-    """Creates a queue's segment and socket names, and removes them; never sends or reads.
+    """Creates a queue's segment, socket name and wake-up FIFOs (one per reader, 0600),
+    and removes them; never sends or reads.
 
     Lives in the process that owns the queue's lifetime (the executor). ``ipc_dir=None``
     makes a private 0700 temp dir that ``shutdown()`` removes; a caller-provided dir is
-    kept (only our socket files go). Names are unique per call (pid + random).
-    Raises ValueError on a bad geometry or a too-long socket path.
+    kept (only our socket and FIFO files go). Names are unique per call (pid + random).
+    Raises ValueError on a bad geometry or a too-long socket path, OSError where the
+    FIFOs cannot be made.
     """
 
     def __init__(
@@ -89,6 +98,7 @@ class MessageQueueOwner:
         self._lock = threading.Lock()
         self._shut_down = False
         name = f"tpmq_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        made: list[str] = []
         try:
             self._handle = MessageQueueHandle(
                 shm_name=name,
@@ -96,10 +106,18 @@ class MessageQueueOwner:
                 max_chunk_bytes=max_chunk_bytes,
                 max_chunks=max_chunks,
                 data_addr=zmq_utils.ipc_address(self._ipc_dir, name + ".data"),
-                notify_addr=zmq_utils.ipc_address(self._ipc_dir, name + ".notify"),
+                wake_paths=tuple(os.path.join(self._ipc_dir, f"{name}.wake{r}") for r in range(n_reader)),
             )
             self._segment = ShmSegment(self._handle)
+            for path in self._handle.wake_paths:
+                os.mkfifo(path, 0o600)
+                made.append(path)
         except BaseException:
+            if hasattr(self, "_segment"):
+                self._segment.close()
+            for path in made:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             if self._own_ipc_dir:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
             raise
@@ -113,7 +131,7 @@ class MessageQueueOwner:
         self._segment.unlink()
 
     def shutdown(self) -> None:
-        """Idempotent, any thread: unlink, then remove the socket files / private ipc dir.
+        """Idempotent, any thread: unlink, then remove the socket and FIFO files / private ipc dir.
 
         Endpoints attached in any process keep working until their own shutdown."""
         with self._lock:
@@ -124,9 +142,9 @@ class MessageQueueOwner:
         if self._own_ipc_dir:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             return
-        for addr in (self._handle.data_addr, self._handle.notify_addr):
+        for path in (self._handle.data_addr.removeprefix("ipc://"), *self._handle.wake_paths):
             try:
-                os.unlink(addr.removeprefix("ipc://"))
+                os.unlink(path)
             except FileNotFoundError:
                 pass
 
@@ -138,22 +156,23 @@ class MessageQueueOwner:
 
 
 class QueueEndpoint:
-    """What the writer and a reader share: the mapped ring, their two sockets, and a
-    shutdown that any thread may call to cancel a blocked call.
+    """What the writer and a reader share: the mapped ring, the overflow socket, the
+    wake-up FIFOs they opened, and a shutdown that any thread may call to cancel a
+    blocked call.
 
     One thread at a time may use an endpoint, except ``shutdown()``. Subclasses open
-    their sockets in ``_connect`` and mark the ring in ``_on_shutdown``. Construction
+    their socket and FIFOs in ``_connect`` and mark the ring in ``_on_shutdown``. Construction
     raises FileNotFoundError if the owner already unlinked the segment (except in
     the owner's own process).
     """
 
     _data: zmq_utils.Socket  # overflow payloads
-    _notify: zmq_utils.Socket  # wake-ups
 
     def __init__(self, handle: MessageQueueHandle) -> None:
         self._handle = handle
         self._ring: ShmRing | None = None
         self._sockets: list[zmq_utils.Socket] = []
+        self._fifos: list[int] = []
         self._wake_r = self._wake_w = -1
         self._closed = threading.Event()
         self._op_lock = threading.RLock()  # held by enqueue/dequeue; shutdown joins on it
@@ -180,6 +199,14 @@ class QueueEndpoint:
         self._sockets.append(sock)
         return sock
 
+    def _open_fifo(self, path: str) -> int:
+        """A wake-up FIFO, opened read-write and non-blocking: the open never waits for
+        the other end, and a full pipe (wake-ups nobody read yet) refuses a write
+        instead of blocking it, which loses nothing since one pending byte wakes."""
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        self._fifos.append(fd)
+        return fd
+
     def _spin_end(self, deadline: float | None, spin_s: float | None = None) -> float:
         spin = _SPIN_S if spin_s is None else spin_s
         return min(time.monotonic() + spin, math.inf if deadline is None else deadline)
@@ -188,7 +215,7 @@ class QueueEndpoint:
         if self._closed.is_set():
             raise QueueClosedError("message queue was shut down")
 
-    def _poll(self, poller: zmq.Poller, deadline: float | None) -> dict[Any, int]:
+    def _poll(self, poller: zmq.Poller | select.poll, deadline: float | None) -> dict[Any, int]:
         """One bounded poll tick; ``poller`` must include ``self._wake_r``."""
         events = dict(poller.poll(zmq_utils.poll_ms(deadline)))
         if self._wake_r in events:
@@ -246,6 +273,9 @@ class QueueEndpoint:
         for sock in self._sockets:
             sock.close(linger=0)
         self._sockets.clear()
+        for fd in self._fifos:
+            os.close(fd)
+        self._fifos.clear()
         for fd in (self._wake_r, self._wake_w):
             if fd >= 0:
                 os.close(fd)

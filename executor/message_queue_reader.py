@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import select
 import time
 from typing import Any
 
 import zmq
 
 from executor import zmq_utils
-from executor.message_queue import NOTIFY_HWM, MessageQueueHandle, QueueClosedError, QueueEndpoint
+from executor.message_queue import MessageQueueHandle, QueueClosedError, QueueEndpoint
 from executor.shm_ring import ShmRing, yield_cpu
 
 __all__ = ["MessageQueueReader"]
@@ -18,8 +20,9 @@ __all__ = ["MessageQueueReader"]
 class MessageQueueReader(QueueEndpoint):
     """Reader ``rank`` (``0 <= rank < n_reader``, one object per rank), in any process.
 
-    Subscribes to the writer's sockets here, which is its half of the readiness
-    handshake (ZeroMQ connects asynchronously, so the writer may bind later). Every
+    Subscribes to the writer's overflow socket here, which is its half of the readiness
+    handshake (ZeroMQ connects asynchronously, so the writer may bind later), and opens
+    its own wake-up FIFO. Every
     reader sees every message. Holds the ring's mapping and at most one overflow
     payload at a time. Raises ValueError on a rank outside the handle's range.
 
@@ -38,7 +41,10 @@ class MessageQueueReader(QueueEndpoint):
     def _connect(self) -> None:
         h, rank = self._handle, self._rank
         self._data = self._own(zmq_utils.make_sub(h.data_addr, rank=rank, rcvhwm=0))
-        self._notify = self._own(zmq_utils.make_sub(h.notify_addr, rank=rank, rcvhwm=NOTIFY_HWM))
+        self._wake_fd = self._open_fifo(h.wake_paths[rank])
+        self._sleep_poller = select.poll()  # kept: the engine sleeps in it once a step
+        self._sleep_poller.register(self._wake_fd, select.POLLIN)
+        self._sleep_poller.register(self._wake_r, select.POLLIN)
 
     def dequeue(self, timeout: float | None = None) -> Any:
         """Return the next message, in the writer's order.
@@ -77,9 +83,7 @@ class MessageQueueReader(QueueEndpoint):
             yield_cpu()
         else:
             return
-        poller = zmq.Poller()
-        poller.register(self._notify, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller = self._sleep_poller
         ring.set_asleep(rank, True)
         try:
             while True:
@@ -89,10 +93,18 @@ class MessageQueueReader(QueueEndpoint):
                     if ring.readable(idx, rank):
                         return
                     raise QueueClosedError("writer shut down and the queue is drained")
-                if self._notify in self._poll(poller, deadline):
-                    zmq_utils.drain(self._notify)
+                if self._wake_fd in self._poll(poller, deadline):
+                    self._drain_wake_fd()
         finally:
             ring.set_asleep(rank, False)
+
+    def _drain_wake_fd(self) -> None:
+        # One read takes every pending wake-up (a writer sends one per message it finds us
+        # asleep for); any left over only make a later poll return at once, to re-check.
+        try:
+            os.read(self._wake_fd, 4096)
+        except BlockingIOError:
+            pass
 
     def _recv_overflow(self, ring: ShmRing, deadline: float | None) -> zmq.Frame:
         poller = zmq.Poller()

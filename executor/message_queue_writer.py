@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import zmq
 
 from executor import zmq_utils
-from executor.message_queue import NOTIFY_HWM, MessageQueueHandle, QueueClosedError, QueueEndpoint
+from executor.message_queue import MessageQueueHandle, QueueClosedError, QueueEndpoint
 from executor.shm_ring import ShmRing, yield_cpu
 
 __all__ = ["MessageQueueWriter"]
@@ -21,9 +22,10 @@ _SHUTDOWN_FLUSH_S = 1.0  # how long shutdown() waits for overflow delivery
 class MessageQueueWriter(QueueEndpoint):
     """Publishes every message to all ``n_reader`` readers, in order.
 
-    Exactly one per queue, in any process. Binds its two XPUB sockets here; call
-    ``wait_until_ready()`` (or just ``enqueue``) before relying on delivery. Holds
-    the ring's mapping, and each overflow payload until ZeroMQ has passed it on.
+    Exactly one per queue, in any process. Binds its XPUB socket (overflow payloads)
+    and opens every reader's wake-up FIFO here; call ``wait_until_ready()`` (or just
+    ``enqueue``) before relying on delivery. Holds the ring's mapping, and each
+    overflow payload until ZeroMQ has passed it on.
     """
 
     def __init__(self, handle: MessageQueueHandle) -> None:
@@ -33,12 +35,13 @@ class MessageQueueWriter(QueueEndpoint):
 
     def _connect(self) -> None:
         self._data = self._own(zmq_utils.make_xpub(self._handle.data_addr, sndhwm=0))
-        self._notify = self._own(zmq_utils.make_xpub(self._handle.notify_addr, sndhwm=NOTIFY_HWM))
+        self._wake_fds = [self._open_fifo(path) for path in self._handle.wake_paths]
 
     def wait_until_ready(self, timeout: float | None = None) -> None:
-        """Block until all ``n_reader`` readers are subscribed to both sockets.
+        """Block until all ``n_reader`` readers are subscribed to the overflow socket.
 
-        Until then an overflow payload or wake-up could be dropped by PUB/SUB.
+        Until then an overflow payload could be dropped by PUB/SUB (a wake-up cannot
+        be: it waits in the reader's FIFO).
         Raises TimeoutError naming the missing ranks, or QueueClosedError if shut
         down meanwhile.
         """
@@ -91,11 +94,14 @@ class MessageQueueWriter(QueueEndpoint):
                 self._sent_overflow = True
             ring.write_chunk(self._idx, payload, overflow=overflow)
             self._idx = (self._idx + 1) % self._handle.max_chunks
-            if ring.any_reader_asleep():
-                try:
-                    self._notify.send(b"", zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # the subscriber already has wake-ups queued
+            for rank in ring.asleep_readers():
+                self._wake(rank)
+
+    def _wake(self, rank: int) -> None:
+        try:
+            os.write(self._wake_fds[rank], b"\0")
+        except BlockingIOError:
+            pass  # the FIFO is full of wake-ups the reader has yet to drain: it will wake
 
     def _wait_writable(self, ring: ShmRing, deadline: float | None) -> None:
         spin_end = self._spin_end(None)
@@ -121,7 +127,8 @@ class MessageQueueWriter(QueueEndpoint):
         while self._sent_overflow and not ring.all_chunks_free() and time.monotonic() < flush_end:
             time.sleep(1e-3)
         ring.mark_writer_closed()
-        try:
-            self._notify.send(b"", zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # readers notice the flag on their next poll tick anyway
+        for rank in range(self._handle.n_reader):
+            try:
+                self._wake(rank)
+            except OSError:
+                pass  # readers notice the flag on their next poll tick anyway

@@ -13,7 +13,7 @@ advances it by one, mod ``max_chunks``, per message)::
                         written = 0; length, kind, payload                       fence
                         read[*] = 0                                              fence
                         written = 1                                              fence
-                        any_reader_asleep()? -> the queue pokes its notify socket
+                        asleep_readers()? -> the queue wakes each of them
     reader r, chunk i:  wait readable(i, r): written == 1 and read[r] == 0       fence
                         load length, kind, payload                               fence
                         read[r] = 1
@@ -217,12 +217,20 @@ class ShmRing:
         buf[off + 1 : off + 1 + n] = bytes(n)
         fence()
         buf[off] = 1
-        fence()  # store->load: publish `written` before any_reader_asleep() looks
+        fence()  # store->load: publish `written` before asleep_readers() looks
 
     def any_reader_asleep(self) -> bool:
         """Writer, right after ``write_chunk``: has some reader announced it sleeps?"""
         n = self.spec.n_reader
         return self._buf[1 : 1 + n] != bytes(n)
+
+    def asleep_readers(self) -> list[int]:
+        """Writer, right after ``write_chunk``: the ranks that announced they sleep."""
+        n = self.spec.n_reader
+        flags = self._buf[1 : 1 + n]
+        if flags == bytes(n):
+            return []
+        return [r for r in range(n) if flags[r]]
 
     def gone_readers(self) -> list[int]:
         """Ranks whose reader shut down (they will never free a chunk again)."""

@@ -290,6 +290,52 @@ def test_idle_reader_uses_little_cpu() -> None:
                 proc.kill()
 
 
+def _sleeping_reader(handle: MessageQueueHandle, n: int, results: Any) -> None:
+    from executor import zmq_utils
+
+    zmq_utils.POLL_TICK_MS = 600_000  # no poll tick ends a sleep: only a wake-up can
+    mq = MessageQueueReader(handle, 1, spin_s=0.0)
+    for _ in range(n):
+        results.put(mq.dequeue(timeout=600))
+    mq.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_sleeping_readers_are_woken_through_their_fifos() -> None:
+    """Readers that never spin, in two processes, whose poll never times out by itself:
+    every message reaches both, so every wake-up the writer sent through a reader's FIFO
+    arrived. Each message is sent only once both readers announced they sleep."""
+    n = 20
+    with MessageQueueOwner(2) as creator:
+        handle = creator.export_handle()
+        results = SPAWN.Queue()
+        proc = SPAWN.Process(target=_sleeping_reader, args=(handle, n, results), daemon=True)
+        proc.start()
+        writer = MessageQueueWriter(handle)
+        reader = MessageQueueReader(handle, 0, spin_s=0.0)
+        got: list[Any] = []
+        try:
+            writer.wait_until_ready(timeout=60)
+            ring = writer._ring
+            assert ring is not None
+            for i in range(n):
+                thread = threading.Thread(target=lambda: got.append(reader.dequeue(timeout=60)))
+                thread.start()
+                while ring.asleep_readers() != [0, 1]:
+                    time.sleep(0.001)
+                writer.enqueue(("step", i), timeout=10)
+                thread.join(timeout=60)
+                assert results.get(timeout=60) == ("step", i)
+            assert got == [("step", i) for i in range(n)]
+            proc.join(timeout=60)
+            assert proc.exitcode == 0
+        finally:
+            reader.shutdown()
+            writer.shutdown()
+            if proc.is_alive():
+                proc.kill()
+
+
 def _child_writer(handle: MessageQueueHandle, n: int) -> None:
     mq = MessageQueueWriter(handle)
     mq.wait_until_ready(timeout=30)

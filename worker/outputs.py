@@ -4,11 +4,18 @@
 must all receive the same one; `ModelRunnerOutput` comes back from the output rank only.
 They cross process boundaries, so they hold only builtins and `SamplingParams` (itself
 a plain dataclass): no tensors, no locks.
+
+Each pickles as its class and the tuple of its fields (`__reduce__`), not as a
+dataclass's default (the class through copyreg, then a dict of its fields, set one by
+one): the step's messages are pickled and unpickled once per step, on the engine and
+on every rank, right after the model code has evicted every cache, where 32 decode
+requests cost 120 µs to dump and 100 µs to load this way against 170 and 170.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -49,6 +56,9 @@ class ScheduledRequest:
     num_output_tokens: int
     history: tuple[list[int], list[int]] | None = None
 
+    def __reduce__(self) -> tuple[type, tuple]:
+        return ScheduledRequest, _SCHEDULED_FIELDS(self)
+
 
 @dataclass
 class SchedulerOutput:
@@ -68,6 +78,9 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    def __reduce__(self) -> tuple[type, tuple]:
+        return SchedulerOutput, _SCHEDULER_OUTPUT_FIELDS(self)
+
 
 @dataclass
 class ModelRunnerOutput:
@@ -84,3 +97,16 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     logprobs: list[dict[int, float] | None]
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]], list[int]]] = field(default_factory=dict)
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return ModelRunnerOutput, _RUNNER_OUTPUT_FIELDS(self)
+
+
+def _field_getter(cls: type) -> attrgetter:
+    """All of a dataclass's fields, in its constructor's order, as one tuple."""
+    return attrgetter(*(f.name for f in fields(cls)))
+
+
+_SCHEDULED_FIELDS = _field_getter(ScheduledRequest)
+_SCHEDULER_OUTPUT_FIELDS = _field_getter(SchedulerOutput)
+_RUNNER_OUTPUT_FIELDS = _field_getter(ModelRunnerOutput)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import threading
 import time
 from typing import Any, Callable
@@ -310,8 +311,12 @@ def test_clean_run_sockets_are_files_in_a_private_dir(tiny_models, private_tmpdi
     try:
         assert core.generate(PROMPTS, GREEDY)
         sockets = queue_sockets()
-        assert len(sockets) >= 6, sockets  # 3 queues x (data, notify), listening
+        assert len(sockets) >= 3, sockets  # 3 queues' overflow sockets, listening
         assert all(name.startswith(ipc_dir + "/") for name in sockets), sockets
+        # One wake-up FIFO per reader: the broadcast queue's two ranks, the engine on each reply queue.
+        fifos = [os.path.join(ipc_dir, n) for n in os.listdir(ipc_dir) if ".wake" in n]
+        assert len(fifos) == 4, os.listdir(ipc_dir)
+        assert all(stat.S_ISFIFO(os.stat(f).st_mode) and os.stat(f).st_mode & 0o077 == 0 for f in fifos), fifos
         assert os.stat(ipc_dir).st_mode & 0o077 == 0, oct(os.stat(ipc_dir).st_mode)
         assert shm_segments() == shm_before  # every segment unlinked once mapped
     finally:
