@@ -255,6 +255,26 @@ def test_unlink_shutdown_remove_segment_and_ipc_dir(tmp_path: Any) -> None:
     assert not _shm_exists(hc)
 
 
+def test_owner_that_cannot_make_its_fifos_leaves_nothing(tmp_path: Any, monkeypatch: Any) -> None:
+    """The FIFOs are made after the segment: when a mkfifo fails, the segment and the
+    FIFOs made before it go again, and the error is the OS's."""
+    def segments() -> set[str]:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(f"tpmq_{os.getpid()}_")}
+
+    before = segments()
+    with pytest.raises(FileNotFoundError):
+        MessageQueueOwner(2, ipc_dir=str(tmp_path / "missing"))
+    assert segments() == before
+
+    # Reader 1's FIFO name taken already: reader 0's, made first, is removed again.
+    monkeypatch.setattr("executor.message_queue.uuid.uuid4", lambda: type("U", (), {"hex": "f" * 32})())
+    os.mkfifo(tmp_path / f"tpmq_{os.getpid()}_ffffffff.wake1")
+    with pytest.raises(FileExistsError):
+        MessageQueueOwner(2, ipc_dir=str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == [f"tpmq_{os.getpid()}_ffffffff.wake1"]
+    assert segments() == before
+
+
 def _idle_reader(handle: MessageQueueHandle, attached: Any, results: Any) -> None:
     mq = MessageQueueReader(handle, 0)
     attached.set()
