@@ -42,7 +42,7 @@ class MessageQueueReader(QueueEndpoint):
         h, rank = self._handle, self._rank
         self._data = self._own(zmq_utils.make_sub(h.data_addr, rank=rank, rcvhwm=0))
         self._wake_fd = self._open_fifo(h.wake_paths[rank])
-        self._sleep_poller = select.poll()  # kept: the engine sleeps in it once a step
+        self._sleep_poller = select.poll()  # made once: the engine sleeps in it every step
         self._sleep_poller.register(self._wake_fd, select.POLLIN)
         self._sleep_poller.register(self._wake_r, select.POLLIN)
 

@@ -219,11 +219,6 @@ class ShmRing:
         buf[off] = 1
         fence()  # store->load: publish `written` before asleep_readers() looks
 
-    def any_reader_asleep(self) -> bool:
-        """Writer, right after ``write_chunk``: has some reader announced it sleeps?"""
-        n = self.spec.n_reader
-        return self._buf[1 : 1 + n] != bytes(n)
-
     def asleep_readers(self) -> list[int]:
         """Writer, right after ``write_chunk``: the ranks that announced they sleep."""
         n = self.spec.n_reader

@@ -123,11 +123,11 @@ def test_ring_full_until_the_slowest_reader_reads() -> None:
 def test_closed_gone_and_asleep_flags(segment: ShmSegment) -> None:
     ring = ShmRing.attach(segment.spec)
     try:
-        assert not ring.writer_closed() and ring.gone_readers() == [] and not ring.any_reader_asleep()
+        assert not ring.writer_closed() and ring.gone_readers() == [] and ring.asleep_readers() == []
         ring.set_asleep(1, True)
-        assert ring.any_reader_asleep()
+        assert ring.asleep_readers() == [1]
         ring.set_asleep(1, False)
-        assert not ring.any_reader_asleep()
+        assert ring.asleep_readers() == []
         ring.write_chunk(0, b"last", overflow=False)
         ring.mark_writer_closed()
         assert ring.writer_closed()
