@@ -98,6 +98,7 @@ class MessageQueueOwner:
         self._lock = threading.Lock()
         self._shut_down = False
         name = f"tpmq_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        segment: ShmSegment | None = None
         made: list[str] = []
         try:
             self._handle = MessageQueueHandle(
@@ -108,19 +109,20 @@ class MessageQueueOwner:
                 data_addr=zmq_utils.ipc_address(self._ipc_dir, name + ".data"),
                 wake_paths=tuple(os.path.join(self._ipc_dir, f"{name}.wake{r}") for r in range(n_reader)),
             )
-            self._segment = ShmSegment(self._handle)
+            segment = ShmSegment(self._handle)
             for path in self._handle.wake_paths:
                 os.mkfifo(path, 0o600)
                 made.append(path)
         except BaseException:
-            if hasattr(self, "_segment"):
-                self._segment.close()
+            if segment is not None:
+                segment.close()
             for path in made:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             if self._own_ipc_dir:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
             raise
+        self._segment = segment
 
     def export_handle(self) -> MessageQueueHandle:
         """The picklable handle to pass to ``MessageQueueWriter`` / ``MessageQueueReader``."""
