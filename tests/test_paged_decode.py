@@ -60,6 +60,11 @@ CASES = {
     "gqa8-d80": ([31, 7, 70], 1, 8, 80, 8),
     "small-heads": ([1, 2, 3, 4, 9], 2, 2, 8, 4),
     "one-sequence": ([300], 4, 2, 64, 16),  # fewer sequences than threads: heads split among tasks
+    # Head sizes 64 and 128 take the AVX-512 path where the CPU has it: query rows in groups
+    # (4 at 64, 2 at 128), dot products reduced 16 tokens at a time across block edges.
+    "gqa4-d128": ([1, 15, 16, 17, 250], 2, 4, 128, 16),
+    "gqa7-d128-bs32": ([3, 40, 97], 1, 7, 128, 32),
+    "gqa8-d64-bs8": ([9, 31, 64, 130], 2, 8, 64, 8),
 }
 
 
