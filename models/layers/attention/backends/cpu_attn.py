@@ -6,7 +6,11 @@ flash kernel over a gathered, padded batch took 3-4x as long. A batch whose sequ
 share leading blocks (the prefix cache gives one system prompt's blocks to every
 request) is attended in cascade: the shared prefix once for the whole batch, as one
 flash call, each sequence's own tokens after it by the kernel, merged by log-sum-exp.
-Prefill chunks go to the SDPA backend.
+A step with prefill chunks goes to the kernel too, in one call, every query token of
+the step a query of its own against the positions up to it: torch's causal flash
+kernel, one call per sequence, took 2-3x as long (`paged_decode.py`). Only where the
+kernel runs its portable path and some sequence's context exceeds
+PREFILL_KERNEL_MAX_CONTEXT do the chunks go to the SDPA backend.
 
 Where the kernel cannot be built (no C compiler), each layer's impl instead keeps the
 decode batch's K/V contiguously across steps (`DecodeContext`) and appends one token per
@@ -41,6 +45,10 @@ if TYPE_CHECKING:
 
 # A shared prefix shorter than this is attended per sequence like the rest of the context.
 CASCADE_MIN_TOKENS = 64
+# The longest context the kernel's portable path takes a prefill chunk for: it was level
+# with torch's flash kernel at 512 tokens and 1.7x slower at 2048 (the AVX-512 path was
+# ahead at every length measured, up to 4096).
+PREFILL_KERNEL_MAX_CONTEXT = 512
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -93,6 +101,18 @@ class CPUAttentionMetadata(TorchSDPAMetadata):
         if len(seqs) != len(self.seq_lens):
             tables = tables[torch.tensor(seqs, dtype=torch.long, device=tables.device)]
         return tables, torch.tensor(self.decode_lens, dtype=torch.long)
+
+    @cached_property
+    def token_tables_and_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query token of the step as the paged decode kernel takes a sequence: its
+        sequence's block-table row, and its position + 1 (the query at position p sees
+        positions 0..p). Decode tokens come out as `decode_tables_and_lens` has them."""
+        qsl, lens = self.query_start_loc, []
+        for i, seq_len in enumerate(self.seq_lens):
+            lens.extend(range(seq_len - (qsl[i + 1] - qsl[i]) + 1, seq_len + 1))
+        counts = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(self.seq_lens))], dtype=torch.long)
+        rows = torch.repeat_interleave(torch.arange(len(self.seq_lens)), counts)
+        return self.block_tables[rows.to(self.block_tables.device)], torch.tensor(lens, dtype=torch.long)
 
     @cached_property
     def decode_gather_blocks(self) -> tuple[torch.Tensor, int]:
@@ -161,6 +181,22 @@ class CPUAttentionImpl(TorchSDPAImpl):
         # server's cascade batches often change every step). At most one of the two
         # holds a buffer at a time, so a layer stays within its share of the budget.
         self.suffix_context = DecodeContext(decode_context_bytes, build_on_repeat=True)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        """A step with prefill chunks: every query token by the kernel, in one call, where
+        it takes them (see the module docstring); anything else as the SDPA backend
+        does, with decode batches through `decode_attention`."""
+        kernel = self.kernel
+        if (kernel is None or not isinstance(md, CPUAttentionMetadata) or len(md.decode_seqs) == len(md.seq_lens)
+                or not kernel.supports(q, kv_cache)):
+            return super().forward(q, k, v, kv_cache, md)
+        if not (kernel.avx512 and self.head_size in (64, 128)) and max(md.seq_lens) > PREFILL_KERNEL_MAX_CONTEXT:
+            return super().forward(q, k, v, kv_cache, md)
+        self.write_kv(k, v, kv_cache, md)
+        tables, lens = md.token_tables_and_lens
+        return kernel(q, kv_cache, tables, lens, self.scale)[0]
 
     def decode_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: TorchSDPAMetadata

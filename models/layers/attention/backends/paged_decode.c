@@ -374,3 +374,12 @@ INLINE int run(const Args *a, int bf16, int64_t D, int num_threads) {
 
 EXPORT(paged_decode_f32, 0)
 EXPORT(paged_decode_bf16, 1)
+
+/* Whether head sizes 64 and 128 run attend_avx512(): 1 or 0. */
+int paged_decode_avx512(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -86,9 +86,7 @@ class TorchSDPAImpl(AttentionImpl):
         masked contexts instead of one tiny call per sequence. Longer chunks (prefill)
         are large enough to run one call each."""
         assert isinstance(md, TorchSDPAMetadata)
-        block_ids, offsets = md.slot_blocks_and_offsets
-        kv_cache[block_ids, 0, offsets] = k.to(kv_cache.dtype)
-        kv_cache[block_ids, 1, offsets] = v.to(kv_cache.dtype)
+        self.write_kv(k, v, kv_cache, md)
         qsl = md.query_start_loc
         num_seqs = len(md.seq_lens)
         decodes = md.decode_seqs
@@ -103,6 +101,13 @@ class TorchSDPAImpl(AttentionImpl):
             if end - start > 1:
                 out[start:end] = self._chunk_attention(q[start:end], k[start:end], v[start:end], kv_cache, md, i)
         return out
+
+    @staticmethod
+    def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata) -> None:
+        """The step's new keys and values into their slots of the paged cache."""
+        block_ids, offsets = md.slot_blocks_and_offsets
+        kv_cache[block_ids, 0, offsets] = k.to(kv_cache.dtype)
+        kv_cache[block_ids, 1, offsets] = v.to(kv_cache.dtype)
 
     def _chunk_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
