@@ -191,7 +191,10 @@ INLINE __m512 reduce16(const __m512 *v) {
 INLINE void attend_avx512(const Args *a, int bf16, const int64_t D, int64_t g, int64_t h0, int64_t h1,
                           int64_t max_len, float *scratch) {
     enum { RG = 4, MAX_C = 8 };
-    const int64_t C = D / 16, group_rows = D == 64 ? 4 : 2; /* 2 x 8 vectors a row at D=128 */
+    /* Rows per group: the K pass holds a row's q (C vectors), the V pass its acc (C), and a
+     * group's must fit in the 32 registers beside the K or V row (C more): 4 rows at D=64
+     * (16 + 4), 2 at D=128 (16 + 8). */
+    const int64_t C = D / 16, group_rows = D == 64 ? 4 : 2;
     const int64_t R = a->group, Hkv = a->num_kv_heads, H = Hkv * R, bs = a->block_size;
     const int64_t esize = bf16 ? 2 : 4;
     const int64_t n = a->seq_lens[g] - a->start;
