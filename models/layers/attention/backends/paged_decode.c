@@ -52,6 +52,18 @@ INLINE const float *as_float(const void *src, int bf16, float *scratch, int64_t 
     return scratch;
 }
 
+/* s[0..n) <- exp(s - max s), in place; returns the sum, and the maximum in *top. */
+INLINE float exp_in_place(float *s, int64_t n, float *top) {
+    float m = s[0], sum = 0.f;
+    for (int64_t j = 1; j < n; ++j) m = s[j] > m ? s[j] : m;
+    for (int64_t j = 0; j < n; ++j) {
+        s[j] = expf(s[j] - m);
+        sum += s[j];
+    }
+    *top = m;
+    return sum;
+}
+
 typedef struct {
     const void *q;
     int64_t q_seq_stride;
@@ -88,16 +100,8 @@ INLINE void attend(const Args *a, int bf16, const int64_t D, int64_t g, int64_t 
     const char *cache = (const char *)a->cache;
     for (int pass = 0; pass < 2; ++pass) { /* 0: scores from K, 1: weighted sum of V */
         if (pass == 1) {
-            for (int64_t r = 0; r < rows; ++r) {
-                float *s = scores + r * max_len, top = s[0], sum = 0.f;
-                for (int64_t j = 1; j < n; ++j) top = s[j] > top ? s[j] : top;
-                for (int64_t j = 0; j < n; ++j) {
-                    s[j] = expf(s[j] - top);
-                    sum += s[j];
-                }
-                row_max[r] = top;
-                row_sum[r] = sum;
-            }
+            for (int64_t r = 0; r < rows; ++r)
+                row_sum[r] = exp_in_place(scores + r * max_len, n, &row_max[r]);
             memset(acc, 0, sizeof(float) * rows * D);
         }
         for (int64_t j = 0; j < n;) { /* a block at a time */
@@ -253,16 +257,7 @@ INLINE void attend_avx512(const Args *a, int bf16, const int64_t D, int64_t g, i
                     scores[(r0 + r) * max_len + n - pending + u] =
                         _mm512_reduce_add_ps(_mm512_loadu_ps(partial + (r * 16 + u) * 16));
             float top[RG], sum[RG];
-            for (int64_t r = 0; r < rg; ++r) {
-                float *s = scores + (r0 + r) * max_len, m = s[0], total = 0.f;
-                for (int64_t j = 1; j < n; ++j) m = s[j] > m ? s[j] : m;
-                for (int64_t j = 0; j < n; ++j) {
-                    s[j] = expf(s[j] - m);
-                    total += s[j];
-                }
-                top[r] = m;
-                sum[r] = total;
-            }
+            for (int64_t r = 0; r < rg; ++r) sum[r] = exp_in_place(scores + (r0 + r) * max_len, n, &top[r]);
             for (int64_t j = 0; j < n;) { /* the weighted sum of V */
                 const int64_t pos = a->start + j;
                 const int64_t first = pos % bs, count = (bs - first < n - j) ? bs - first : n - j;
