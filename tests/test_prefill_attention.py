@@ -15,6 +15,7 @@ import torch
 
 from models.layers.attention import Attention, AttentionMetadata
 from models.layers.attention.backends import paged_decode
+from models.layers.attention.backends import cpu_attn
 from models.layers.attention.backends.cpu_attn import PREFILL_KERNEL_MAX_CONTEXT, CPUAttentionBackend
 from models.layers.attention.backends.torch_sdpa import TorchSDPABackend
 
@@ -90,12 +91,16 @@ def test_a_step_with_prefill_chunks_equals_the_sdpa_backend(heads, kv_heads, hea
 
 
 @needs_kernel
-def test_the_portable_path_leaves_long_contexts_to_flash():
+def test_contexts_past_the_measured_lengths_go_to_flash(monkeypatch):
     long = PREFILL_KERNEL_MAX_CONTEXT + 40
+    # The AVX-512 path's limit lowered, so that a short test crosses it too.
+    monkeypatch.setattr(cpu_attn, "PREFILL_KERNEL_MAX_CONTEXT_AVX512", long + 60)
+    longer = long + 100
     for avx512, head_size, seqs, expect_kernel in [
-        (False, 64, [(long, long), (3, 1)], False),           # portable path, a context past the limit
+        (False, 64, [(long, long), (3, 1)], False),           # portable path, a context past its limit
         (False, 64, [(PREFILL_KERNEL_MAX_CONTEXT, 64), (3, 1)], True),
-        (True, 64, [(long, long), (3, 1)], True),             # the AVX-512 path takes any length
+        (True, 64, [(long, long), (3, 1)], True),             # the AVX-512 path goes further
+        (True, 128, [(longer, 50), (3, 1)], False),           # ... up to its own limit
         (True, 80, [(long, long), (3, 1)], False),            # ... for head sizes 64 and 128 only
     ]:
         cache, q, k, v, common = mixed_step(seqs, 4, 2, head_size, torch.float32)

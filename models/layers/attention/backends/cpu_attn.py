@@ -8,9 +8,9 @@ request) is attended in cascade: the shared prefix once for the whole batch, as 
 flash call, each sequence's own tokens after it by the kernel, merged by log-sum-exp.
 A step with prefill chunks goes to the kernel too, in one call, every query token of
 the step a query of its own against the positions up to it: torch's causal flash
-kernel, one call per sequence, took 2-3x as long (`paged_decode.py`). Only where the
-kernel runs its portable path and some sequence's context exceeds
-PREFILL_KERNEL_MAX_CONTEXT do the chunks go to the SDPA backend.
+kernel, one call per sequence, took 2-3x as long (`paged_decode.py`). A step with a
+context longer than the kernel's path was measured to win at (PREFILL_KERNEL_MAX_CONTEXT,
+or PREFILL_KERNEL_MAX_CONTEXT_AVX512 on the AVX-512 path) goes to the SDPA backend.
 
 Where the kernel cannot be built (no C compiler), each layer's impl instead keeps the
 decode batch's K/V contiguously across steps (`DecodeContext`) and appends one token per
@@ -45,10 +45,12 @@ if TYPE_CHECKING:
 
 # A shared prefix shorter than this is attended per sequence like the rest of the context.
 CASCADE_MIN_TOKENS = 64
-# The longest context the kernel's portable path takes a prefill chunk for: it was level
-# with torch's flash kernel at 512 tokens and 1.7x slower at 2048 (the AVX-512 path was
-# ahead at every length measured, up to 4096).
+# The longest context the kernel takes a prefill step for. Each query token reads its
+# sequence's whole K/V up to it, which pays while that K/V stays in the caches. The
+# portable path was level with torch's flash kernel at 512 tokens and 1.7x slower at 2048;
+# the AVX-512 path was ahead at every length measured, up to 8192 (0.61 against 0.78 s).
 PREFILL_KERNEL_MAX_CONTEXT = 512
+PREFILL_KERNEL_MAX_CONTEXT_AVX512 = 8192
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -192,7 +194,8 @@ class CPUAttentionImpl(TorchSDPAImpl):
         if (kernel is None or not isinstance(md, CPUAttentionMetadata) or len(md.decode_seqs) == len(md.seq_lens)
                 or not kernel.supports(q, kv_cache)):
             return super().forward(q, k, v, kv_cache, md)
-        if not (kernel.avx512 and self.head_size in (64, 128)) and max(md.seq_lens) > PREFILL_KERNEL_MAX_CONTEXT:
+        avx512 = kernel.avx512 and self.head_size in (64, 128)
+        if max(md.seq_lens) > (PREFILL_KERNEL_MAX_CONTEXT_AVX512 if avx512 else PREFILL_KERNEL_MAX_CONTEXT):
             return super().forward(q, k, v, kv_cache, md)
         self.write_kv(k, v, kv_cache, md)
         tables, lens = md.token_tables_and_lens

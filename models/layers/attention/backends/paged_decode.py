@@ -12,9 +12,9 @@ paged cache, with no gather, no padding and no mask, and returns the log-sum-exp
 A prefill chunk is attended by the same kernel, each of its query tokens as a query of
 its own against the positions up to it (the backend's `CPUAttentionImpl.forward`):
 torch's causal flash kernel took 2-3x as long for prompts of 32-1024 tokens here, and
-1.4x at 2048-4096 against the AVX-512 path (`avx512`). The portable path was level
-with flash at 512 tokens and 1.7x slower at 2048, so the backend keeps flash for longer
-contexts there.
+1.3-1.4x at 2048-8192 against the AVX-512 path (`avx512`). The portable path was level
+with flash at 512 tokens and 1.7x slower at 2048. Past the lengths measured the backend
+keeps flash (`cpu_attn.PREFILL_KERNEL_MAX_CONTEXT*`).
 
 The source is compiled for this CPU (`-march=native`) the first time a process needs
 it and cached (distributed/native_build.py). When there is no compiler, the build
