@@ -353,3 +353,24 @@ def test_cpu_tp_engine_runs_its_collectives_through_shared_memory(tiny_models: d
     """The TP=2/4 greedy tests above run on this path: every rank has the shm all-reduce."""
     with EngineCore(engine_config(tiny_models["llama"], 2, 16)) as core:
         assert core.collective_rpc(_uses_shared_memory_collectives) == [True, True]
+
+
+@pytest.mark.parametrize("head_size,tp", [(64, 1), (64, 2), (128, 2)])
+def test_head_sizes_of_the_vectorised_attention_match_transformers(
+    head_size: int, tp: int, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Head sizes 64 and 128 take the paged kernel's AVX-512 path where the CPU has it,
+    for decode and for prefill (whole prompts and, with MAX_BATCHED, prompts prefilled
+    in several chunks); the session's tiny models have head size 16 and never do."""
+    from engine.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path_factory.mktemp(f"d{head_size}"), "llama", hidden_size=2 * head_size,
+                                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=head_size, init_std=0.1, seed=12,
+                                with_tokenizer=False)
+    hf = _hf_model(model_dir)
+    prompts = make_prompts(hf.config.vocab_size, seed=3)
+    with EngineCore(engine_config(model_dir, tp, 16)) as core:
+        outs = core.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, MAX_NEW)[0], f"prompt of {len(prompt)} tokens"
