@@ -109,11 +109,10 @@ class CPUAttentionMetadata(TorchSDPAMetadata):
         """Every query token of the step as the paged decode kernel takes a sequence: its
         sequence's block-table row, and its position + 1 (the query at position p sees
         positions 0..p). Decode tokens come out as `decode_tables_and_lens` has them."""
-        qsl, lens = self.query_start_loc, []
-        for i, seq_len in enumerate(self.seq_lens):
-            lens.extend(range(seq_len - (qsl[i + 1] - qsl[i]) + 1, seq_len + 1))
-        counts = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(self.seq_lens))], dtype=torch.long)
-        rows = torch.repeat_interleave(torch.arange(len(self.seq_lens)), counts)
+        qsl = self.query_start_loc
+        counts = [qsl[i + 1] - qsl[i] for i in range(len(self.seq_lens))]
+        lens = [p + 1 for seq_len, n in zip(self.seq_lens, counts) for p in range(seq_len - n, seq_len)]
+        rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long))
         return self.block_tables[rows.to(self.block_tables.device)], torch.tensor(lens, dtype=torch.long)
 
     @cached_property
