@@ -30,7 +30,7 @@ from typing import Any
 from engine.core import EngineCore
 from engine.metrics import EngineMetrics
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.stat_logger import LoggingStatLogger
 from executor.errors import EngineDeadError
 
@@ -71,6 +71,7 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_tokens_seen = 0
+        self.deltas = False  # its outputs carry only what is new (RequestOutputKind.DELTA)
         self.num_preemptions = 0
 
     def _receive(self, item: object) -> None:
@@ -434,6 +435,7 @@ class AsyncEngine:
                 return
             self._streams[stream.request_id] = stream
             params = command.sampling_params
+            stream.deltas = getattr(params, "output_kind", None) is RequestOutputKind.DELTA
             self.metrics.on_request_added(len(stream.prompt_token_ids), params.max_tokens, getattr(params, "n", 1))
             self._post(stream, _ACCEPTED)
         elif isinstance(command, _CoreCall):
@@ -448,9 +450,10 @@ class AsyncEngine:
     def _step(self) -> None:
         start, started = time.perf_counter(), time.monotonic()
         outputs = self.core.step()
-        self.metrics.on_step(time.perf_counter() - start, len(outputs), self.core.last_step_num_tokens)
+        seconds = time.perf_counter() - start
         self._track_scheduling(started)
-        self._deliver(outputs, started)
+        num_new_tokens = self._deliver(outputs, started)
+        self.metrics.on_step(seconds, num_new_tokens, self.core.last_step_num_tokens)
 
     def _track_scheduling(self, step_started: float) -> None:
         """Metrics: when each request was first scheduled, and its preemptions."""
@@ -465,15 +468,19 @@ class AsyncEngine:
                 self.metrics.on_preemptions(request.num_preemptions - stream.num_preemptions)
                 stream.num_preemptions = request.num_preemptions
 
-    def _deliver(self, outputs: list[RequestOutput], step_started: float | None = None) -> None:
+    def _deliver(self, outputs: list[RequestOutput], step_started: float | None = None) -> int:
+        """Hand each output to its stream and record its metrics; returns how many new
+        tokens they brought (a multi-step output brings several per request)."""
         now = time.monotonic()
+        num_new_tokens = 0
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             if stream.scheduled_time is None:  # scheduled and done within this step
                 stream.scheduled_time = step_started if step_started is not None else now
-            if len(output.token_ids) > stream.num_tokens_seen:
+            num_tokens = len(output.token_ids) + (stream.num_tokens_seen if stream.deltas else 0)
+            if num_tokens > stream.num_tokens_seen:
                 if stream.first_token_time is None:
                     stream.first_token_time = now
                     self.metrics.on_first_token(now - stream.arrival_time)
@@ -481,12 +488,14 @@ class AsyncEngine:
                 else:
                     self.metrics.on_token(now - (stream.last_token_time or now))
                 stream.last_token_time = now
-                stream.num_tokens_seen = len(output.token_ids)
+                num_new_tokens += num_tokens - stream.num_tokens_seen
+                stream.num_tokens_seen = num_tokens
             if output.finished:
                 del self._streams[output.request_id]
-                self._on_finished(stream, output.finish_reason, len(output.token_ids), now)
+                self._on_finished(stream, output.finish_reason, stream.num_tokens_seen, now)
             self._post(stream, output)
         self._update_gauges()
+        return num_new_tokens
 
     def _on_finished(self, stream: RequestStream, finish_reason: str | None, num_tokens: int, now: float) -> None:
         """Metrics: a request's end, with vLLM's request phases where they happened."""

@@ -221,6 +221,8 @@ class SchedulerConfig:
     # Plan step N+1 while step N runs (engine/core.py). None: wherever the executor
     # can (mp); True where it cannot is a ConfigError.
     async_scheduling: bool | None = None
+    # Decode steps one scheduler output runs back to back (engine/scheduler.py).
+    num_scheduler_steps: int = 1
 
 
 @dataclass
@@ -242,6 +244,13 @@ class EngineConfig:
     # wait for the scheduler. None: on with the mp executor (the only one that runs
     # steps in the background); False: one step at a time.
     async_scheduling: bool | None = None
+    # vLLM's --num-scheduler-steps: when every running request decodes and none waits,
+    # one scheduler output runs up to this many decode steps on the ranks back to back,
+    # each feeding its sampled tokens to the next, so the engine's own work (schedule,
+    # send, collect, apply) and a rank's wait for it come once per that many tokens.
+    # Outputs are the same tokens as with 1; a stop token wastes at most N - 1 steps of
+    # that request's compute, and a request that arrives waits up to N steps to start.
+    num_scheduler_steps: int = 1
     block_size: int = 16
     # None: 0.9 on CUDA; on the CPU, None (with no kv_cache_memory_bytes) means a fixed
     # CPU_DEFAULT_KV_CACHE_BYTES per rank, and a value given here asks for the share rule
@@ -377,7 +386,11 @@ class EngineConfig:
         _positive("max_num_batched_tokens", batched)
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ConfigError(f"async_scheduling={self.async_scheduling!r} must be True, False or None (automatic)")
-        self.scheduler_config = SchedulerConfig(self.max_num_seqs, batched, max_len, self.async_scheduling)
+        if isinstance(self.num_scheduler_steps, bool) or not isinstance(self.num_scheduler_steps, int) \
+                or self.num_scheduler_steps < 1:
+            raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps!r} must be an integer >= 1")
+        self.scheduler_config = SchedulerConfig(self.max_num_seqs, batched, max_len, self.async_scheduling,
+                                                self.num_scheduler_steps)
         self._check_parallel_fits_model()
 
     def _build_model_config(self) -> ModelConfig:

@@ -80,6 +80,7 @@ class EngineCore:
                     hash_salt=self._prefix_cache_salt(),
                 ),
                 eos_token_id=self._eos_token_ids(),
+                num_scheduler_steps=config.scheduler_config.num_scheduler_steps,
             )
         except BaseException:
             self.shutdown()
@@ -90,6 +91,7 @@ class EngineCore:
         self._sleep_level: int | None = None  # None while awake
         self._undelivered: list[RequestOutput] = []  # finished while going to sleep; the next step() returns them
         self.last_step_num_tokens = 0  # tokens (prompt and decode) the last step() ran: 0 if none, for the metrics
+        self.last_step_num_steps = 0  # model steps it ran (num_scheduler_steps): 0 if none
 
     # ------------------------------------------------------------------ start-up
 
@@ -362,7 +364,7 @@ class EngineCore:
         the batch that returns may be the one the previous call sent, and the next one
         is sent before this returns. While the engine sleeps nothing is scheduled."""
         outputs, self._undelivered = self._undelivered, []
-        self.last_step_num_tokens = 0
+        self.last_step_num_tokens = self.last_step_num_steps = 0
         if self._sleep_level is None:
             outputs += self._step()
         return outputs
@@ -423,7 +425,8 @@ class EngineCore:
 
     def _apply(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         """Take one step's result into the scheduler and the requests' outputs."""
-        self.last_step_num_tokens = scheduler_output.num_batched_tokens
+        self.last_step_num_steps = scheduler_output.num_steps
+        self.last_step_num_tokens = scheduler_output.num_batched_tokens * scheduler_output.num_steps
         parents: dict[str, ParentRequest] = {}
         for request in self.scheduler.update_from_output(scheduler_output, runner_output):
             parent, stopped = self.output_processor.process(request)

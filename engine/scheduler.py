@@ -42,6 +42,16 @@ class Scheduler:
     ``running`` is kept sorted by it, so the last running request is always the
     preemption victim, and ``waiting`` is served strictly FCFS.
 
+    Multi-step (``num_scheduler_steps`` > 1, vLLM V0's ``--num-scheduler-steps``): when
+    every running request is decoding and nobody waits for admission, one output runs
+    up to that many decode steps back to back on the ranks, each feeding its sampled
+    token to the next (``SchedulerOutput.num_steps``). Slots for all of them are
+    allocated up front; the engine takes the tokens in order, so a stop token ends the
+    request there and the steps after it are dropped. The engine's own work per step
+    (schedule, send, collect, apply) is then paid once per ``num_steps`` tokens. Steps
+    with a prefill chunk, a waiting request, or a request with stop strings (found in
+    the text, after each token) stay single.
+
     Capacity: a request finishes with ``"length"`` when it reaches
     ``max_model_len`` tokens, or when it outgrows the whole KV cache
     (``num_blocks * block_size`` tokens) — otherwise it could never be scheduled
@@ -57,6 +67,7 @@ class Scheduler:
         block_manager: KVBlockManager,
         eos_token_id: int | Collection[int] | None,
         long_prefill_token_threshold: int = 0,
+        num_scheduler_steps: int = 1,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -68,6 +79,8 @@ class Scheduler:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}"
             )
+        if num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {num_scheduler_steps}")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -80,6 +93,7 @@ class Scheduler:
         else:
             self.eos_token_ids = frozenset(eos_token_id)
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.num_scheduler_steps = num_scheduler_steps
 
         self.requests: dict[str, Request] = {}  # unfinished requests only
         self.waiting: deque[Request] = deque()  # sorted by arrival_index
@@ -164,6 +178,7 @@ class Scheduler:
             raise RuntimeError(f"schedule() with {len(self._outstanding)} outputs outstanding: update the oldest "
                                "first (at most one step is planned ahead)")
         budget = self.max_num_batched_tokens
+        num_steps = self._num_steps()
         scheduled: list[ScheduledRequest] = []
         scheduled_requests: list[Request] = []
         preempted: list[Request] = []
@@ -177,14 +192,14 @@ class Scheduler:
             if num_new <= 0 or (request.num_output_placeholders and self._ends_with_pending(request)):
                 i += 1  # its outstanding step samples its last token
                 continue
-            while not self.block_manager.allocate_slots(request, num_new):
+            while not self.block_manager.allocate_slots(request, num_new + num_steps - 1):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             else:
-                scheduled.append(self._schedule_chunk(request, num_new))
+                scheduled.append(self._schedule_chunk(request, num_new, num_steps=num_steps))
                 scheduled_requests.append(request)
                 budget -= num_new
                 i += 1
@@ -221,10 +236,36 @@ class Scheduler:
             scheduled=scheduled,
             finished_req_ids=finished_ids,
             num_batched_tokens=self.max_num_batched_tokens - budget,
+            num_steps=num_steps if scheduled else 1,
         )
         if scheduled:
             self._outstanding.append((output, scheduled_requests))
         return output
+
+    def _num_steps(self) -> int:
+        """How many decode steps the next output runs: ``num_scheduler_steps`` when
+        every running request that will be scheduled decodes one token, nobody waits,
+        no request has stop strings, and the cache has room for every step's slot;
+        never more than any of them may still generate (``max_tokens``, the model
+        length, the whole cache), so no step runs past a length limit. Else 1."""
+        steps = self.num_scheduler_steps
+        if steps == 1 or self.waiting:
+            return 1
+        candidates = []
+        for request in self.running:
+            if request.num_output_placeholders and self._ends_with_pending(request):
+                continue  # not scheduled: its step in flight ends it
+            params = request.sampling_params
+            total = request.num_tokens + request.num_output_placeholders
+            if params.stop or total - request.num_computed_tokens != 1:
+                return 1
+            left = params.max_tokens - request.num_output_tokens - request.num_output_placeholders
+            steps = min(steps, left, self.max_model_len - total, self._capacity_tokens - total)
+            candidates.append(request)
+        if steps <= 1 or len(candidates) > self.max_num_batched_tokens:
+            return 1
+        needed = sum(self.block_manager.blocks_needed(r, steps) for r in candidates)
+        return steps if needed <= self.block_manager.num_free_blocks else 1
 
     def _num_new_tokens(self, request: Request, budget: int, num_cached_tokens: int = 0) -> int:
         num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
@@ -240,9 +281,12 @@ class Scheduler:
         return (request.num_output_tokens + request.num_output_placeholders >= request.sampling_params.max_tokens
                 or total >= self.max_model_len or total > self._capacity_tokens)
 
-    def _schedule_chunk(self, request: Request, num_new: int, admitted: bool = False) -> ScheduledRequest:
+    def _schedule_chunk(self, request: Request, num_new: int, admitted: bool = False,
+                        num_steps: int = 1) -> ScheduledRequest:
         """The message for ``request``'s next ``num_new`` tokens (slots already
-        allocated); names the blocks they fill and advances the request past them."""
+        allocated, for ``num_steps - 1`` more tokens too); names the blocks they fill and
+        advances the request past them and, in a multi-step output, past the tokens its
+        later steps take in (each the one sampled the step before)."""
         start = request.num_computed_tokens
         end = start + num_new
         known = request.num_tokens
@@ -267,9 +311,9 @@ class Scheduler:
             num_output_tokens=request.num_output_tokens + request.num_output_placeholders,
             history=(list(request.prompt_token_ids), list(request.output_token_ids)) if send_history else None,
         )
-        request.num_computed_tokens = end
+        request.num_computed_tokens = end + num_steps - 1
         if scheduled.sample:
-            request.num_output_placeholders += 1
+            request.num_output_placeholders += num_steps
         return scheduled
 
     def preempt_all_running(self) -> int:
@@ -304,22 +348,24 @@ class Scheduler:
         """Apply the results of the oldest outstanding step, ``scheduler_output``.
 
         Appends each sampled token (and logprobs, if requested) in place of its
-        placeholder, applies stop conditions and frees finished requests. Returns
-        the requests that got a new token this step (finished ones included), in
-        scheduled order. Requests that finished, were aborted or were preempted
-        since the step was scheduled are skipped. Raises RuntimeError for an output
-        that is not the oldest outstanding one.
+        placeholder, applies stop conditions and frees finished requests; a
+        multi-step output's tokens go in step order, each checked, and those after
+        one that ends the request are dropped. Returns the requests that got a new
+        token (finished ones included), in scheduled order. Requests that finished,
+        were aborted or were preempted since the step was scheduled are skipped.
+        Raises RuntimeError for an output that is not the oldest outstanding one, or
+        a runner output with another number of steps.
         """
         if not self._outstanding or self._outstanding[0][0] is not scheduler_output:
             raise RuntimeError("update_from_output() must get the oldest outstanding SchedulerOutput "
                                "(outputs are applied in the order they were scheduled, each once)")
         _, requests = self._outstanding.popleft()
-        samples = {
-            req_id: (token, logprobs)
-            for req_id, token, logprobs in zip(
-                runner_output.req_ids, runner_output.sampled_token_ids, runner_output.logprobs
-            )
-        }
+        token_steps = [runner_output.sampled_token_ids, *runner_output.later_token_ids]
+        logprob_steps = [runner_output.logprobs, *runner_output.later_logprobs]
+        if len(token_steps) != scheduler_output.num_steps or len(logprob_steps) != scheduler_output.num_steps:
+            raise RuntimeError(f"runner returned {len(token_steps)} steps of tokens for an output of "
+                               f"{scheduler_output.num_steps} steps")
+        rows = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
         updated: list[Request] = []
         for sched, request in zip(scheduler_output.scheduled, requests):
             if request.status != RequestStatus.RUNNING or self.requests.get(sched.req_id) is not request:
@@ -328,18 +374,21 @@ class Scheduler:
                 request.add_prompt_logprobs(*runner_output.prompt_logprobs[sched.req_id])
             if not sched.sample:
                 continue
-            if sched.req_id not in samples:
+            row = rows.get(sched.req_id)
+            if row is None:
                 raise RuntimeError(f"runner returned no sampled token for {sched.req_id!r}")
-            token, logprobs = samples[sched.req_id]
-            request.num_output_placeholders -= 1
-            if request.sampling_params.max_tokens == 0:  # prompt scoring: the prompt was all it wanted
-                status: RequestStatus | None = RequestStatus.FINISHED_LENGTH
-            else:
-                request.append_output(token, logprobs)
-                status = self._check_stop(request)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
+            for tokens, step_logprobs in zip(token_steps, logprob_steps):
+                token, logprobs = tokens[row], step_logprobs[row]
+                request.num_output_placeholders -= 1
+                if request.sampling_params.max_tokens == 0:  # prompt scoring: the prompt was all it wanted
+                    status: RequestStatus | None = RequestStatus.FINISHED_LENGTH
+                else:
+                    request.append_output(token, logprobs)
+                    status = self._check_stop(request)
+                if status is not None:  # the later steps' tokens are dropped
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    break
             updated.append(request)
         return updated
 

@@ -185,8 +185,9 @@ class ExternalLauncherExecutor(Executor):
         output = self.collective_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank)
         if self.channel is not None and not self._leading:
             # Every rank stepped on its own: make it rank 0's tokens, so no scheduler drifts.
+            scheduler_config = self.config.scheduler_config
             output = self.channel.sync_sampled_tokens(
-                scheduler_output, output, self.config.scheduler_config.max_num_seqs)
+                scheduler_output, output, scheduler_config.max_num_seqs, scheduler_config.num_scheduler_steps)
         return output
 
     # ------------------------------------------------------------- lead and follow

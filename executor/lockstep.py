@@ -59,9 +59,11 @@ class LeaderLostError(RuntimeError):
 
 
 def schedule_fingerprint(scheduler_output: SchedulerOutput) -> int:
-    """A 63-bit digest of what a step runs: each request's id, position, tokens and
-    whether it samples, in order (the tokens as one buffer: a prefill hashes in µs)."""
+    """A 63-bit digest of what a step runs: its number of decode steps, each request's
+    id, position, tokens and whether it samples, in order (the tokens as one buffer: a
+    prefill hashes in µs)."""
     digest = hashlib.blake2b(digest_size=8)
+    digest.update(array("q", [scheduler_output.num_steps]).tobytes())
     for req in scheduler_output.scheduled:
         digest.update(req.req_id.encode("utf-8") + b"\0")
         digest.update(array("q", [req.start_pos, len(req.token_ids), int(req.sample), *req.token_ids]).tobytes())
@@ -97,19 +99,22 @@ class LockstepChannel:
     # ------------------------------------------------------------- programmatic use
 
     def sync_sampled_tokens(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput,
-                            max_num_seqs: int) -> ModelRunnerOutput:
-        """Every rank, after each step it ran: `output` with rank 0's sampled tokens.
+                            max_num_seqs: int, max_steps: int = 1) -> ModelRunnerOutput:
+        """Every rank, after each step it ran: `output` with rank 0's sampled tokens (every
+        step's, for a multi-step output of at most `max_steps`).
 
         Logprobs stay this rank's own; they equal rank 0's wherever the tokens did.
         Raises LockstepDivergedError if this rank ran another schedule than rank 0."""
         n = len(output.sampled_token_ids)
-        if n > max_num_seqs:
-            raise ValueError(f"{n} sampled tokens in one step exceed max_num_seqs={max_num_seqs}")
-        buf = torch.zeros(2 + max_num_seqs, dtype=torch.int64)  # same size on every rank
+        steps = [output.sampled_token_ids, *output.later_token_ids]
+        if n > max_num_seqs or len(steps) > max_steps:
+            raise ValueError(f"{n} sampled tokens in each of {len(steps)} steps exceed max_num_seqs={max_num_seqs} "
+                             f"or num_scheduler_steps={max_steps}")
+        buf = torch.zeros(2 + max_num_seqs * max_steps, dtype=torch.int64)  # same size on every rank
         fingerprint = schedule_fingerprint(scheduler_output)
         if self.rank == 0:
             buf[0], buf[1] = fingerprint, n
-            buf[2 : 2 + n] = torch.tensor(output.sampled_token_ids, dtype=torch.int64)
+            buf[2 : 2 + n * len(steps)] = torch.tensor([t for tokens in steps for t in tokens], dtype=torch.int64)
         dist.broadcast(buf, src=0, group=self.group)
         if self.rank != 0:
             if int(buf[0]) != fingerprint or int(buf[1]) != n:
@@ -118,7 +123,9 @@ class LockstepChannel:
                     f"which is not rank 0's schedule ({int(buf[1])} to sample): under the external launcher every "
                     "rank must add the same requests, with the same ids, in the same order"
                 )
-            output.sampled_token_ids = buf[2 : 2 + n].tolist()
+            tokens = buf[2 : 2 + n * len(steps)].tolist()
+            output.sampled_token_ids = tokens[:n]
+            output.later_token_ids = [tokens[i * n : (i + 1) * n] for i in range(1, len(steps))]
         return output
 
     # ------------------------------------------------------------- rank 0 leads

@@ -10,7 +10,10 @@ the final outputs, as its generate() gets them), prefix caching off so that ever
 prefills. Prints each round, each engine's median tok/s, prefill time and decode step,
 and the median of the per-round ratios TP=2 / TP=1.
 
-    python scripts/bench_tp_scaling.py [--dtypes float32 bfloat16] [--rounds 10]
+    python scripts/bench_tp_scaling.py [--dtypes float32 bfloat16] [--rounds 10] [--num-scheduler-steps 1]
+
+With --num-scheduler-steps N both engines run multi-step decode; a decode step's time
+is then its output's over N.
 
 Not a test: timings on a shared machine are noisy.
 """
@@ -32,15 +35,17 @@ from bench_vs_vllm import KV_BYTES, MAX_TOKENS, NUM_REQUESTS, ensure_model  # no
 
 def timed_generate(core, prompts: list[list[int]], params) -> dict[str, float]:
     """One run of every prompt through `core`, step by step: total seconds, the prefill
-    steps' seconds and the median decode step."""
+    steps' seconds and the median decode step (a multi-step output's time over its
+    number of steps)."""
     for prompt in prompts:
         core.add_request(prompt, params)
-    steps: list[tuple[float, int]] = []
+    steps: list[tuple[float, int]] = []  # (seconds per model step, tokens per model step)
     start = time.perf_counter()
     while core.has_unfinished_requests():
         step_start = time.perf_counter()
         core.step()
-        steps.append((time.perf_counter() - step_start, core.last_step_num_tokens))
+        num_steps = max(core.last_step_num_steps, 1)
+        steps.append(((time.perf_counter() - step_start) / num_steps, core.last_step_num_tokens // num_steps))
     total = time.perf_counter() - start
     return {"total": total, "prefill": sum(t for t, n in steps if n > NUM_REQUESTS),
             "decode": statistics.median(t for t, n in steps if 0 < n <= NUM_REQUESTS)}
@@ -50,6 +55,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="the engines' num_scheduler_steps (decode steps per schedule), both TPs alike")
     p.add_argument("--model-root", default=str(Path.home() / ".cache" / "tp-runtime" / "bench"))
     args = p.parse_args()
 
@@ -68,7 +75,7 @@ def main() -> None:
             for tp in (1, 2):
                 core = EngineCore(model=str(model), tensor_parallel_size=tp, device="cpu", dtype=dtype,
                                   kv_cache_memory_bytes=KV_BYTES, max_num_seqs=NUM_REQUESTS, use_tqdm_on_load=False,
-                                  enable_prefix_caching=False)
+                                  enable_prefix_caching=False, num_scheduler_steps=args.num_scheduler_steps)
                 engines[tp] = core
                 core.collective_rpc("wait_kv_cache_committed")
                 timed_generate(core, prompts[:4], params)  # warm-up

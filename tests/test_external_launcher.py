@@ -156,6 +156,15 @@ def test_torchrun_two_processes_generate_what_mp_generates(tiny_models, mp_refer
     assert_nothing_of_ours_left(torchruns, shm_before)
 
 
+def test_torchrun_multi_step_decode_generates_what_mp_generates(tiny_models, mp_reference, torchruns, tmp_path):
+    """Every rank runs several decode steps per output; each step's tokens are rank 0's
+    on every rank (sync_sampled_tokens carries them all)."""
+    results = run_generate_script(torchruns, tmp_path, tiny_models["llama"], [single_node_args(2, free_port())],
+                                  "--num-scheduler-steps", "4")
+    check_against_mp(results, mp_reference)
+    assert [r["max_steps"] for r in results] == [4, 4]
+
+
 def test_ranks_that_add_requests_differently_fail_instead_of_drifting(tiny_models, torchruns, tmp_path):
     shm_before = our_shm_segments()
     out_dir = tmp_path / "out"

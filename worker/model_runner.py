@@ -23,13 +23,12 @@ from model_loader import get_model, get_model_loader
 from model_loader.utils import process_weights_after_loading
 from models.layers.attention import Attention, AttentionBackend, AttentionMetadata, get_attn_backend
 from worker.kv_cache import KVCacheConfig, KVCacheMemory, KVCacheSpec, allocate_kv_cache
-from worker.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput
+from worker.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from worker.sampler import Sampler, prompt_logprobs
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.sampling_params import SamplingParams
-    from worker.outputs import SchedulerOutput
 
 PROMPT_LOGPROBS_ROWS = 256  # rows of prompt logits made at once: bounds the [rows, vocab] floats held
 
@@ -196,7 +195,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        model = self._require_model()
+        """Run the step (all `num_steps` of a multi-step output) and sample. Called on
+        every rank with the same output; raises RuntimeError for a multi-step output
+        with a request that does not decode exactly one token."""
+        self._require_model()
         self.sampler.drop(scheduler_output.finished_req_ids)
         self._fill_request_state(scheduler_output)
         if not scheduler_output.scheduled:
@@ -204,6 +206,35 @@ class ModelRunner:
         for req in scheduler_output.scheduled:
             if req.history is not None:
                 self.sampler.add_history(req.req_id, *req.history)
+        output = self._run_step(scheduler_output)
+        step = scheduler_output
+        for _ in range(1, scheduler_output.num_steps):
+            step = self._following_step(step)
+            following = self._run_step(step)
+            output.later_token_ids.append(following.sampled_token_ids)
+            output.later_logprobs.append(following.logprobs)
+        return output
+
+    def _following_step(self, step: SchedulerOutput) -> SchedulerOutput:
+        """The next decode step of a multi-step output: each request's token sampled in
+        `step`, at the position after it, with the same block table (the scheduler
+        allocated every step's slot)."""
+        scheduled = []
+        for req in step.scheduled:
+            if not req.sample or len(req.token_ids) != 1:
+                raise RuntimeError(f"a multi-step output must only decode, but request {req.req_id!r} has "
+                                   f"{len(req.token_ids)} tokens (sample={req.sample})")
+            scheduled.append(ScheduledRequest(
+                req_id=req.req_id, token_ids=[self._last_sampled[req.req_id]], start_pos=req.start_pos + 1,
+                block_ids=req.block_ids, sample=True, sampling_params=req.sampling_params,
+                num_output_tokens=req.num_output_tokens + 1,
+            ))
+        return SchedulerOutput(scheduled, [], len(scheduled))
+
+    def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One forward pass of the step's tokens, and one token sampled per request that
+        samples (its state already filled in)."""
+        model = self._require_model()
         input_ids, positions, md, sample_rows = self._prepare_inputs(scheduler_output)
         hidden = model(input_ids, positions, md)
         prompt_logprobs = self._prompt_logprobs(hidden, scheduler_output)

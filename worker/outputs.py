@@ -67,12 +67,16 @@ class SchedulerOutput:
     ``finished_req_ids`` lists requests finished, aborted or preempted since
     the previous step; the runner drops any per-request state it holds. An
     output with nothing scheduled is never run, so its ids come again in the
-    next one.
+    next one. ``num_steps`` > 1 (multi-step, every request decoding one token):
+    the runner runs that many steps back to back, each request's next step taking
+    in the token its step before sampled, at the next position; the slots for all
+    of them are in each request's ``block_ids``.
     """
 
     scheduled: list[ScheduledRequest]
     finished_req_ids: list[str]
     num_batched_tokens: int
+    num_steps: int = 1
 
     @property
     def is_empty(self) -> bool:
@@ -91,12 +95,17 @@ class ModelRunnerOutput:
     ``prompt_logprobs[req_id] = (position, entries, ranks)``: for the prompt tokens
     at ``position``, ``position + 1``, ... (each predicted by the one before it) the
     top-k plus the actual token's logprob, and its rank; only for requests that asked.
+    A multi-step output (``SchedulerOutput.num_steps`` > 1) has the first step's
+    tokens here and each later step's in ``later_token_ids`` / ``later_logprobs``,
+    one list per step, parallel to ``req_ids``.
     """
 
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[dict[int, float] | None]
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]], list[int]]] = field(default_factory=dict)
+    later_token_ids: list[list[int]] = field(default_factory=list)
+    later_logprobs: list[list[dict[int, float] | None]] = field(default_factory=list)
 
     def __reduce__(self) -> tuple[type, tuple]:
         return ModelRunnerOutput, _RUNNER_OUTPUT_FIELDS(self)

@@ -198,6 +198,10 @@ def build_parser(prog: str = "python -m engine.serve") -> argparse.ArgumentParse
                    help="plan each step while the one before it runs, so the ranks never wait for the scheduler "
                         "(default: on with the mp backend, the only one that can; --no-async-scheduling runs one "
                         "step at a time)")
+    p.add_argument("--num-scheduler-steps", type=positive_int, default=1, metavar="N",
+                   help="decode steps one schedule runs back to back when every request decodes and none waits: "
+                        "the engine's work per step is paid once per N tokens; a new request waits up to N steps "
+                        "(default 1)")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block (default 16)")
     p.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", dest="kv_cache_memory", type=parse_bytes,
                    default=None, metavar="BYTES",
@@ -375,6 +379,7 @@ def engine_config_kwargs(args: argparse.Namespace, model: str) -> dict[str, Any]
         "download_dir": args.download_dir, "seed": args.seed, "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": args.block_size, "kv_cache_memory_bytes": kv_bytes, "async_scheduling": args.async_scheduling,
+        "num_scheduler_steps": args.num_scheduler_steps,
         "gpu_memory_utilization": args.gpu_memory_utilization, "tokenizer": args.tokenizer,
         "cpu_prepack_weights": args.cpu_prepack_weights, "cpu_threads_bind": args.cpu_threads_bind,
         # The model in its own process even at TP=1, as vLLM's API server keeps its engine
