@@ -10,10 +10,11 @@ the final outputs, as its generate() gets them), prefix caching off so that ever
 prefills. Prints each round, each engine's median tok/s, prefill time and decode step,
 and the median of the per-round ratios TP=2 / TP=1.
 
-    python scripts/bench_tp_scaling.py [--dtypes float32 bfloat16] [--rounds 10] [--num-scheduler-steps 1]
+    python scripts/bench_tp_scaling.py [--dtypes float32 bfloat16] [--rounds 10] [--num-scheduler-steps 1 [8 ...]]
 
-With --num-scheduler-steps N both engines run multi-step decode; a decode step's time
-is then its output's over N.
+With --num-scheduler-steps N (multi-step decode) a decode step's time is its output's
+over N. Several values run an engine pair for each, all alternating in every round,
+and print, besides each TP=2 / TP=1, what each value buys at each TP over the first.
 
 Not a test: timings on a shared machine are noisy.
 """
@@ -55,8 +56,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--num-scheduler-steps", type=int, default=1,
-                   help="the engines' num_scheduler_steps (decode steps per schedule), both TPs alike")
+    p.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1],
+                   help="the engines' num_scheduler_steps (decode steps per schedule), both TPs alike; several "
+                        "values: an engine pair for each")
     p.add_argument("--model-root", default=str(Path.home() / ".cache" / "tp-runtime" / "bench"))
     args = p.parse_args()
 
@@ -68,34 +70,44 @@ def main() -> None:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.FINAL_ONLY)
     tokens = NUM_REQUESTS * MAX_TOKENS
+    configs = [(tp, k) for k in args.num_scheduler_steps for tp in (1, 2)]
+    name = {(tp, k): f"TP={tp}" + (f" K={k}" if len(args.num_scheduler_steps) > 1 else "") for tp, k in configs}
     for dtype in args.dtypes:
         model = ensure_model(Path(args.model_root), dtype)
         engines = {}
         try:
-            for tp in (1, 2):
+            for tp, k in configs:
                 core = EngineCore(model=str(model), tensor_parallel_size=tp, device="cpu", dtype=dtype,
                                   kv_cache_memory_bytes=KV_BYTES, max_num_seqs=NUM_REQUESTS, use_tqdm_on_load=False,
-                                  enable_prefix_caching=False, num_scheduler_steps=args.num_scheduler_steps)
-                engines[tp] = core
+                                  enable_prefix_caching=False, num_scheduler_steps=k)
+                engines[(tp, k)] = core
                 core.collective_rpc("wait_kv_cache_committed")
                 timed_generate(core, prompts[:4], params)  # warm-up
-            runs: dict[int, list[dict[str, float]]] = {1: [], 2: []}
+            runs: dict[tuple[int, int], list[dict[str, float]]] = {c: [] for c in configs}
             for r in range(args.rounds):
-                for tp, core in engines.items():
-                    runs[tp].append(timed_generate(core, prompts, params))
+                for c, core in engines.items():
+                    runs[c].append(timed_generate(core, prompts, params))
                 print(f"{dtype} round {r + 1}: " + "  ".join(
-                    f"TP={tp} {tokens / runs[tp][-1]['total']:.0f} tok/s" for tp in engines), flush=True)
+                    f"{name[c]} {tokens / runs[c][-1]['total']:.0f} tok/s" for c in engines), flush=True)
         finally:
             for core in engines.values():
                 core.shutdown()
-        for tp in (1, 2):
-            xs = runs[tp]
-            print(f"{dtype} TP={tp}: median {statistics.median(tokens / x['total'] for x in xs):.0f} tok/s, "
+        for c in configs:
+            xs = runs[c]
+            print(f"{dtype} {name[c]}: median {statistics.median(tokens / x['total'] for x in xs):.0f} tok/s, "
                   f"prefill {statistics.median(x['prefill'] for x in xs):.3f} s, "
                   f"decode step {statistics.median(x['decode'] for x in xs) * 1e3:.1f} ms")
-        ratios = [a["total"] / b["total"] for a, b in zip(runs[1], runs[2])]  # TP=2 tok/s over TP=1 tok/s
-        print(f"{dtype} TP=2 / TP=1: {statistics.median(ratios):.3f} (median of {args.rounds} rounds; "
-              f"{min(ratios):.2f}-{max(ratios):.2f})", flush=True)
+        for k in args.num_scheduler_steps:
+            ratios = [a["total"] / b["total"] for a, b in zip(runs[(1, k)], runs[(2, k)])]  # TP=2 tok/s / TP=1's
+            label = f" K={k}" if len(args.num_scheduler_steps) > 1 else ""
+            print(f"{dtype}{label} TP=2 / TP=1: {statistics.median(ratios):.3f} (median of {args.rounds} rounds; "
+                  f"{min(ratios):.2f}-{max(ratios):.2f})", flush=True)
+        first = args.num_scheduler_steps[0]
+        for k in args.num_scheduler_steps[1:]:
+            for tp in (1, 2):
+                gains = [a["total"] / b["total"] for a, b in zip(runs[(tp, first)], runs[(tp, k)])]
+                print(f"{dtype} TP={tp}: K={k} / K={first} {statistics.median(gains):.3f} "
+                      f"({min(gains):.2f}-{max(gains):.2f})", flush=True)
 
 
 if __name__ == "__main__":
