@@ -244,7 +244,7 @@ class EngineConfig:
     # wait for the scheduler. None: on with the mp executor (the only one that runs
     # steps in the background); False: one step at a time.
     async_scheduling: bool | None = None
-    # vLLM's --num-scheduler-steps: when every running request decodes and none waits,
+    # vLLM V0's --num-scheduler-steps: when every running request decodes and none waits,
     # one scheduler output runs up to this many decode steps on the ranks back to back,
     # each feeding its sampled tokens to the next, so the engine's own work (schedule,
     # send, collect, apply) and a rank's wait for it come once per that many tokens.
