@@ -71,7 +71,9 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_tokens_seen = 0
-        self.deltas = False  # its outputs carry only what is new (RequestOutputKind.DELTA)
+        # Its outputs carry only what is new (RequestOutputKind.DELTA); set by the engine
+        # thread before it posts the first one.
+        self.deltas = False
         self.num_preemptions = 0
 
     def _receive(self, item: object) -> None:
@@ -92,8 +94,10 @@ class RequestStream:
         if self.done:
             raise StopAsyncIteration
         item = await self._queue.get()
-        # Outputs are cumulative: skip straight to the newest one queued.
-        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
+        # A cumulative output holds every one before it: skip straight to the newest one
+        # queued. A DELTA output holds only its own tokens, so each is given in turn.
+        while (not self.deltas and isinstance(item, RequestOutput) and not item.finished
+               and not self._queue.empty()):
             item = self._queue.get_nowait()
         if isinstance(item, BaseException):
             self.done = True
@@ -241,8 +245,10 @@ class AsyncEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request; the last has `finished=True`. Leaving the
-        loop early (break, cancellation, client disconnect) aborts the request."""
+        """The outputs of one request, as its `output_kind` asks; the last has
+        `finished=True`. Cumulative ones (the default) that queue up while the caller is
+        busy are skipped to the newest; DELTA ones all come, in order. Leaving the loop
+        early (break, cancellation, client disconnect) aborts the request."""
         stream = await self.add_request(prompt, sampling_params, request_id)
         try:
             async for output in stream:

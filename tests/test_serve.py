@@ -546,7 +546,11 @@ def test_async_engine_generates_cancels_and_dies_cleanly(serve_model: Path) -> N
 
     async def scenario() -> None:
         outputs = await collect("Hello")
-        assert [len(o.token_ids) for o in outputs] == list(range(1, 9))  # cumulative, one per step
+        # Cumulative: each output extends the one before; a reader that fell behind
+        # gets the newest one queued (a loaded host skips some), never an older one.
+        lengths = [len(o.token_ids) for o in outputs]
+        assert lengths == sorted(set(lengths)) and lengths[-1] == 8, lengths
+        assert all(o.token_ids == outputs[-1].token_ids[: len(o.token_ids)] for o in outputs)
         assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
         together = await asyncio.gather(*(collect(p) for p in PROMPTS[:6]))
         alone = [await collect(p) for p in PROMPTS[:6]]
@@ -584,6 +588,35 @@ def test_async_engine_generates_cancels_and_dies_cleanly(serve_model: Path) -> N
         asyncio.run(scenario())
     finally:
         engine.shutdown()
+
+
+def test_async_engine_gives_a_slow_reader_every_delta(serve_model: Path) -> None:
+    """DELTA outputs are never skipped for being queued behind each other: a reader that
+    sleeps after each one still gets every token, in order, and the token count."""
+    from engine.async_engine import AsyncEngine
+    from engine.sampling_params import RequestOutputKind, SamplingParams
+
+    core = _in_process_core(serve_model)
+    engine = AsyncEngine(core, health_check_interval_s=0.1)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    deltas = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def scenario() -> tuple[list[Any], list[Any]]:
+        whole = [out async for out in engine.generate("Hello", params)]
+        pieces = []
+        async for out in engine.generate("Hello", deltas):
+            pieces.append(out)
+            await asyncio.sleep(0.05)  # several steps queue up behind this one
+        return whole, pieces
+
+    try:
+        whole, pieces = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert len(pieces) == 12 and all(len(p.token_ids) == 1 for p in pieces)
+    assert [t for p in pieces for t in p.token_ids] == whole[-1].token_ids
+    assert pieces[-1].finished and not any(p.finished for p in pieces[:-1])
+    assert engine.metrics.generation_tokens == 12 + 12
 
 
 def test_async_engine_shutdown_fails_pending_requests(serve_model: Path) -> None:
