@@ -26,3 +26,17 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     if group.communicator is None:
         return x
     return group.communicator.all_gather(x, dim)
+
+
+def tensor_model_parallel_all_reduce_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, norm_kernel: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Sum `x` over the TP ranks, add `residual` into it in place and RMSNorm it, in one
+    fused call where the communicator has one: (normed, x). None where it has none (or at
+    world size 1), with nothing done: the caller then calls
+    `tensor_model_parallel_all_reduce` and its own norm. `norm_kernel`: the address of a
+    C function with models/layers/cpu_ops.c's `cpu_rms_norm` signature."""
+    group = get_tp_group()
+    if group.communicator is None:
+        return None
+    return group.communicator.all_reduce_rms_norm(x, residual, weight, eps, norm_kernel)

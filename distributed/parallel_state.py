@@ -120,6 +120,14 @@ class _ObservedCommunicator:
         finally:
             self._on_exit()
 
+    def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                            eps: float, norm_kernel: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self._on_enter()
+        try:
+            return self._inner.all_reduce_rms_norm(x, residual, weight, eps, norm_kernel)
+        finally:
+            self._on_exit()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 

@@ -42,10 +42,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, reduce_results=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the MLP's output (the next norm all-reduces it)."""
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
@@ -62,7 +63,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(
-            total_heads * self.head_dim, hidden_size, bias=getattr(hf_config, "attention_out_bias", False)
+            total_heads * self.head_dim, hidden_size, bias=getattr(hf_config, "attention_out_bias", False),
+            reduce_results=False,
         )
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
@@ -70,6 +72,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: AttentionMetadata | None
     ) -> torch.Tensor:
+        """This rank's partial sum of the attention output (the next norm all-reduces it)."""
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
@@ -91,20 +94,20 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         attn_metadata: AttentionMetadata | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        """`hidden_states` is this rank's partial sum of the previous layer's MLP output (of
+        the embedding, in the first layer, where `residual` is None); returns this layer's
+        partial MLP output and the residual. Each row-parallel output is summed over the
+        ranks by the norm after it, which the CPU runs as one all-reduce + add + norm."""
+        hidden_states, residual = self.input_layernorm(hidden_states, residual, all_reduce_input=True)
         hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual, all_reduce_input=True)
         return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, hf_config: SimpleNamespace, qkv_bias: bool, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, reduce_results=False)
         theta, scaling = rope_settings(hf_config)
         # One cos/sin table for all layers, sized to the positions the engine can reach.
         rotary_emb = RotaryEmbedding(head_dim(hf_config), max_positions, theta, scaling)
@@ -120,7 +123,7 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
-        hidden_states, _ = self.norm(hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual, all_reduce_input=True)
         return hidden_states
 
 

@@ -159,3 +159,39 @@ def test_greedy_tokens_equal_the_argmax_of_the_gathered_logits_on_every_rank(wor
         for rank, result in enumerate(results):
             assert result[key]["dtype"] == "torch.int64"
             assert result[key]["tokens"] == result[key]["expected"] == first["tokens"], (key, rank)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fused_all_reduce_norm_gives_the_unfused_bits_on_every_rank(world_size):
+    """A norm that takes the row-parallel all-reduce (`all_reduce_input`) runs it, the
+    residual add and the RMSNorm in one shared-memory kernel call per slot's worth of
+    rows, and gives exactly what the all-reduce followed by the norm gives, the same bits
+    on every rank; the sum lands in the input, as the unfused add-norm leaves it. A dtype
+    the kernel does not take falls back without sending anything."""
+    from tests.tp_helpers import tp_fused_all_reduce_norm
+
+    rows = [1, 32, (4 << 20) // (96 * 2) + 7]  # the last spans two slots in bfloat16
+    results = run_tp(tp_fused_all_reduce_norm, world_size, rows, ["float32", "bfloat16"], timeout=600)
+    total = sum(range(1, world_size + 1))
+    for rank, result in enumerate(results):
+        assert result.pop("float16_fused") is None
+        assert result.pop("float16_untouched")
+        assert result.pop("sum_after_fallback") == [float(total)] * 5
+        for key, r in result.items():
+            dtype, count, _ = key.split("-")
+            row_bytes = 96 * (2 if dtype == "bfloat16" else 4)
+            assert r["rounds"] == -(-int(count) // ((4 << 20) // row_bytes)), key
+            assert r["normed_equal"] and r["summed_equal"] and r["summed_in_place"], (key, rank)
+            assert r["digest"] == results[0][key]["digest"], (key, rank)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_row_parallel_partial_sums_carry_the_bias_on_rank_0_only(world_size):
+    """With `reduce_results=False` each rank returns its partial sum and only rank 0's
+    holds the bias, so the all-reduce the caller runs counts it once."""
+    from tests.tp_helpers import tp_row_parallel_partial_sums
+
+    results = run_tp(tp_row_parallel_partial_sums, world_size, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["sum_matches"], rank
+        assert r["bias_here"] == (rank == 0) and r["bias_is_the_difference"] == (rank == 0), (rank, r)

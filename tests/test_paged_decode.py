@@ -247,3 +247,36 @@ def test_a_table_or_length_out_of_range_is_an_error_before_any_read():
     padded = tables.clone()
     padded[0, 2:] = 10**9
     assert torch.equal(KERNEL(q, cache, padded, lens, 0.25)[0], KERNEL(q, cache, tables, lens, 0.25)[0])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_equals_the_index_assignment(dtype):
+    """The kernel's KV write (vLLM's reshape_and_cache) puts each token's keys and values
+    where the SDPA backend's index assignment puts them, from rows of the qkv
+    projection (a strided view), and touches no other slot."""
+    from models.layers.attention.backends.torch_sdpa import TorchSDPAImpl
+
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, head_size, block_size, tokens = 6, 2, 64, 16, 9
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size, generator=gen).to(dtype)
+    _, k, v = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=-1)
+    k, v = k.view(tokens, kv_heads, head_size), v.view(tokens, kv_heads, head_size)
+    slots = torch.randperm(7 * block_size, generator=gen)[:tokens]
+    ours = torch.randn(7, 2, block_size, kv_heads, head_size, generator=gen).to(dtype)
+    expected = ours.clone()
+    assert KERNEL.write_kv(k, v, ours, slots)
+    md = type("Md", (), {"slot_blocks_and_offsets": (slots // block_size, slots % block_size)})()
+    TorchSDPAImpl.write_kv(k, v, expected, md)
+    assert torch.equal(ours, expected)
+
+
+@needs_kernel
+def test_write_kv_refuses_what_it_does_not_take_and_checks_slots_first():
+    k = torch.randn(3, 2, 8)
+    cache = torch.zeros(2, 2, 4, 2, 8)
+    assert not KERNEL.write_kv(k, k, cache.bfloat16(), torch.tensor([0, 1, 2]))  # dtypes differ
+    assert not KERNEL.write_kv(k, k, cache, torch.tensor([0, 1, 2], dtype=torch.int32))
+    with pytest.raises(IndexError, match="outside the cache's 8 slots"):
+        KERNEL.write_kv(k, k, cache, torch.tensor([0, 8, 1]))
+    assert not cache.any()  # nothing written before the check failed

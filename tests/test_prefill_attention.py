@@ -66,6 +66,9 @@ class CountingKernel:
     def supports(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return self.kernel.supports(q, kv_cache)
 
+    def write_kv(self, *args) -> bool:
+        return self.kernel.write_kv(*args)
+
     def __call__(self, q, *args, **kwargs):
         self.calls += 1
         self.rows.append(q.shape[0])

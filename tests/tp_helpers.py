@@ -244,3 +244,94 @@ def tp_greedy_tokens_vs_logits(rank: int, world_size: int, port: int, vocab_size
         return out
     finally:
         shutdown_tp()
+
+
+def tp_fused_all_reduce_norm(rank: int, world_size: int, port: int, row_counts: list[int],
+                             dtypes: list[str]) -> dict[str, Any]:
+    """For each row count, dtype and with or without a residual: `RMSNorm(x, residual,
+    all_reduce_input=True)` on this rank's partial sums (the fused shared-memory call)
+    next to the unfused path (the all-reduce, then the norm), and how many fused kernel
+    rounds ran; then a float16 input, which the kernel does not take, and a plain
+    all-reduce after it, to show that the fallback sends nothing out of turn."""
+    from distributed import get_tp_group, tensor_model_parallel_all_reduce
+    from distributed.device_communicators.shm_allreduce import AllReduceKernel
+    from models.layers.layernorm import RMSNorm
+
+    init_tp(rank, world_size, port)
+    try:
+        shm = get_tp_group().communicator.shm
+        assert shm is not None and shm.uses_kernel, "the shared-memory kernel path is not active"
+        rounds: set[int] = set()  # the seq of every fused round (a round may take several calls)
+        inner = shm._kernel.norm_round
+
+        def counted(*args: Any) -> int:
+            rounds.add(args[5])
+            return inner(*args)
+
+        shm._kernel = AllReduceKernel(shm._kernel.round, counted)
+        out: dict[str, Any] = {}
+        hidden = 96
+        for dtype_name in dtypes:
+            dtype = getattr(torch, dtype_name)
+            norm = RMSNorm(hidden, 1e-5).to(dtype)
+            norm.weight.data.copy_(torch.rand(hidden, generator=torch.Generator().manual_seed(3)) + 0.5)
+            for rows in row_counts:
+                for with_residual in (False, True):
+                    gen = torch.Generator().manual_seed(100 * rank + rows)
+                    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+                    residual = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows)).to(dtype)
+                    before = len(rounds)
+                    fused_x = x.clone()
+                    fused_res = residual.clone() if with_residual else None
+                    with torch.no_grad():
+                        normed, summed = norm(fused_x, fused_res, all_reduce_input=True)
+                    fused_rounds = len(rounds) - before
+                    ref_x = tensor_model_parallel_all_reduce(x.clone())
+                    with torch.no_grad():
+                        if with_residual:
+                            ref_normed, ref_summed = norm(ref_x, residual.clone())
+                        else:
+                            ref_normed, ref_summed = norm(ref_x), ref_x
+                    out[f"{dtype_name}-{rows}-{with_residual}"] = {
+                        "rounds": fused_rounds,
+                        "normed_equal": torch.equal(normed, ref_normed),
+                        "summed_equal": torch.equal(summed, ref_summed),
+                        "summed_in_place": summed.data_ptr() == fused_x.data_ptr(),
+                        "digest": hashlib.sha256(normed.view(torch.uint8).numpy().tobytes()).hexdigest(),
+                    }
+        half = torch.full((4, hidden), float(rank + 1), dtype=torch.float16)
+        weight = torch.ones(hidden, dtype=torch.float16)
+        out["float16_fused"] = shm.all_reduce_rms_norm(half, None, weight, 1e-5, 0)
+        out["float16_untouched"] = bool((half == rank + 1).all())
+        after = tensor_model_parallel_all_reduce(torch.full((5,), float(rank + 1)))
+        out["sum_after_fallback"] = after.tolist()
+        return out
+    finally:
+        shutdown_tp()
+
+
+def tp_row_parallel_partial_sums(rank: int, world_size: int, port: int) -> dict[str, Any]:
+    """A RowParallelLinear with a bias and `reduce_results=False`: this rank's output (its
+    partial sum) and the all-reduce of it, next to the whole layer's product computed
+    from the full weight on this rank."""
+    from distributed import tensor_model_parallel_all_reduce
+    from models.layers.linear import RowParallelLinear
+
+    init_tp(rank, world_size, port)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        weight, bias = torch.randn(6, 8, generator=gen), torch.randn(6, generator=gen)
+        x = torch.randn(3, 8, generator=gen)
+        layer = RowParallelLinear(8, 6, bias=True, reduce_results=False)
+        layer.weight_loader(layer.weight, weight)
+        layer.weight_loader(layer.bias, bias)
+        width = 8 // world_size
+        with torch.no_grad():
+            partial = layer(x[:, rank * width:(rank + 1) * width].contiguous())
+            own = x[:, rank * width:(rank + 1) * width] @ weight[:, rank * width:(rank + 1) * width].T
+            total = tensor_model_parallel_all_reduce(partial.clone())
+        return {"bias_here": not torch.allclose(partial, own, atol=1e-5),
+                "bias_is_the_difference": torch.allclose(partial - own, bias.expand_as(own), atol=1e-5),
+                "sum_matches": torch.allclose(total, x @ weight.T + bias, atol=1e-4)}
+    finally:
+        shutdown_tp()

@@ -38,5 +38,14 @@ class DeviceCommunicatorBase:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                            eps: float, norm_kernel: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`all_reduce(x)`, the residual add and the RMSNorm in one fused call, where a
+        communicator has one (the CPU's shared-memory kernel): (normed, x), x holding the
+        sum plus `residual`. None here, with nothing sent: the caller all-reduces and norms
+        on its own. `norm_kernel` is the address of a C function with cpu_ops.c's
+        `cpu_rms_norm` signature. Like every collective, called by every rank alike."""
+        return None
+
     def destroy(self) -> None:
         """Release whatever the communicator holds beyond the process group (nothing here)."""

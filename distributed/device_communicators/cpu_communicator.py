@@ -59,6 +59,12 @@ class CpuCommunicator(DeviceCommunicatorBase):
             return self.shm.all_reduce(x)
         return super().all_reduce(x)
 
+    def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                            eps: float, norm_kernel: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.shm is None:
+            return None
+        return self.shm.all_reduce_rms_norm(x, residual, weight, eps, norm_kernel)
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.shm is not None and self.shm.supports(x):
             return self.shm.all_gather(x, dim)

@@ -9,6 +9,11 @@
  * times and then returns 1, leaving the back-off (yield, sleep, the peers' liveness)
  * to the caller, which calls again with published = 1.
  *
+ * shm_allreduce_norm_round is the same round followed, in the same call, by an RMSNorm of
+ * the summed rows: the caller passes the norm kernel's entry (models/layers/cpu_ops.c's
+ * cpu_rms_norm, whose signature is norm_fn's), so the norm's arithmetic lives in one
+ * file and a decode step saves a call per all-reduce.
+ *
  * Built with -O3 -march=native -ffp-contract=off: no fused multiply-adds, no fast-math.
  */
 #include <stdint.h>
@@ -75,6 +80,10 @@ typedef struct {
     int32_t rank;
 } shm_group;
 
+/* cpu_rms_norm's signature: rows x [rows, n] (+= res) normed into out, all row-contiguous. */
+typedef int (*norm_fn)(int dtype, void *x, int64_t x_stride, const void *res, int64_t res_stride, const void *w,
+                       void *out, int64_t out_stride, int64_t rows, int64_t n, float eps, int num_threads);
+
 /* x: this rank's chunk (nbytes, numel elements of dtype), summed over the ranks in place
  * in round `seq`. Returns 0 once done, 1 when a peer had not arrived within max_spins
  * (nothing summed yet), 2 for a dtype it does not take (nothing touched). */
@@ -100,4 +109,17 @@ int shm_allreduce_round(const shm_group *g, char *x, int64_t nbytes, int64_t num
     else
         sum_bf16((uint16_t *)x, slots, g->world, numel);
     return 0;
+}
+
+/* One round over x [rows, n] (row-contiguous; rows * n elements fit a slot), then
+ * norm(x, res, w, out, eps) on the sum (res may be NULL; res and out [rows, n],
+ * row-contiguous). Returns the round's codes (1: call again with published = 1; nothing
+ * summed or normed yet), or 3 when the norm failed (its scratch row). */
+int shm_allreduce_norm_round(const shm_group *g, char *x, int64_t rows, int64_t n, int dtype, int64_t seq,
+                             int published, int64_t max_spins, norm_fn norm, const void *res, const void *w,
+                             void *out, float eps, int num_threads) {
+    const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4;
+    const int status = shm_allreduce_round(g, x, rows * n * esize, rows * n, dtype, seq, published, max_spins);
+    if (status) return status;
+    return norm(dtype, x, n, res, n, w, out, n, rows, n, eps, num_threads) ? 3 : 0;
 }

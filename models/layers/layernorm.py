@@ -1,7 +1,9 @@
 """RMSNorm, optionally fused with the residual add (the vLLM calling convention).
 
 On the CPU one C call does both (`cpu_ops.py`) where it can; elsewhere, and as its
-fallback, torch ops with the same roundings.
+fallback, torch ops with the same roundings. A norm can also take the all-reduce of the
+row-parallel layer before it (`all_reduce_input`); on the CPU's shared-memory path the
+all-reduce, the add and the norm are then one kernel call.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+from distributed.communication_op import tensor_model_parallel_all_reduce_rms_norm
 from models.layers import cpu_ops
 from models.layers.weight_utils import default_weight_loader, set_weight_attrs
 
@@ -30,11 +34,18 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.to(torch.float32), shape, eps=self.eps).to(x.dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, *, all_reduce_input: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the
         sum written into `x` (a layer output the caller no longer needs), as vLLM's fused
-        add-norm does."""
+        add-norm does.
+
+        With `all_reduce_input`, x is this rank's partial sum (of a layer built with
+        `reduce_results=False`) and is summed over the TP ranks first; the result is then
+        always the pair (norm(s), s), s = sum (+ residual), written into x. A collective:
+        every rank calls it alike."""
+        if all_reduce_input:
+            return self._all_reduce_forward(x, residual)
         kernel = cpu_ops.load() if x.device.type == "cpu" else None
         if kernel is not None:
             out = kernel.rms_norm(x, residual, self.weight, self.eps)
@@ -44,3 +55,17 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x.add_(residual)
         return self._norm(x), x
+
+    def _all_reduce_forward(self, x: torch.Tensor,
+                            residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if get_tensor_model_parallel_world_size() > 1:
+            kernel = cpu_ops.load() if x.device.type == "cpu" else None
+            if kernel is not None:
+                fused = tensor_model_parallel_all_reduce_rms_norm(x, residual, self.weight, self.eps,
+                                                                  kernel.norm_address)
+                if fused is not None:
+                    return fused
+            x = tensor_model_parallel_all_reduce(x)
+        if residual is None:
+            return self.forward(x), x
+        return self.forward(x, residual)

@@ -188,6 +188,9 @@ class RowParallelLinear(LinearBase):
     """y = xA^T + b with A split along its input dim; partial sums are all-reduced.
 
     The bias is added once, after the all-reduce, so it is not counted tp_size times.
+    With `reduce_results=False` the output is this rank's partial sum, rank 0's with the
+    bias, and the caller sums it over the ranks (vLLM's convention; our models let the
+    next RMSNorm do it, `all_reduce_input`, which the CPU runs fused with the norm).
     """
 
     def __init__(
@@ -213,7 +216,9 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x)  # the bias is added once, after the reduce
-        if self.reduce_results and self.tp_size > 1:
+        if not self.reduce_results:
+            return y + self.bias if self.bias is not None and self.tp_rank == 0 else y
+        if self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

@@ -34,10 +34,14 @@ def pad_vocab_size(vocab_size: int, multiple: int) -> int:
 
 class VocabParallelEmbedding(nn.Module):
     """Rank r holds rows [r*n, (r+1)*n) of the padded table; lookups outside that range
-    contribute zeros and the all-reduce fills them in from the owning rank."""
+    contribute zeros and the all-reduce fills them in from the owning rank. With
+    `reduce_results=False` the lookup returns this rank's part and the caller sums it
+    (the first RMSNorm's `all_reduce_input`, as after a RowParallelLinear)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_size: int = DEFAULT_VOCAB_PADDING_SIZE) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
+                 reduce_results: bool = True) -> None:
         super().__init__()
+        self.reduce_results = reduce_results
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.num_embeddings = num_embeddings
@@ -70,7 +74,7 @@ class VocabParallelEmbedding(nn.Module):
         in_range = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index) * in_range
         out = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1).to(self.weight.dtype)
-        return tensor_model_parallel_all_reduce(out)
+        return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
 
 
 class ParallelLMHead(VocabParallelEmbedding):

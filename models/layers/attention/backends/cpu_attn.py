@@ -200,6 +200,12 @@ class CPUAttentionImpl(TorchSDPAImpl):
         tables, lens = md.token_tables_and_lens
         return kernel(q, kv_cache, tables, lens, self.scale)[0]
 
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata) -> None:
+        """The step's new keys and values into their slots: by the kernel's one pass where
+        it takes them, else as the SDPA backend does."""
+        if self.kernel is None or not self.kernel.write_kv(k, v, kv_cache, md.slot_mapping):
+            super().write_kv(k, v, kv_cache, md)
+
     def decode_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: TorchSDPAMetadata
     ) -> torch.Tensor:

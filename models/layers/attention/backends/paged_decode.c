@@ -381,3 +381,21 @@ int paged_decode_avx512(void) {
     return 0;
 #endif
 }
+
+/* vLLM's reshape_and_cache: token t's keys (row_bytes at k + t * k_stride bytes: every
+ * kv head's, contiguous) and values into slot slots[t] of the paged cache [num_blocks,
+ * 2, block_size, kv heads, head size] (contiguous, the rows' dtype). Returns 0, or 3
+ * when a slot is outside the cache (checked first: then nothing is written). */
+int paged_write_kv(const char *k, int64_t k_stride, const char *v, int64_t v_stride, char *cache,
+                   int64_t num_blocks, int64_t block_size, int64_t row_bytes, const int64_t *slots,
+                   int64_t tokens) {
+    for (int64_t t = 0; t < tokens; ++t)
+        if (slots[t] < 0 || slots[t] >= num_blocks * block_size) return 3;
+    for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+        char *key = cache + ((block * 2) * block_size + offset) * row_bytes;
+        memcpy(key, k + t * k_stride, (size_t)row_bytes);
+        memcpy(key + block_size * row_bytes, v + t * v_stride, (size_t)row_bytes);
+    }
+    return 0;
+}

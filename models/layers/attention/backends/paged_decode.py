@@ -66,6 +66,30 @@ class PagedDecodeKernel:
                             ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                             ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int])
             self._fns[dtype] = fn
+        self._write_kv = lib.paged_write_kv
+        self._write_kv.restype = ctypes.c_int
+        self._write_kv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+        """k, v [T, Hkv, D] (each token's heads contiguous; rows at any stride) into their
+        slots of kv_cache [num_blocks, 2, block_size, Hkv, D] (contiguous, k's dtype) at
+        slot_mapping [T] (int64, block * block_size + offset): what the backend's index
+        assignment does, in one pass instead of two index_put ops (about 20 µs a layer at
+        a decode step's 32 tokens). False, with nothing written, for tensors it does not
+        take; IndexError for a slot outside the cache, before anything is written."""
+        if not (k.device.type == v.device.type == kv_cache.device.type == "cpu" and k.dtype == v.dtype == kv_cache.dtype
+                and k.shape == v.shape and k.dim() == 3 and kv_cache.dim() == 5 and kv_cache.is_contiguous()
+                and k.shape[1:] == kv_cache.shape[3:] and k.stride(2) == v.stride(2) == 1
+                and k.stride(1) == v.stride(1) == k.shape[2] and slot_mapping.dtype == torch.int64
+                and slot_mapping.is_contiguous() and slot_mapping.shape == (k.shape[0],)):
+            return False
+        size = k.element_size()
+        if self._write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size, kv_cache.data_ptr(),
+                          kv_cache.shape[0], kv_cache.shape[2], k.shape[1] * k.shape[2] * size,
+                          slot_mapping.data_ptr(), k.shape[0]):
+            raise IndexError(f"a KV slot is outside the cache's {kv_cache.shape[0] * kv_cache.shape[2]} slots")
+        return True
 
     @staticmethod
     def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
