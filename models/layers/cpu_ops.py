@@ -50,9 +50,9 @@ class CpuOpsKernel:
         self._norm.restype = self._rotary.restype = self._argmax.restype = ctypes.c_int
         self._argmax.argtypes = [i32, p, i64, i64, i64, p, p, i32]
         self._norm.argtypes = [i32, p, i64, p, i64, p, p, i64, i64, i64, f32, i32]
+        self._rotary.argtypes = [i32, p, i64, i64, p, i64, i64, i64, p, p, p, i64, i64, i64, i32]
         # For the communicator's fused all-reduce + norm, which calls it from its own kernel.
         self.norm_address: int = ctypes.cast(lib.cpu_rms_norm, ctypes.c_void_p).value
-        self._rotary.argtypes = [i32, p, i64, i64, p, i64, i64, i64, p, p, p, i64, i64, i64, i32]
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor | None:

@@ -215,7 +215,7 @@ class RowParallelLinear(LinearBase):
         load_whole(param, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x)  # the bias is added once, after the reduce
+        y = self.quant_method.apply(self, x)  # the bias once: after the reduce, or on rank 0's part
         if not self.reduce_results:
             return y + self.bias if self.bias is not None and self.tp_rank == 0 else y
         if self.tp_size > 1:
