@@ -117,7 +117,8 @@ def _our_segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("tp-allreduce-")}
 
 
-def test_a_rank_killed_during_an_all_reduce_is_named_within_seconds_and_leaves_no_segment():
+@pytest.mark.parametrize("fused_norm", [False, True], ids=["all_reduce", "fused_all_reduce_norm"])
+def test_a_rank_killed_during_an_all_reduce_is_named_within_seconds_and_leaves_no_segment(fused_norm):
     from tests.conftest import free_port
     from tests.tp_helpers import tp_rank_dies_in_all_reduce
 
@@ -125,7 +126,7 @@ def test_a_rank_killed_during_an_all_reduce_is_named_within_seconds_and_leaves_n
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=tp_rank_dies_in_all_reduce, args=(rank, 2, port, queue), daemon=True)
+    procs = [ctx.Process(target=tp_rank_dies_in_all_reduce, args=(rank, 2, port, queue, fused_norm), daemon=True)
              for rank in range(2)]
     try:
         for p in procs:

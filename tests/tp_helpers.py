@@ -192,23 +192,31 @@ def tp_shm_vs_gloo(rank: int, world_size: int, port: int, sizes: list[int], dtyp
         shutdown_tp()
 
 
-def tp_rank_dies_in_all_reduce(rank: int, world_size: int, port: int, queue: Any) -> None:
+def tp_rank_dies_in_all_reduce(rank: int, world_size: int, port: int, queue: Any, fused_norm: bool = False) -> None:
     """Process target: after the group is up, the last rank SIGKILLs itself; the others
-    enter an all-reduce and put (error message, seconds waited) on `queue`."""
+    enter an all-reduce (with `fused_norm`, the fused all-reduce + RMSNorm the model's
+    norms run) and put (error message, seconds waited) on `queue`."""
     import os
     import signal
     import time
 
     from distributed import tensor_model_parallel_all_reduce
+    from models.layers.layernorm import RMSNorm
 
     _die_with_parent()
     torch.set_num_threads(1)
     init_tp(rank, world_size, port)
+    norm = RMSNorm(1024)
+    norm.weight.data.fill_(1.0)
     if rank == world_size - 1:
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
-        tensor_model_parallel_all_reduce(torch.ones(1024))
+        with torch.no_grad():
+            if fused_norm:
+                norm(torch.ones(2, 1024), torch.ones(2, 1024), all_reduce_input=True)
+            else:
+                tensor_model_parallel_all_reduce(torch.ones(1024))
     except RuntimeError as e:
         queue.put((str(e), time.monotonic() - start))
     else:
