@@ -70,7 +70,8 @@ class RequestStream:
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
-        self.num_tokens_seen = 0
+        self.num_tokens_seen = 0  # of the first sample: the request's timeline and histograms
+        self.num_sample_tokens_seen = 0  # of every sample: generation_tokens_total
         # Its outputs carry only what is new (RequestOutputKind.DELTA); set by the engine
         # thread before it posts the first one.
         self.deltas = False
@@ -494,8 +495,13 @@ class AsyncEngine:
                 else:
                     self.metrics.on_token(now - (stream.last_token_time or now))
                 stream.last_token_time = now
-                num_new_tokens += num_tokens - stream.num_tokens_seen
                 stream.num_tokens_seen = num_tokens
+            # Every sample's tokens count as generated (n > 1), as vLLM counts its child requests'.
+            all_tokens = sum(len(sample.token_ids) for sample in output.outputs)
+            all_tokens += stream.num_sample_tokens_seen if stream.deltas else 0
+            if all_tokens > stream.num_sample_tokens_seen:
+                num_new_tokens += all_tokens - stream.num_sample_tokens_seen
+                stream.num_sample_tokens_seen = all_tokens
             if output.finished:
                 del self._streams[output.request_id]
                 self._on_finished(stream, output.finish_reason, stream.num_tokens_seen, now)

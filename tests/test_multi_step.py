@@ -896,3 +896,15 @@ def test_generation_tokens_metric_with_delta_outputs(tiny_models: dict[str, Path
     assert final.finished
     assert grown["generation_tokens_total"] == 9
     assert grown["request_generation_tokens_sum"] == 9
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
+def test_generation_tokens_metric_counts_every_sample_of_n(tiny_models: dict[str, Path], kind) -> None:
+    """n = 3 samples of 7 tokens each are 21 generated tokens, whatever the output kind;
+    the request's own histogram keeps the first sample's count (one request, one
+    timeline)."""
+    params = SamplingParams(n=3, max_tokens=7, temperature=0.8, seed=3, ignore_eos=True, output_kind=kind)
+    [final], grown = _generate_with_async_engine(tiny_models["llama"], 1, [([1, 5, 9, 13, 17], params)])
+    assert final.finished and len(final.outputs) == 3
+    assert grown["generation_tokens_total"] == 21
+    assert grown["request_generation_tokens_sum"] == 7
