@@ -214,18 +214,21 @@ class ShmAllReduce:
                 raise RuntimeError(f"TP rank {j} (pid {pid}) died while rank {self.rank} waited for it in a "
                                    "shared-memory collective")
 
-    def _kernel_round(self, ptr: int, numel: int, element_size: int, dtype: int) -> None:
-        """One round in the C kernel: `numel` elements at `ptr` (fits a slot) summed in place."""
+    def _kernel_round(self, fn: Callable[..., int], head: tuple, tail: tuple = ()) -> None:
+        """One round of a C entry, called as fn(group, *head, seq, published, max_spins,
+        *tail) (`head` ends with the dtype code): it spins, then hands the wait back here
+        (status 1), and is called again until the round is done."""
         self._seq += 1
         seq = self._seq
-        round_fn = self._kernel.round
-        status = round_fn(self._group_ptr, ptr, numel * element_size, numel, dtype, seq, 0, _KERNEL_SPINS)
+        status = fn(self._group_ptr, *head, seq, 0, _KERNEL_SPINS, *tail)
         spins = _SPINS  # the kernel spun; from here on the wait yields, then sleeps
         while status == 1:
             spins = self._backoff(spins, seq)
-            status = round_fn(self._group_ptr, ptr, numel * element_size, numel, dtype, seq, 1, _KERNEL_RESPINS)
+            status = fn(self._group_ptr, *head, seq, 1, _KERNEL_RESPINS, *tail)
+        if status == 3:
+            raise MemoryError("the RMSNorm after the shared-memory all-reduce could not allocate its scratch row")
         if status:
-            raise RuntimeError(f"the shared-memory all-reduce kernel refused dtype code {dtype}")
+            raise RuntimeError(f"the shared-memory all-reduce kernel refused dtype code {head[-1]}")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place (chunked through the slots); returns `x`."""
@@ -233,13 +236,14 @@ class ShmAllReduce:
         if kernel_dtype is not None:
             size = x.element_size()
             if x.is_contiguous() and x.numel() * size <= self.slot_bytes:  # a decode step's: one round
-                self._kernel_round(x.data_ptr(), x.numel(), size, kernel_dtype)
+                self._kernel_round(self._kernel.round, (x.data_ptr(), x.numel() * size, x.numel(), kernel_dtype))
                 return x
             flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
             chunk = self.slot_bytes // size
             for start in range(0, flat.numel(), chunk):
-                self._kernel_round(flat.data_ptr() + start * size, min(chunk, flat.numel() - start), size,
-                                   kernel_dtype)
+                count = min(chunk, flat.numel() - start)
+                ptr = flat.data_ptr() + start * size
+                self._kernel_round(self._kernel.round, (ptr, count * size, count, kernel_dtype))
             if flat.data_ptr() != x.data_ptr():
                 x.copy_(flat.view_as(x))
             return x
@@ -297,17 +301,7 @@ class ShmAllReduce:
             args = (x.data_ptr() + offset, count, n, dtype)
             tail = (norm_kernel, None if residual is None else residual.data_ptr() + offset, weight.data_ptr(),
                     out.data_ptr() + offset, eps, threads)
-            self._seq += 1
-            seq = self._seq
-            status = kernel.norm_round(self._group_ptr, *args, seq, 0, _KERNEL_SPINS, *tail)
-            spins = _SPINS  # as in _kernel_round
-            while status == 1:
-                spins = self._backoff(spins, seq)
-                status = kernel.norm_round(self._group_ptr, *args, seq, 1, _KERNEL_RESPINS, *tail)
-            if status == 3:
-                raise MemoryError("the RMSNorm after the shared-memory all-reduce could not allocate its scratch row")
-            if status:
-                raise RuntimeError(f"the shared-memory all-reduce kernel refused dtype code {dtype}")
+            self._kernel_round(kernel.norm_round, args, tail)
         return out, x
 
     def _accumulator(self, numel: int) -> torch.Tensor:

@@ -76,8 +76,9 @@ class PagedDecodeKernel:
         slots of kv_cache [num_blocks, 2, block_size, Hkv, D] (contiguous, k's dtype) at
         slot_mapping [T] (int64, block * block_size + offset): what the backend's index
         assignment does, in one pass instead of two index_put ops (7 against 13 µs a layer
-        at a decode step's 32 tokens, mostly this check). False, with nothing written, for tensors it does not
-        take; IndexError for a slot outside the cache, before anything is written."""
+        at a decode step's 32 tokens, mostly this check). False, with nothing written, for
+        tensors it does not take; IndexError for a slot outside the cache, before anything
+        is written."""
         if not (k.device.type == v.device.type == kv_cache.device.type == "cpu" and k.dtype == v.dtype == kv_cache.dtype
                 and k.shape == v.shape and k.dim() == 3 and kv_cache.dim() == 5 and kv_cache.is_contiguous()
                 and k.shape[1:] == kv_cache.shape[3:] and k.stride(2) == v.stride(2) == 1
