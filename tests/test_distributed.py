@@ -96,6 +96,33 @@ def test_shm_all_reduce_and_gather_equal_gloo_and_are_bit_identical_on_every_ran
             assert r["gather_equal"], (key, rank)
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shm_all_gather_copies_every_rank_s_rows_into_place_one_kernel_round_per_slot(world_size):
+    """The C all-gather round: any dtype, any dim, equal to gloo's parts concatenated on
+    every rank; rows that fit a slot take one round per slot's worth of them, rows that
+    do not take the torch-op round (one per slot's worth of elements)."""
+    import math
+
+    from tests.tp_helpers import GATHER_CASES, tp_shm_gathers
+
+    results = run_tp(tp_shm_gathers, world_size)
+    slot_bytes = {r.pop("slot_bytes") for r in results}.pop()
+    for shape, dtype_name, dim in GATHER_CASES:
+        key = f"{shape}-{dtype_name}-{dim}"
+        size = getattr(torch, dtype_name).itemsize
+        row_bytes = math.prod(shape[dim:]) * size
+        outer = math.prod(shape) * size // row_bytes
+        if row_bytes <= slot_bytes:
+            rounds = kernel_rounds = math.ceil(outer / (slot_bytes // row_bytes))
+        else:
+            rounds, kernel_rounds = math.ceil(math.prod(shape) * size / slot_bytes), 0
+        for rank, result in enumerate(results):
+            assert result[key]["equal"], (key, rank)
+            assert (result[key]["rounds"], result[key]["kernel_rounds"]) == (rounds, kernel_rounds), (key, rank)
+            assert result[key]["digest"] == results[0][key]["digest"], (key, rank)
+    assert math.ceil(300 / (slot_bytes // (40 * 100 * 4))) == 2  # the middle-dim case spans two rounds
+
+
 def test_shm_all_reduce_torch_path_gives_the_kernels_bits(monkeypatch):
     """Where the C round cannot be built (or TP_CPU_SHM_ALLREDUCE_KERNEL=0), the torch ops
     run the same protocol and give the same bits."""
@@ -111,6 +138,7 @@ def test_shm_all_reduce_torch_path_gives_the_kernels_bits(monkeypatch):
         for key, result in with_kernel[rank].items():
             assert result["digest"] == without[rank][key]["digest"], (rank, key)
             assert without[rank][key]["rank_order_sum"], (rank, key)
+            assert without[rank][key]["gather_equal"] and result["gather_equal"], (rank, key)
 
 
 def _our_segments() -> set[str]:

@@ -192,6 +192,60 @@ def tp_shm_vs_gloo(rank: int, world_size: int, port: int, sizes: list[int], dtyp
         shutdown_tp()
 
 
+# (shape, dtype, dim) gathered by tp_shm_gathers: a 1-element tensor, the greedy
+# exchange's [1, rows, 2] pairs, bf16 logits along the vocabulary, float16 (which the
+# all-reduce kernel does not take), rows along a middle dim that take two slots' worth of
+# rounds, and rows larger than a slot (the torch-op round's).
+GATHER_CASES = [
+    ((1,), "float32", 0),
+    ((1, 32, 2), "float32", 0),
+    ((32, 16000), "bfloat16", -1),
+    ((3, 5), "float16", -1),
+    ((300, 40, 100), "float32", 1),
+    ((2, (1 << 20) + 1), "float32", -1),
+]
+
+
+def tp_shm_gathers(rank: int, world_size: int, port: int) -> dict[str, Any]:
+    """Each of GATHER_CASES gathered by the shared-memory path next to gloo's all_gather
+    concatenated, with the number of rounds it took (each round advances `_seq` by one)
+    and how many of them the C gather round ran, on this rank."""
+    import torch.distributed as dist
+
+    from distributed import get_tp_group
+
+    init_tp(rank, world_size, port)
+    try:
+        shm = get_tp_group().communicator.shm
+        assert shm is not None and shm.uses_kernel, "the shared-memory kernel path is not active"
+        kernel_rounds: set[int] = set()  # the seq of every C gather round (a round may take several calls)
+        inner = shm._kernel.gather_round
+
+        def counted(*args: Any) -> int:
+            kernel_rounds.add(args[4])
+            return inner(*args)
+
+        shm._kernel = shm._kernel._replace(gather_round=counted)
+        out: dict[str, Any] = {"slot_bytes": shm.slot_bytes}
+        for shape, dtype_name, dim in GATHER_CASES:
+            gen = torch.Generator().manual_seed(100 * rank + len(shape))
+            x = torch.randn(shape, generator=gen).to(getattr(torch, dtype_name))
+            parts = [torch.empty_like(x) for _ in range(world_size)]
+            dist.all_gather(parts, x)
+            before = shm._seq
+            kernel_rounds.clear()
+            ours = shm.all_gather(x, dim)
+            out[f"{shape}-{dtype_name}-{dim}"] = {
+                "equal": torch.equal(ours, torch.cat(parts, dim=dim)),
+                "rounds": shm._seq - before,
+                "kernel_rounds": len(kernel_rounds),
+                "digest": hashlib.sha256(ours.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(),
+            }
+        return out
+    finally:
+        shutdown_tp()
+
+
 def tp_rank_dies_in_all_reduce(rank: int, world_size: int, port: int, queue: Any, fused_norm: bool = False) -> None:
     """Process target: after the group is up, the last rank SIGKILLs itself; the others
     enter an all-reduce (with `fused_norm`, the fused all-reduce + RMSNorm the model's
@@ -262,7 +316,6 @@ def tp_fused_all_reduce_norm(rank: int, world_size: int, port: int, row_counts: 
     rounds ran; then a float16 input, which the kernel does not take, and a plain
     all-reduce after it, to show that the fallback sends nothing out of turn."""
     from distributed import get_tp_group, tensor_model_parallel_all_reduce
-    from distributed.device_communicators.shm_allreduce import AllReduceKernel
     from models.layers.layernorm import RMSNorm
 
     init_tp(rank, world_size, port)
@@ -276,7 +329,7 @@ def tp_fused_all_reduce_norm(rank: int, world_size: int, port: int, row_counts: 
             rounds.add(args[5])
             return inner(*args)
 
-        shm._kernel = AllReduceKernel(shm._kernel.round, counted)
+        shm._kernel = shm._kernel._replace(norm_round=counted)
         out: dict[str, Any] = {}
         hidden = 96
         for dtype_name in dtypes:

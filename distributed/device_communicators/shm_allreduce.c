@@ -1,5 +1,6 @@
 /* One round of ShmAllReduce (shm_allreduce.py) in one call: publish this rank's chunk,
- * wait for every peer's, sum the slots in rank order into the chunk.
+ * wait for every peer's, sum the slots in rank order into the chunk (or, for an
+ * all-gather, copy them out in rank order).
  *
  * The Python round costs about 20 us of dispatch for a decode-sized chunk, and a decode
  * step makes two per layer; here it is a few. The protocol, the slots and the result
@@ -84,15 +85,13 @@ typedef struct {
 typedef int (*norm_fn)(int dtype, void *x, int64_t x_stride, const void *res, int64_t res_stride, const void *w,
                        void *out, int64_t out_stride, int64_t rows, int64_t n, float eps, int num_threads);
 
-/* x: this rank's chunk (nbytes, numel elements of dtype), summed over the ranks in place
- * in round `seq`. Returns 0 once done, 1 when a peer had not arrived within max_spins
- * (nothing summed yet), 2 for a dtype it does not take (nothing touched). */
-int shm_allreduce_round(const shm_group *g, char *x, int64_t nbytes, int64_t numel, int dtype, int64_t seq,
-                        int published, int64_t max_spins) {
-    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 2;
-    char *const *slots = g->slots[seq & 1];
+/* Publish this rank's `nbytes` of x in its slot of round `seq` (unless `published`) and
+ * wait for every peer's. Returns 0 once all have arrived, 1 when a peer had not within
+ * max_spins. */
+static int publish_and_wait(const shm_group *g, const char *x, int64_t nbytes, int64_t seq, int published,
+                            int64_t max_spins) {
     if (!published) {
-        memcpy(slots[g->rank], x, (size_t)nbytes);
+        memcpy(g->slots[seq & 1][g->rank], x, (size_t)nbytes);
         __atomic_store_n(&g->arrive[g->rank * g->stride], seq, __ATOMIC_RELEASE);
     }
     int64_t spins = 0;
@@ -103,11 +102,36 @@ int shm_allreduce_round(const shm_group *g, char *x, int64_t nbytes, int64_t num
             cpu_relax();
         }
     }
+    return 0;
+}
+
+/* x: this rank's chunk (nbytes, numel elements of dtype), summed over the ranks in place
+ * in round `seq`. Returns 0 once done, 1 when a peer had not arrived within max_spins
+ * (nothing summed yet), 2 for a dtype it does not take (nothing touched). */
+int shm_allreduce_round(const shm_group *g, char *x, int64_t nbytes, int64_t numel, int dtype, int64_t seq,
+                        int published, int64_t max_spins) {
+    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 2;
+    if (publish_and_wait(g, x, nbytes, seq, published, max_spins)) return 1;
     if (g->world < 2) return 0;
+    char *const *slots = g->slots[seq & 1];
     if (dtype == DTYPE_F32)
         sum_f32((float *)x, slots, g->world, numel);
     else
         sum_bf16((uint16_t *)x, slots, g->world, numel);
+    return 0;
+}
+
+/* One round of an all-gather: x is `outer` rows of `row_bytes` (any dtype), and out gets
+ * every rank's rows interleaved, [outer][world][row_bytes]: the concatenation along the
+ * dimension the rows start at. Returns 0 once done, 1 when a peer had not arrived within
+ * max_spins (nothing copied out yet). */
+int shm_allgather_round(const shm_group *g, const char *x, int64_t outer, int64_t row_bytes, int64_t seq,
+                        int published, int64_t max_spins, char *out) {
+    if (publish_and_wait(g, x, outer * row_bytes, seq, published, max_spins)) return 1;
+    char *const *slots = g->slots[seq & 1];
+    for (int64_t r = 0; r < outer; r++)
+        for (int j = 0; j < g->world; j++)
+            memcpy(out + (r * g->world + j) * row_bytes, slots[j] + r * row_bytes, (size_t)row_bytes);
     return 0;
 }
 

@@ -7,8 +7,10 @@ two all-reduces per layer. vLLM (csrc/cpu/shm.cpp), DeepSpeed and SGLang each sh
 shared-memory all-reduce in C++. Here a float32 or bfloat16 all-reduce round runs in one
 call of a small C kernel (`shm_allreduce.c`, built on first use like the model's CPU
 kernels: distributed/native_build.py), 4-5x faster than the same round in torch ops on
-the mapped segment (about 20 µs for a decode step's [32, 768] bfloat16); the torch ops
-remain the path for float16, for all_gather, and wherever the kernel cannot be built on
+the mapped segment (about 20 µs for a decode step's [32, 768] bfloat16). An all-gather
+round is one call too, whatever the dtype: it copies every rank's slot straight into
+the gathered layout. The torch ops remain the path for a float16 all-reduce, for an
+all-gather whose rows do not fit a slot, and wherever the kernel cannot be built on
 some rank or `TP_CPU_SHM_ALLREDUCE_KERNEL=0` (the ranks agree on one path at start).
 
 Layout: a header with one arrival counter and one pid per rank (each on its own cache
@@ -46,6 +48,7 @@ order with tensors of the same shape and dtype.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import time
@@ -216,8 +219,8 @@ class ShmAllReduce:
 
     def _kernel_round(self, fn: Callable[..., int], head: tuple, tail: tuple = ()) -> None:
         """One round of a C entry, called as fn(group, *head, seq, published, max_spins,
-        *tail) (`head` ends with the dtype code): it spins, then hands the wait back here
-        (status 1), and is called again until the round is done."""
+        *tail): it spins, then hands the wait back here (status 1), and is called again
+        until the round is done."""
         self._seq += 1
         seq = self._seq
         status = fn(self._group_ptr, *head, seq, 0, _KERNEL_SPINS, *tail)
@@ -228,7 +231,7 @@ class ShmAllReduce:
         if status == 3:
             raise MemoryError("the RMSNorm after the shared-memory all-reduce could not allocate its scratch row")
         if status:
-            raise RuntimeError(f"the shared-memory all-reduce kernel refused dtype code {head[-1]}")
+            raise RuntimeError(f"the shared-memory collective kernel returned {status} for {fn.__name__}")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place (chunked through the slots); returns `x`."""
@@ -311,9 +314,25 @@ class ShmAllReduce:
         return self._acc[:numel]
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every rank's `x` concatenated along `dim`, in rank order (chunked through the
-        slots into a [world, numel] buffer, then laid out along `dim`)."""
+        """Every rank's `x` concatenated along `dim`, in rank order. With the kernel, x is
+        `outer` rows (the dimensions before `dim`) of what follows, and each round carries
+        the rows that fit a slot and copies every rank's straight into its place in the
+        result; otherwise chunks go through the slots into a [world, numel] buffer, which
+        is then laid out along `dim`."""
         x = x.contiguous()
+        dim = dim % x.dim()
+        row_bytes = math.prod(x.shape[dim:]) * x.element_size() if x.numel() else 0
+        if self._kernel is not None and 0 < row_bytes <= self.slot_bytes:
+            outer = x.numel() * x.element_size() // row_bytes
+            shape = list(x.shape)
+            shape[dim] *= self.world_size
+            out = torch.empty(shape, dtype=x.dtype)
+            rows_per_round = self.slot_bytes // row_bytes
+            for start in range(0, outer, rows_per_round):
+                count = min(rows_per_round, outer - start)
+                self._kernel_round(self._kernel.gather_round, (x.data_ptr() + start * row_bytes, count, row_bytes),
+                                   (out.data_ptr() + start * self.world_size * row_bytes,))
+            return out
         flat = x.view(-1)
         chunk = self.slot_bytes // x.element_size()
         gathered = torch.empty((self.world_size, flat.numel()), dtype=x.dtype)
@@ -322,7 +341,6 @@ class ShmAllReduce:
             phase = self._round(part)
             for j in range(self.world_size):
                 gathered[j, start : start + part.numel()].copy_(self._slot(j, phase, x.dtype, part.numel()))
-        dim = dim % x.dim()
         # [world, ..., d, ...] -> [..., world, d, ...] -> [..., world * d, ...]
         out = gathered.view(self.world_size, *x.shape).movedim(0, dim)
         return out.reshape(*x.shape[:dim], self.world_size * x.shape[dim], *x.shape[dim + 1 :])
@@ -347,11 +365,12 @@ class _ShmGroup(ctypes.Structure):
 
 
 class AllReduceKernel(NamedTuple):
-    """shm_allreduce.c's entries: `round` (shm_allreduce_round) and `norm_round`
-    (shm_allreduce_norm_round)."""
+    """shm_allreduce.c's entries: `round` (shm_allreduce_round), `norm_round`
+    (shm_allreduce_norm_round) and `gather_round` (shm_allgather_round)."""
 
     round: Callable[..., int]
     norm_round: Callable[..., int]
+    gather_round: Callable[..., int]
 
 
 def load_all_reduce_kernel() -> AllReduceKernel | None:
@@ -360,11 +379,12 @@ def load_all_reduce_kernel() -> AllReduceKernel | None:
 
     def wrap(lib: ctypes.CDLL, path: Path) -> AllReduceKernel:
         i64, i32, p, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-        round_fn, norm_fn = lib.shm_allreduce_round, lib.shm_allreduce_norm_round
+        round_fn, norm_fn, gather_fn = lib.shm_allreduce_round, lib.shm_allreduce_norm_round, lib.shm_allgather_round
         round_fn.argtypes = [p, p, i64, i64, i32, i64, i32, i64]
         norm_fn.argtypes = [p, p, i64, i64, i32, i64, i32, i64, p, p, p, p, f32, i32]
-        round_fn.restype = norm_fn.restype = i32
-        return AllReduceKernel(round_fn, norm_fn)
+        gather_fn.argtypes = [p, p, i64, i64, i64, i32, i64, p]
+        round_fn.restype = norm_fn.restype = gather_fn.restype = i32
+        return AllReduceKernel(round_fn, norm_fn, gather_fn)
 
     return load_kernel(KERNEL_SOURCE, ("-O3", "-march=native", "-ffp-contract=off", "-fPIC"), ("-shared",), (),
                        wrap, "the shared-memory all-reduce kernel is unavailable (%s); its torch-op path runs instead",
