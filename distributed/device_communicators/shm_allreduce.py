@@ -16,7 +16,7 @@ some rank or `TP_CPU_SHM_ALLREDUCE_KERNEL=0` (the ranks agree on one path at sta
 Layout: a header with one arrival counter and one pid per rank (each on its own cache
 line), then per rank two slots of `slot_bytes` (double-buffered by round parity).
 
-Protocol, one round per collective call (or per chunk of a large all-reduce), `seq`
+Protocol, one round per collective call (or per chunk of a large one), `seq`
 counting rounds from 1 on every rank alike:
 
     rank r:  copy its input into slot[r][seq % 2]                        fence
