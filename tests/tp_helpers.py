@@ -192,6 +192,21 @@ def tp_shm_vs_gloo(rank: int, world_size: int, port: int, sizes: list[int], dtyp
         shutdown_tp()
 
 
+def count_kernel_rounds(shm: Any, entry: str, seq_arg: int) -> set[int]:
+    """Wrap the C entry `entry` of `shm`'s kernel so that every call records its round's
+    seq (its argument `seq_arg`); returns the set it fills (a round may take several
+    calls, so it counts rounds, not calls)."""
+    rounds: set[int] = set()
+    inner = getattr(shm._kernel, entry)
+
+    def counted(*args: Any) -> int:
+        rounds.add(args[seq_arg])
+        return inner(*args)
+
+    shm._kernel = shm._kernel._replace(**{entry: counted})
+    return rounds
+
+
 # (shape, dtype, dim) gathered by tp_shm_gathers: a 1-element tensor, the greedy
 # exchange's [1, rows, 2] pairs, bf16 logits along the vocabulary, float16 (which the
 # all-reduce kernel does not take), rows along a middle dim that take two slots' worth of
@@ -218,14 +233,7 @@ def tp_shm_gathers(rank: int, world_size: int, port: int) -> dict[str, Any]:
     try:
         shm = get_tp_group().communicator.shm
         assert shm is not None and shm.uses_kernel, "the shared-memory kernel path is not active"
-        kernel_rounds: set[int] = set()  # the seq of every C gather round (a round may take several calls)
-        inner = shm._kernel.gather_round
-
-        def counted(*args: Any) -> int:
-            kernel_rounds.add(args[4])
-            return inner(*args)
-
-        shm._kernel = shm._kernel._replace(gather_round=counted)
+        kernel_rounds = count_kernel_rounds(shm, "gather_round", seq_arg=4)
         out: dict[str, Any] = {"slot_bytes": shm.slot_bytes}
         for shape, dtype_name, dim in GATHER_CASES:
             gen = torch.Generator().manual_seed(100 * rank + len(shape))
@@ -322,14 +330,7 @@ def tp_fused_all_reduce_norm(rank: int, world_size: int, port: int, row_counts: 
     try:
         shm = get_tp_group().communicator.shm
         assert shm is not None and shm.uses_kernel, "the shared-memory kernel path is not active"
-        rounds: set[int] = set()  # the seq of every fused round (a round may take several calls)
-        inner = shm._kernel.norm_round
-
-        def counted(*args: Any) -> int:
-            rounds.add(args[5])
-            return inner(*args)
-
-        shm._kernel = shm._kernel._replace(norm_round=counted)
+        rounds = count_kernel_rounds(shm, "norm_round", seq_arg=5)
         out: dict[str, Any] = {}
         hidden = 96
         for dtype_name in dtypes:
