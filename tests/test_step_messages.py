@@ -52,3 +52,39 @@ def test_a_step_crosses_the_queue():
         for endpoint in (*readers, writer):
             endpoint.shutdown()
         owner.shutdown()
+
+
+def test_a_step_becomes_the_model_s_inputs_on_a_rank(tiny_models):
+    """What ModelRunner._prepare_inputs makes of a step with requests of different
+    lengths and block tables: the token rows, their positions and cache slots, the
+    block tables padded to the longest with block 0, and the rows that sample."""
+    import torch
+
+    from engine.config import EngineConfig
+    from worker.kv_cache import KVCacheConfig
+    from worker.model_runner import ModelRunner
+
+    config = EngineConfig(model=str(tiny_models["llama"]), device="cpu", dtype="float32", use_tqdm_on_load=False)
+    runner = ModelRunner(config, torch.device("cpu"))
+    runner.load_model()
+    runner.initialize_kv_cache(KVCacheConfig.from_spec(runner.get_kv_cache_spec(), 16))
+    bs = runner.kv_cache_config.block_size
+    params = SamplingParams()
+    step = SchedulerOutput([
+        ScheduledRequest("chunk", [11, 12, 13], bs - 1, [7, 2], False, params, 0),  # crosses a block edge
+        ScheduledRequest("decode", [21], 2 * bs + 1, [5, 1, 3], True, params, 4),
+        ScheduledRequest("prefill", [31, 32], 0, [9], True, params, 0),
+    ], [], 6)
+    ids, positions, md, sample_rows = runner._prepare_inputs(step)
+
+    want_positions = [bs - 1, bs, bs + 1, 2 * bs + 1, 0, 1]
+    tables = [[7, 2], [5, 1, 3], [9]]
+    owner = [0, 0, 0, 1, 2, 2]
+    assert ids.tolist() == [11, 12, 13, 21, 31, 32]
+    assert positions.tolist() == want_positions
+    assert md.slot_mapping.tolist() == [tables[r][p // bs] * bs + p % bs for r, p in zip(owner, want_positions)]
+    assert md.block_tables.dtype == torch.long
+    assert md.block_tables.tolist() == [[7, 2, 0], [5, 1, 3], [9, 0, 0]]
+    assert list(md.seq_lens) == [bs + 2, 2 * bs + 2, 2]
+    assert list(md.query_start_loc) == [0, 3, 4, 6]
+    assert sample_rows == [3, 5]

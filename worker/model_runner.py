@@ -146,13 +146,17 @@ class ModelRunner:
                 slots.append(req.block_ids[pos // block_size] * block_size + pos % block_size)
             seq_lens.append(req.start_pos + n)
             query_start_loc.append(query_start_loc[-1] + n)
+        # One tensor from one flat list: a tensor and a row copy per request cost a
+        # 32-sequence decode step 136 µs here (warm), the flat list 14.
         max_blocks = max(len(r.block_ids) for r in scheduler_output.scheduled)
-        block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.long)
-        for i, req in enumerate(scheduler_output.scheduled):
-            block_tables[i, : len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.long)
+        table: list[int] = []
+        for req in scheduler_output.scheduled:
+            table.extend(req.block_ids)
+            table.extend([0] * (max_blocks - len(req.block_ids)))
+        block_tables = torch.tensor(table, dtype=torch.long, device=self.device).view(len(seq_lens), max_blocks)
         common = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_tables=block_tables.to(self.device),
+            block_tables=block_tables,
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
             block_size=block_size,
