@@ -19,7 +19,7 @@ sending a step, applying a result). Per round and per rank, over the decode step
   step less its collectives), how far apart those are (`|r0-r1|`, the cores' speeds and
   whatever else preempted one rank), and how much longer the step took than the slower
   rank's compute (`span - max`: the kernel rounds, and the waits of ranks that meet at
-  every collective, twice a layer, each sometimes the later one).
+  every collective, twice a layer and a few more, each sometimes the later one).
 
     python scripts/profile_tp_step.py [--tp 2] [--dtype bfloat16] [--rounds 4] [--num-scheduler-steps 1]
 
