@@ -321,9 +321,9 @@ class ShmAllReduce:
         is then laid out along `dim`."""
         x = x.contiguous()
         dim = dim % x.dim()
-        row_bytes = math.prod(x.shape[dim:]) * x.element_size() if x.numel() else 0
+        row_bytes = math.prod(x.shape[dim:]) * x.element_size()
         if self._kernel is not None and 0 < row_bytes <= self.slot_bytes:
-            outer = x.numel() * x.element_size() // row_bytes
+            outer = math.prod(x.shape[:dim])
             shape = list(x.shape)
             shape[dim] *= self.world_size
             out = torch.empty(shape, dtype=x.dtype)
