@@ -21,7 +21,13 @@ sending a step, applying a result). Per round and per rank, over the decode step
   rank's compute (`span - max`: the kernel rounds, and the waits of ranks that meet at
   every collective, twice a layer and a few more, each sometimes the later one).
 
-    python scripts/profile_tp_step.py [--tp 2] [--dtype bfloat16] [--rounds 4] [--num-scheduler-steps 1]
+- With `--modules`, per rank, the time a decode step spends in each kind of module (its
+  calls' sum, the outermost call of each module only): the four projections, attention,
+  rotary, the activation, the norms (at TP>1 with the all-reduce fused into them: its
+  round and its wait included) and the greedy head (its all-gather included). Run it at
+  `--tp 1` and `--tp 2` to see what the split saves a rank module by module.
+
+    python scripts/profile_tp_step.py [--tp 2] [--dtype bfloat16] [--rounds 4] [--num-scheduler-steps 1] [--modules]
 
 Diagnostic only (the wrappers cost a few µs per call): not a benchmark, not a test. The
 first round includes first-time costs and is printed without the breakdown.
@@ -55,9 +61,49 @@ def _timed(record: list, fn):
     return wrapper
 
 
-def install_probes(worker) -> bool:
+def _timed_outermost(record: list, fn):
+    """`_timed`, recording only calls that `fn` is not already in (a norm that calls its
+    own forward again is one call)."""
+    depth = 0
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        nonlocal depth
+        depth += 1
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            depth -= 1
+            if depth == 0:
+                record.append((start, time.perf_counter()))
+    return wrapper
+
+
+# What --modules times: the projections by their attribute name, the rest by class.
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_MODULE_CLASSES = ("Attention", "RotaryEmbedding", "SiluAndMul", "RMSNorm")
+_MODULE_PREFIX = "module "
+
+
+def _time_modules(model, probes: dict[str, list]) -> None:
+    """Wrap every module of `model` that --modules reports, and its greedy head, each kind
+    recording into probes[_MODULE_PREFIX + kind]."""
+    for name, module in model.named_modules():
+        kind = name.rsplit(".", 1)[-1]
+        if kind not in _PROJECTIONS:
+            kind = type(module).__name__
+            if kind not in _MODULE_CLASSES:
+                continue
+        module.forward = _timed_outermost(probes.setdefault(_MODULE_PREFIX + kind, []), module.forward)
+    head = "compute_greedy_tokens"
+    setattr(model, head, _timed(probes.setdefault(_MODULE_PREFIX + head, []), getattr(model, head)))
+
+
+def install_probes(worker, modules: bool = False) -> bool:
     """Run on every rank (collective_rpc): wrap this process's collectives, the runner's
-    step and input building, and its queue endpoints, recording into `worker._probes`."""
+    step and input building, and its queue endpoints (and with `modules`, the model's
+    modules: `_time_modules`), recording into `worker._probes`."""
     from distributed import parallel_state
     from executor.message_queue_reader import MessageQueueReader
     from executor.message_queue_writer import MessageQueueWriter
@@ -80,6 +126,8 @@ def install_probes(worker) -> bool:
             probes["steps"].append((start, time.perf_counter(), scheduler_output.num_batched_tokens))
     runner._run_step = timed_step
     runner._prepare_inputs = _timed(probes["prep"], runner._prepare_inputs)
+    if modules:
+        _time_modules(runner.model, probes)
     # Class attributes: the worker process's endpoints are this rank's own.
     MessageQueueWriter.enqueue = _timed(probes["enqueue"], MessageQueueWriter.enqueue)
     MessageQueueReader.dequeue = _timed(probes["dequeue"], MessageQueueReader.dequeue)
@@ -121,6 +169,12 @@ def rank_summary(rank: int, probes: dict[str, list]) -> tuple[str, list]:
         [f"reading the next step {_median_us(reads):.0f} us"] if reads else [])
     if parts:
         line += f" (of it: {', '.join(parts)})"
+    kinds = {key.removeprefix(_MODULE_PREFIX): spans for key, spans in probes.items() if key.startswith(_MODULE_PREFIX)}
+    if kinds:
+        per_step = {kind: _median_us(sum(e - s for s, e in _within(spans, a, b)) for a, b, _ in decode)
+                    for kind, spans in kinds.items()}
+        line += "\n    modules per step (ms): " + ", ".join(
+            f"{kind} {us / 1e3:.2f}" for kind, us in sorted(per_step.items(), key=lambda item: -item[1]))
     return line, steps
 
 
@@ -143,6 +197,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--num-scheduler-steps", type=int, default=1)
+    p.add_argument("--modules", action="store_true", help="also time each kind of module in every rank")
     p.add_argument("--model-root", default=str(Path.home() / ".cache" / "tp-runtime" / "bench"))
     args = p.parse_args()
 
@@ -158,7 +213,7 @@ def main() -> None:
                       enable_prefix_caching=False, num_scheduler_steps=args.num_scheduler_steps)
     try:
         core.collective_rpc("wait_kv_cache_committed")
-        core.collective_rpc(install_probes)
+        core.collective_rpc(install_probes, args=(args.modules,))
         engine = {"schedule": [], "send": [], "apply": []}
         core.scheduler.schedule = _timed(engine["schedule"], core.scheduler.schedule)
         core.model_executor.execute_model = _timed(engine["send"], core.model_executor.execute_model)
