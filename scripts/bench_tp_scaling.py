@@ -34,6 +34,34 @@ from bench_serve import MODEL_SPEC, make_prompts  # noqa: E402
 from bench_vs_vllm import KV_BYTES, MAX_TOKENS, NUM_REQUESTS, ensure_model  # noqa: E402
 
 
+def steady_state_workload():
+    """(prompts, params): bench_vs_vllm.py's 32 prompts and what its generate() asks for
+    (greedy, 64 new tokens, final outputs only, token ids only)."""
+    from engine.sampling_params import RequestOutputKind, SamplingParams
+
+    prompts = make_prompts(NUM_REQUESTS, MODEL_SPEC["vocab_size"])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    return prompts, params
+
+
+def steady_state_engine(model: Path, tp: int, dtype: str, num_scheduler_steps: int = 1):
+    """An EngineCore for that workload (bench_vs_vllm.py's KV cache and batch, prefix
+    caching off so that every round prefills), returned once its KV cache is committed
+    (so that the commit's page faults are in no round). The caller shuts it down."""
+    from engine.core import EngineCore
+
+    core = EngineCore(model=str(model), tensor_parallel_size=tp, device="cpu", dtype=dtype,
+                      kv_cache_memory_bytes=KV_BYTES, max_num_seqs=NUM_REQUESTS, use_tqdm_on_load=False,
+                      enable_prefix_caching=False, num_scheduler_steps=num_scheduler_steps)
+    try:
+        core.collective_rpc("wait_kv_cache_committed")
+    except BaseException:
+        core.shutdown()
+        raise
+    return core
+
+
 def timed_generate(core, prompts: list[list[int]], params) -> dict[str, float]:
     """One run of every prompt through `core`, step by step: total seconds, the prefill
     steps' seconds and the median decode step (a multi-step output's time over its
@@ -62,13 +90,7 @@ def main() -> None:
     p.add_argument("--model-root", default=str(Path.home() / ".cache" / "tp-runtime" / "bench"))
     args = p.parse_args()
 
-    from engine.core import EngineCore
-    from engine.sampling_params import RequestOutputKind, SamplingParams
-
-    prompts = make_prompts(NUM_REQUESTS, MODEL_SPEC["vocab_size"])
-    # What bench_vs_vllm.py's generate() asks for: final outputs only, token ids only.
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
+    prompts, params = steady_state_workload()
     tokens = NUM_REQUESTS * MAX_TOKENS
     configs = [(tp, k) for k in args.num_scheduler_steps for tp in (1, 2)]
     name = {(tp, k): f"TP={tp}" + (f" K={k}" if len(args.num_scheduler_steps) > 1 else "") for tp, k in configs}
@@ -77,11 +99,7 @@ def main() -> None:
         engines = {}
         try:
             for tp, k in configs:
-                core = EngineCore(model=str(model), tensor_parallel_size=tp, device="cpu", dtype=dtype,
-                                  kv_cache_memory_bytes=KV_BYTES, max_num_seqs=NUM_REQUESTS, use_tqdm_on_load=False,
-                                  enable_prefix_caching=False, num_scheduler_steps=k)
-                engines[(tp, k)] = core
-                core.collective_rpc("wait_kv_cache_committed")
+                core = engines[(tp, k)] = steady_state_engine(model, tp, dtype, k)
                 timed_generate(core, prompts[:4], params)  # warm-up
             runs: dict[tuple[int, int], list[dict[str, float]]] = {c: [] for c in configs}
             for r in range(args.rounds):

@@ -45,8 +45,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from bench_serve import MODEL_SPEC, make_prompts  # noqa: E402
-from bench_vs_vllm import KV_BYTES, MAX_TOKENS, NUM_REQUESTS, ensure_model  # noqa: E402
+from bench_tp_scaling import steady_state_engine, steady_state_workload  # noqa: E402
+from bench_vs_vllm import MAX_TOKENS, NUM_REQUESTS, ensure_model  # noqa: E402
 
 
 def _timed(record: list, fn):
@@ -201,18 +201,10 @@ def main() -> None:
     p.add_argument("--model-root", default=str(Path.home() / ".cache" / "tp-runtime" / "bench"))
     args = p.parse_args()
 
-    from engine.core import EngineCore
-    from engine.sampling_params import RequestOutputKind, SamplingParams
-
     model = ensure_model(Path(args.model_root), args.dtype)
-    prompts = make_prompts(NUM_REQUESTS, MODEL_SPEC["vocab_size"])
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
-    core = EngineCore(model=str(model), tensor_parallel_size=args.tp, device="cpu", dtype=args.dtype,
-                      kv_cache_memory_bytes=KV_BYTES, max_num_seqs=NUM_REQUESTS, use_tqdm_on_load=False,
-                      enable_prefix_caching=False, num_scheduler_steps=args.num_scheduler_steps)
+    prompts, params = steady_state_workload()
+    core = steady_state_engine(model, args.tp, args.dtype, args.num_scheduler_steps)
     try:
-        core.collective_rpc("wait_kv_cache_committed")
         core.collective_rpc(install_probes, args=(args.modules,))
         engine = {"schedule": [], "send": [], "apply": []}
         core.scheduler.schedule = _timed(engine["schedule"], core.scheduler.schedule)

@@ -36,9 +36,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from bench_serve import MODEL_SPEC, make_prompts  # noqa: E402
-from bench_tp_scaling import timed_generate  # noqa: E402
-from bench_vs_vllm import KV_BYTES, MAX_TOKENS, NUM_REQUESTS, ensure_model  # noqa: E402
+from bench_tp_scaling import steady_state_engine, steady_state_workload, timed_generate  # noqa: E402
+from bench_vs_vllm import ensure_model  # noqa: E402
 
 MODES = ("real", "meet", "apart")
 
@@ -77,21 +76,12 @@ def main() -> None:
     p.add_argument("--model-root", default=str(Path.home() / ".cache" / "tp-runtime" / "bench"))
     args = p.parse_args()
 
-    from engine.core import EngineCore
-    from engine.sampling_params import RequestOutputKind, SamplingParams
-
     model = ensure_model(Path(args.model_root), args.dtype)
-    prompts = make_prompts(NUM_REQUESTS, MODEL_SPEC["vocab_size"])
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
+    prompts, params = steady_state_workload()
     engines = {}
     try:
         for tp in (1, 2):
-            core = EngineCore(model=str(model), tensor_parallel_size=tp, device="cpu", dtype=args.dtype,
-                              kv_cache_memory_bytes=KV_BYTES, max_num_seqs=NUM_REQUESTS, use_tqdm_on_load=False,
-                              enable_prefix_caching=False)
-            engines[tp] = core
-            core.collective_rpc("wait_kv_cache_committed")
+            core = engines[tp] = steady_state_engine(model, tp, args.dtype)
             timed_generate(core, prompts[:4], params)  # warm-up
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in ("TP=1", *MODES)}
         for r in range(args.rounds):
