@@ -38,7 +38,10 @@ The checks, each a line when it fails:
 
 Prints one summary line (`soak: PASS ...` or `soak: FAIL ...`) and exits 1 on any
 failure. `--json PATH` writes the figures. Its temporary directory (checkpoint, server
-log) is removed unless a check failed. Not part of the runtime; tests/reliability/
+log) is removed unless a check failed. SIGTERM or SIGINT stops the run: its own server
+is stopped and the temporary directory removed, and it exits with 128 + the signal's
+number, without a summary. Killed outright (SIGKILL, a harness's timeout), it takes its
+own server with it: Linux sends the server SIGTERM when the script dies. Not part of the runtime; tests/reliability/
 test_soak.py runs a 60 s version.
 """
 
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import json
 import random
 import re
@@ -68,6 +72,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 MiB = 1 << 20
+_PR_SET_PDEATHSIG = 1
 WORDS = ("the quick brown fox jumps over lazy dog once upon a time there was little model that "
          "learned to count numbers stars moon sea people stories morning school children").split()
 # Conservative tokens per word for the tiny byte-level tokenizer (and any real one), so that
@@ -123,6 +128,28 @@ def books(url: str) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- server
+
+
+class Interrupted(KeyboardInterrupt):
+    """A SIGTERM or SIGINT arrived (raised from the handler main() installs). A
+    KeyboardInterrupt, so that no `except Exception` swallows it and asyncio lets it out
+    of the event loop."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, _frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+def _die_with_parent() -> None:
+    """In the server's process, before exec: ask Linux to SIGTERM it when this script dies,
+    however it dies, so that no server of ours outlives the run (it stops on SIGTERM as it
+    does under a service manager, its workers with it)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def free_port() -> int:
@@ -202,7 +229,8 @@ class OwnServer:
                    str(self.args.max_model_len), "--served-model-name", "soak", "--no-access-log",
                    "--disable-log-stats", "--port", str(self.port), *self.args.server_arg]
             with self.log_path.open("ab") as log:
-                self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+                self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                             preexec_fn=_die_with_parent)
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline and self.proc.poll() is None:
                 try:
@@ -470,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(args.requests)
     workdir = Path(tempfile.mkdtemp(prefix="tp-soak-"))
     server = OwnServer(args, workdir) if args.url is None else None
+    interrupted: Interrupted | None = None
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _raise_interrupted)
     try:
         if server is not None:
             server.start()
@@ -508,11 +539,16 @@ def main(argv: list[str] | None = None) -> int:
         health = httpx.get(f"{url}/health", timeout=30)
         if health.status_code != 200:
             report.failures.append(f"/health is {health.status_code} at the end: {health.text[:200]}")
+    except Interrupted as e:
+        interrupted = e
     except Exception as e:  # noqa: BLE001 - reported as a failure, with the server log
         report.failures.append(f"{type(e).__name__}: {e}")
         if server is not None:
             report.failures.append("server log tail:\n" + server.log()[-3000:])
     finally:
+        # A second signal must not cut the server's stop short.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
         if server is not None:
             report.server_exit_code, report.leftover_pids = server.stop()
             if report.server_exit_code != 0:
@@ -520,6 +556,11 @@ def main(argv: list[str] | None = None) -> int:
                                        + server.log()[-3000:])
             if report.leftover_pids:
                 report.failures.append(f"processes left after the server stopped: {report.leftover_pids}")
+    if interrupted is not None:
+        shutil.rmtree(workdir, ignore_errors=True)
+        left = f"; processes left: {report.leftover_pids}" if report.leftover_pids else ""
+        print(f"soak: stopped by {interrupted}{left}", file=sys.stderr, flush=True)
+        return 128 + interrupted.signum
     if args.json is not None:
         args.json.write_text(json.dumps(asdict(report), indent=2))
     if report.failures and server is not None:
