@@ -1,6 +1,8 @@
 """What the load benchmarks (bench_load.py, bench_loaders.py) share: the cached
 checkpoint, the measurement of one load region, the TP=2 gloo world of a child, and
-running children that each print one `RESULT {json}` line.
+running children that each print one `RESULT {json}` line. The scripts that start
+servers (bench_online_vs_vllm.py, bench_prefix_cache.py, bench_torchrun_startup.py,
+soak.py) take a free port and `die_with_parent` from here.
 
 Imported by bare name from its sibling scripts (`python scripts/bench_x.py` puts
 scripts/ first on sys.path); this module puts the repository root there too.
@@ -8,10 +10,12 @@ scripts/ first on sys.path); this module puts the repository root there too.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +31,7 @@ if str(REPO) not in sys.path:
 GB = 1e9
 PAGE = 4096
 RESULT_PREFIX = "RESULT "
+_PR_SET_PDEATHSIG = 1
 
 
 # --------------------------------------------------------------------------- checkpoint
@@ -195,6 +200,14 @@ def leave_tp_group() -> None:
 
 
 # --------------------------------------------------------------------------- orchestration (parent side)
+
+
+def die_with_parent() -> None:
+    """A `preexec_fn` for a server a script starts: ask Linux to send the server SIGTERM
+    when the script dies, however it dies (a harness's timeout kills with SIGKILL), so
+    that no server outlives its run; it stops on SIGTERM, its workers with it."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def free_port() -> int:

@@ -29,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from bench_common import free_port  # noqa: E402
+from bench_common import die_with_parent, free_port  # noqa: E402
 from bench_vs_vllm import KV_BYTES, RUN_PY, ensure_model, vllm_bind  # noqa: E402
 
 WORKLOAD = ["--dataset-name", "random", "--random-input-len", "96", "--random-output-len", "64",
@@ -89,7 +89,7 @@ def measure(side: str, vllm_python: str, model: Path, dtype: str, tp: int, out_d
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=vllm_bind(tp), VLLM_CPU_KVCACHE_SPACE=str(KV_BYTES >> 30))
     log = open(out_dir / f"{side}-server.log", "w")
     server = subprocess.Popen(server_command(side, vllm_python, model, port, dtype, tp, ours_extra), env=env,
-                              cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT)
+                              cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     try:
         wait_healthy(port, server)
         result = run_bench_serve(vllm_python, port, model, WORKLOAD, out_dir, env, side)

@@ -39,7 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # siblings and the repo, also under the peer's run.py
 
-from bench_common import free_port  # noqa: E402
+from bench_common import die_with_parent, free_port  # noqa: E402
 from bench_online_vs_vllm import run_bench_serve, stop_server, wait_healthy  # noqa: E402
 from bench_serve import MODEL_SPEC  # noqa: E402
 from bench_vs_vllm import KV_BYTES, RUN_PY, ensure_model, vllm_bind  # noqa: E402
@@ -155,7 +155,8 @@ def run_online(side: str, vllm_python: str, model: Path, dtype: str, out_dir: Pa
                "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=vllm_bind(1), VLLM_CPU_KVCACHE_SPACE=str(KV_BYTES >> 30))
     with open(out_dir / f"{side}-server.log", "w") as log:
-        server = subprocess.Popen(cmd, env=env, cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(cmd, env=env, cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT,
+                                  preexec_fn=die_with_parent)
         try:
             wait_healthy(port, server)
             queries, hits = prefix_counters(port, engine)

@@ -33,7 +33,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bench_common import free_port
+from bench_common import die_with_parent, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -73,7 +73,7 @@ def one_run(kind: str, model: str, tp: int, tmpdir: str) -> tuple[float, float, 
     start = time.perf_counter()
     with log_path.open("w") as log:
         proc = subprocess.Popen(serve_command(kind, model, tp, port), cwd=REPO, env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     try:
         while not get_ok(f"http://127.0.0.1:{port}/health"):
             if proc.poll() is not None:

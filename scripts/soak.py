@@ -41,21 +41,19 @@ failure. `--json PATH` writes the figures. Its temporary directory (checkpoint, 
 log) is removed unless a check failed. SIGTERM or SIGINT stops the run: its own server
 is stopped and the temporary directory removed, and it exits with 128 + the signal's
 number, without a summary. Killed outright (SIGKILL, a harness's timeout), it takes its
-own server with it: Linux sends the server SIGTERM when the script dies. Not part of the runtime; tests/reliability/
-test_soak.py runs a 60 s version.
+own server with it: Linux sends the server SIGTERM when the script dies. Not part of
+the runtime; tests/reliability/test_soak.py runs a 60 s version.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import json
 import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -71,8 +69,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench_common import die_with_parent, free_port  # noqa: E402
+
 MiB = 1 << 20
-_PR_SET_PDEATHSIG = 1
 WORDS = ("the quick brown fox jumps over lazy dog once upon a time there was little model that "
          "learned to count numbers stars moon sea people stories morning school children").split()
 # Conservative tokens per word for the tiny byte-level tokenizer (and any real one), so that
@@ -142,20 +141,6 @@ class Interrupted(KeyboardInterrupt):
 
 def _raise_interrupted(signum: int, _frame: Any) -> None:
     raise Interrupted(signum)
-
-
-def _die_with_parent() -> None:
-    """In the server's process, before exec: ask Linux to SIGTERM it when this script dies,
-    however it dies, so that no server of ours outlives the run (it stops on SIGTERM as it
-    does under a service manager, its workers with it)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tree_rss(pid: int) -> int:
@@ -230,7 +215,7 @@ class OwnServer:
                    "--disable-log-stats", "--port", str(self.port), *self.args.server_arg]
             with self.log_path.open("ab") as log:
                 self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                             preexec_fn=_die_with_parent)
+                                             preexec_fn=die_with_parent)
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline and self.proc.poll() is None:
                 try:

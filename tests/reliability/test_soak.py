@@ -65,7 +65,7 @@ def _wait_for_own_server(soak: subprocess.Popen, timeout: float = 120) -> list[p
                 url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}/health"
                 try:
                     if httpx.get(url, timeout=1).status_code == 200:
-                        time.sleep(1)  # requests are flowing
+                        time.sleep(1)  # the load has started
                         return psutil.Process(soak.pid).children(recursive=True)
                 except httpx.TransportError:
                     pass
