@@ -86,7 +86,10 @@ def server_command(side: str, vllm_python: str, model: Path, port: int, dtype: s
 def measure(side: str, vllm_python: str, model: Path, dtype: str, tp: int, out_dir: Path,
             ours_extra: list[str]) -> dict:
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=vllm_bind(tp), VLLM_CPU_KVCACHE_SPACE=str(KV_BYTES >> 30))
+    # VLLM_RPC_BASE_PATH: vLLM names its ZeroMQ IPC sockets <that>/<uuid> (default /tmp) and
+    # leaves them behind; here they go with out_dir.
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=vllm_bind(tp), VLLM_CPU_KVCACHE_SPACE=str(KV_BYTES >> 30),
+               VLLM_RPC_BASE_PATH=str(out_dir))
     log = open(out_dir / f"{side}-server.log", "w")
     server = subprocess.Popen(server_command(side, vllm_python, model, port, dtype, tp, ours_extra), env=env,
                               cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)

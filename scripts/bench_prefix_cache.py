@@ -107,12 +107,12 @@ def child_vllm(model: str, dtype: str, caching: bool) -> dict:
             "computed": int((queries2 - queries) - (hits2 - hits))}
 
 
-def run_offline(side: str, vllm_python: str | None, model: Path, dtype: str) -> dict:
+def run_offline(side: str, vllm_python: str | None, model: Path, dtype: str, out_dir: Path) -> dict:
     engine, caching = SIDES[side]
     env = dict(os.environ)
     if engine == "vllm":
         env.update(VLLM_CPU_OMP_THREADS_BIND=vllm_bind(1), VLLM_CPU_KVCACHE_SPACE=str(KV_BYTES >> 30),
-                   VLLM_LOGGING_LEVEL="WARNING")
+                   VLLM_LOGGING_LEVEL="WARNING", VLLM_RPC_BASE_PATH=str(out_dir))  # its IPC sockets: see run_online
         cmd = [str(vllm_python), str(RUN_PY), "script", str(Path(__file__).resolve())]
     else:
         cmd = [sys.executable, str(Path(__file__).resolve())]
@@ -153,7 +153,10 @@ def run_online(side: str, vllm_python: str, model: Path, dtype: str, out_dir: Pa
         cmd = [vllm_python, str(RUN_PY), "serve", "--model", str(model), "--port", str(port), "--host", "127.0.0.1",
                "--dtype", dtype, "--enforce-eager", "--max-model-len", "1024",
                "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=vllm_bind(1), VLLM_CPU_KVCACHE_SPACE=str(KV_BYTES >> 30))
+    # VLLM_RPC_BASE_PATH: vLLM names its ZeroMQ IPC sockets <that>/<uuid> (default /tmp) and
+    # leaves them behind; here they go with out_dir.
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=vllm_bind(1), VLLM_CPU_KVCACHE_SPACE=str(KV_BYTES >> 30),
+               VLLM_RPC_BASE_PATH=str(out_dir))
     with open(out_dir / f"{side}-server.log", "w") as log:
         server = subprocess.Popen(cmd, env=env, cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT,
                                   preexec_fn=die_with_parent)
@@ -222,7 +225,7 @@ def main() -> None:
             for rep in range(args.repeats):
                 for side in sides:
                     if part == "offline":
-                        r = run_offline(side, args.vllm_python, model, args.dtype)
+                        r = run_offline(side, args.vllm_python, model, args.dtype, Path(tmp))
                     else:
                         r = run_online(side, args.vllm_python, model, args.dtype, Path(tmp))
                         prompt_tokens = r["prompt_tokens"]

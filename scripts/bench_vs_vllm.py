@@ -28,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -118,7 +119,11 @@ def run_child(side: str, python: str, model: Path, tp: int, dtype: str, num_sche
     cmd += ["--child", side, "--model", str(model), "--child-tp", str(tp), "--child-dtype", dtype]
     if side == "ours":
         cmd += ["--num-scheduler-steps", str(num_scheduler_steps)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    # vLLM names its ZeroMQ IPC sockets VLLM_RPC_BASE_PATH/<uuid> (default /tmp) and leaves
+    # them behind; they go with this directory.
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as rpc_dir:
+        proc = subprocess.run(cmd, env={**env, "VLLM_RPC_BASE_PATH": rpc_dir}, capture_output=True, text=True,
+                              timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{side} tp={tp} {dtype} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
