@@ -21,11 +21,9 @@ sent to the followers first, so their workers run it too.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from executor.abstract import Executor
 from executor.errors import EngineDeadError
 from executor.lockstep import LockstepChannel, LockstepFollower
+from executor.parent_death import set_parent_death_signal
 from executor.rpc import RPCMethod, check_rpc_method, run_method
 from worker.worker import Worker
 
@@ -44,7 +43,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-_PR_SET_PDEATHSIG = 1
 
 
 class LauncherEnvError(ValueError):
@@ -99,8 +97,8 @@ def _terminate_with_torchrun() -> None:
     """Under torchrun's agent (our parent, which starts every rank in a session of its
     own), ask Linux to SIGTERM this rank when the agent dies, even by SIGKILL: the rank
     then shuts down as it does at torchrun's own SIGTERM, instead of serving on alone."""
-    if sys.platform.startswith("linux") and "TORCHELASTIC_RUN_ID" in os.environ:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        set_parent_death_signal(signal.SIGTERM)
 
 
 class ExternalLauncherExecutor(Executor):

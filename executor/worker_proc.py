@@ -14,7 +14,6 @@ a SHUTDOWN message or a signal ends the process.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import gc
 import os
 import shutil
@@ -32,13 +31,13 @@ from executor.message_queue_reader import MessageQueueReader
 from executor.message_queue_writer import MessageQueueWriter
 from distributed.parallel_state import observe_collectives
 from executor.liveness import WorkerStatus
+from executor.parent_death import set_parent_death_signal
 from executor.rpc import SHUTDOWN, ReadyMessage, RPCReply, RPCRequest, run_method
 from worker.worker import Worker
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
 
-_PR_SET_PDEATHSIG = 1
 # How long a rank busy-waits for its next call before it sleeps. With async scheduling
 # the next step is usually queued already; without, it comes about 1 ms after a rank's
 # reply (the engine takes it in and schedules); a rank that slept by then wakes later
@@ -46,14 +45,6 @@ _PR_SET_PDEATHSIG = 1
 # bf16 offline: +4% throughput against a 0.5 ms spin here, in two interleaved runs).
 # The spin yields its core at every turn, so the engine, if it runs there, is not held up.
 NEXT_CALL_SPIN_S = 2e-3
-
-
-def _set_parent_death_signal() -> None:
-    """Ask Linux to SIGKILL us when our parent dies (even by SIGKILL). Elsewhere the
-    death pipe alone covers it."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _watch_death_pipe(death_conn: Connection, ipc_dir: str) -> None:
@@ -145,7 +136,8 @@ class WorkerProc:
                     ready_conn: Connection, death_conn: Connection, ipc_dir: str, status_board: str | None = None,
                     env: dict[str, str] | None = None) -> None:
         """Process entry point (the multiprocessing target)."""
-        _set_parent_death_signal()
+        # SIGKILLed when the engine dies, even by SIGKILL; elsewhere the death pipe alone covers it.
+        set_parent_death_signal(signal.SIGKILL)
         if env is not None:
             _adopt_engine_env(env)
         # Ctrl-C, and a SIGTERM sent to the whole process group (systemd, `timeout`),

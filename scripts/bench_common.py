@@ -10,7 +10,6 @@ scripts/ first on sys.path); this module puts the repository root there too.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import os
@@ -28,10 +27,11 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from executor.parent_death import set_parent_death_signal  # noqa: E402
+
 GB = 1e9
 PAGE = 4096
 RESULT_PREFIX = "RESULT "
-_PR_SET_PDEATHSIG = 1
 
 
 # --------------------------------------------------------------------------- checkpoint
@@ -203,11 +203,10 @@ def leave_tp_group() -> None:
 
 
 def die_with_parent() -> None:
-    """A `preexec_fn` for a server a script starts: ask Linux to send the server SIGTERM
-    when the script dies, however it dies (a harness's timeout kills with SIGKILL), so
-    that no server outlives its run; it stops on SIGTERM, its workers with it."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    """A `preexec_fn` for a server a script starts: the server gets SIGTERM when the
+    script dies, however it dies (a harness's timeout kills with SIGKILL), so that no
+    server outlives its run; it stops on SIGTERM, its workers with it."""
+    set_parent_death_signal(signal.SIGTERM)
 
 
 def free_port() -> int:

@@ -50,20 +50,8 @@ from bench_vs_vllm import MAX_TOKENS, NUM_REQUESTS, ensure_model  # noqa: E402
 
 
 def _timed(record: list, fn):
-    """`fn` wrapped to append (start, end) of each call to `record`."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            record.append((start, time.perf_counter()))
-    return wrapper
-
-
-def _timed_outermost(record: list, fn):
-    """`_timed`, recording only calls that `fn` is not already in (a norm that calls its
-    own forward again is one call)."""
+    """`fn` wrapped to append (start, end) of each call to `record`, outermost calls only
+    (a norm that calls its own forward again is one call)."""
     depth = 0
 
     @functools.wraps(fn)
@@ -95,7 +83,7 @@ def _time_modules(model, probes: dict[str, list]) -> None:
             kind = type(module).__name__
             if kind not in _MODULE_CLASSES:
                 continue
-        module.forward = _timed_outermost(probes.setdefault(_MODULE_PREFIX + kind, []), module.forward)
+        module.forward = _timed(probes.setdefault(_MODULE_PREFIX + kind, []), module.forward)
     head = "compute_greedy_tokens"
     setattr(model, head, _timed(probes.setdefault(_MODULE_PREFIX + head, []), getattr(model, head)))
 
