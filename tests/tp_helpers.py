@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import signal
 import traceback
 from typing import Any, Callable
 
 import torch
+
+from executor.parent_death import set_parent_death_signal
 
 
 def init_tp(rank: int, world_size: int, port: int) -> None:
@@ -31,7 +34,7 @@ def shutdown_tp() -> None:
 
 def worker_entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, queue: Any) -> None:
     """Process target used by `run_tp`: report ("ok", rank, result) or ("error", rank, traceback)."""
-    _die_with_parent()
+    set_parent_death_signal(signal.SIGKILL)  # dies with the test process, even by SIGKILL
     torch.set_num_threads(1)
     try:
         # Plain pickle copies tensors by value: no shared-memory handles that would
@@ -41,18 +44,6 @@ def worker_entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, 
         queue.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     else:
         queue.put(("ok", rank, payload))
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the test process dies, even by SIGKILL."""
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def compute_logits_on_rank(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -265,7 +256,7 @@ def tp_rank_dies_in_all_reduce(rank: int, world_size: int, port: int, queue: Any
     from distributed import tensor_model_parallel_all_reduce
     from models.layers.layernorm import RMSNorm
 
-    _die_with_parent()
+    set_parent_death_signal(signal.SIGKILL)  # dies with the test process, even by SIGKILL
     torch.set_num_threads(1)
     init_tp(rank, world_size, port)
     norm = RMSNorm(1024)
