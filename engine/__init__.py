@@ -1,8 +1,8 @@
-"""The engine: configuration, EngineCore, scheduling and serving.
+"""The engine: EngineCore, scheduling and serving.
 
-`from engine import EngineCore, EngineConfig, SamplingParams` works; the names are
-imported on first use, so worker processes that only unpickle engine messages do not
-pull in the whole engine.
+`from engine import EngineCore, EngineConfig, SamplingParams` works (the config types
+live in `config/`, the lowest package); the names are imported on first use, so that
+importing `engine` costs nothing until one is used.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "EngineConfig": "engine.config",
+    "EngineConfig": "config",
     "EngineCore": "engine.core",
-    "SamplingParams": "engine.sampling_params",
-    "RequestOutputKind": "engine.sampling_params",
+    "SamplingParams": "config",
+    "RequestOutputKind": "config",
     "RequestOutput": "engine.outputs",
 }
 

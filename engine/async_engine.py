@@ -27,10 +27,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from config import RequestOutputKind, SamplingParams
 from engine.core import EngineCore
 from engine.metrics import EngineMetrics
 from engine.outputs import RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.stat_logger import LoggingStatLogger
 from executor.errors import EngineDeadError
 

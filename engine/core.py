@@ -22,14 +22,14 @@ import weakref
 from concurrent.futures import Future
 from typing import Any, Iterable, Mapping, Sequence
 
+from config import ConfigError, EngineConfig, RequestOutputKind, SamplingParams
 from distributed.utils import cdiv
+from engine.arg_utils import create_engine_config
 from engine.block_hash import prefix_cache_salt
 from engine.block_manager import KVBlockManager
-from engine.config import ConfigError, EngineConfig
 from engine.output_processor import OutputProcessor, ParentRequest
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import load_tokenizer
 from engine.worker_restart import WorkerRestarter
@@ -48,11 +48,9 @@ Prompt = str | Sequence[int]
 
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
-        """Either an EngineConfig or its flat keywords (`EngineCore(model=..., tensor_parallel_size=2)`)."""
-        if config is None:
-            config = EngineConfig(**kwargs)
-        elif kwargs:
-            raise TypeError("pass either an EngineConfig or keywords, not both")
+        """Either an EngineConfig or its flat keywords (`EngineCore(model=..., tensor_parallel_size=2)`).
+        The config is resolved first (engine/arg_utils.py), before any process starts."""
+        config = create_engine_config(config, **kwargs)
         self.config = config
         start = time.perf_counter()
         executor_class = Executor.get_class(config)
@@ -221,17 +219,13 @@ class EngineCore:
         generation_config.json and tokenizer files are copied alongside. Sharded-state
         files of an earlier save in `path` are removed first. Load the result with the
         same tensor_parallel_size."""
-        from model_loader.sharded_state_loader import (
-            copy_model_metadata_files,
-            remove_sharded_state_files,
-            save_sharded_state_on_worker,
-        )
+        from model_loader.sharded_state_loader import copy_model_metadata_files, remove_sharded_state_files
 
         if max_size is not None and max_size <= 0:
             raise ValueError(f"max_size={max_size!r} must be > 0 bytes (or None for one part per rank)")
         os.makedirs(path, exist_ok=True)
         remove_sharded_state_files(path)
-        self.collective_rpc(save_sharded_state_on_worker, args=(os.fspath(path), max_size))
+        self.collective_rpc("save_sharded_state", args=(os.fspath(path), max_size))
         copy_model_metadata_files(self.config.model, path)
 
     # ------------------------------------------------------------------ requests

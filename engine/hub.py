@@ -1,6 +1,6 @@
 """Hub models: turn `MODEL` (a local path or a Hugging Face repo id) into a local directory.
 
-Who calls this: `EngineConfig.__post_init__`, once, in the engine process, before any
+Who calls this: the resolution step (`engine/arg_utils.py`), once, in the engine process, before any
 worker starts; workers only ever see the local snapshot directory it returns.
 
 - A path that exists locally (directory, or a single file such as a `.gguf`) is
@@ -32,7 +32,7 @@ import re
 from pathlib import Path
 from typing import Iterable
 
-from engine.config import ConfigError
+from config import ConfigError
 
 logger = logging.getLogger(__name__)
 

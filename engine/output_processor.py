@@ -23,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from config import RequestOutputKind, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.tokenizer import Tokenizer
 
 

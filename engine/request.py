@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from engine.sampling_params import SamplingParams
+from config import SamplingParams
 
 
 class RequestStatus(enum.Enum):

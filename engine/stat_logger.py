@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from engine.metrics import EngineMetrics
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from config import EngineConfig
 
 logger = logging.getLogger("engine.stats")
 

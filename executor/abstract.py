@@ -18,7 +18,7 @@ from executor.registry import get_executor_backend_cls
 from executor.rpc import RPCMethod
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from config import EngineConfig
     from worker.kv_cache import KVCacheConfig, KVCacheSpec
     from worker.outputs import ModelRunnerOutput, SchedulerOutput
 

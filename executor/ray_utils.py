@@ -1,8 +1,7 @@
 """Ray plumbing for RayDistributedExecutor: the optional import, this process's cluster
 connection, and the node-local layout of the ranks.
 
-Importing this module imports nothing heavy (no Ray, no torch), so config validation and
-the CLI can read `PLACEMENT_STRATEGIES` at any time.
+Importing this module imports nothing heavy (no Ray, no torch).
 
 Ray is imported only through `import_ray()`, i.e. only when `distributed_executor_backend
 ="ray"` is chosen; without the extra installed it raises an ImportError that says how to
@@ -31,8 +30,6 @@ import psutil
 
 logger = logging.getLogger(__name__)
 
-# How the placement group of one bundle per rank is placed (Ray's names); PACK is the default.
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 RAY_INSTALL_HINT = 'distributed_executor_backend="ray" needs Ray: pip install -e ".[ray]"'
 # Node IP of the Ray node a process starts or joins from (Ray's `--node-ip-address`), for
 # hosts where Ray's own choice, the address that routes outside, is not the one to use.

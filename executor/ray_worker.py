@@ -32,7 +32,7 @@ from executor.rpc import ReadyMessage, RPCReply, run_method
 from worker.worker import Worker
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from config import EngineConfig
 
 MONITOR_GROUP = "monitor"
 

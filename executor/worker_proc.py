@@ -26,17 +26,17 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from distributed.parallel_state import observe_collectives
+from executor.liveness import WorkerStatus
 from executor.message_queue import MessageQueueHandle, QueueClosedError
 from executor.message_queue_reader import MessageQueueReader
 from executor.message_queue_writer import MessageQueueWriter
-from distributed.parallel_state import observe_collectives
-from executor.liveness import WorkerStatus
 from executor.parent_death import set_parent_death_signal
 from executor.rpc import SHUTDOWN, ReadyMessage, RPCReply, RPCRequest, run_method
 from worker.worker import Worker
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from config import EngineConfig
 
 # How long a rank busy-waits for its next call before it sleeps. With async scheduling
 # the next step is usually queued already; without, it comes about 1 ms after a rank's

@@ -14,7 +14,7 @@ from model_loader.registry import get_model_loader_cls, get_supported_load_forma
 from models.errors import UnsupportedArchitectureError, WeightLoadError
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig, LoadConfig
+    from config import EngineConfig, LoadConfig
 
 
 def get_model_loader(load_config: LoadConfig) -> BaseModelLoader:

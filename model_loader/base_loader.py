@@ -16,7 +16,7 @@ from model_loader.utils import (
 )
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig, LoadConfig, ModelConfig
+    from config import EngineConfig, LoadConfig, ModelConfig
 
 
 class BaseModelLoader(ABC):

@@ -37,7 +37,7 @@ from models.layers.weight_utils import alias_checkpoint_tensors
 from models.utils import format_names
 
 if TYPE_CHECKING:
-    from engine.config import LoadConfig, ModelConfig
+    from config import LoadConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 # Elements scanned per step by the finite check: bounds its temporary masks to a few MiB.

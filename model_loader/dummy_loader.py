@@ -42,7 +42,7 @@ from models.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from models.layers.weight_utils import default_weight_loader
 
 if TYPE_CHECKING:
-    from engine.config import LoadConfig, ModelConfig
+    from config import LoadConfig, ModelConfig
 
 DUMMY_LOW, DUMMY_HIGH = -1e-3, 1e-3
 _GENERATABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

@@ -18,7 +18,7 @@ from model_loader.default_loader import check_all_weights_loaded
 from model_loader.gguf_utils import find_gguf_file, gguf_weights_iterator
 
 if TYPE_CHECKING:
-    from engine.config import ModelConfig
+    from config import ModelConfig
 
 
 class GGUFModelLoader(BaseModelLoader):

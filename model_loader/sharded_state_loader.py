@@ -1,7 +1,8 @@
 """ShardedStateLoader (load_format="sharded_state"): per-rank pre-sharded checkpoints.
 
 Saving: `EngineCore.save_sharded_state(path, max_size=None)` (or
-`scripts/save_sharded_state.py MODEL OUT --tp N`) makes every rank write its own
+`scripts/save_sharded_state.py MODEL OUT --tp N`) makes every rank's
+`Worker.save_sharded_state` write its own
 `state_dict()` — exactly its TP shard — to `model-rank-{rank}-part-{part}.safetensors`,
 split into parts of at most `max_size` bytes (a tensor larger than that gets a part of
 its own), and copies config.json, generation_config.json and the tokenizer files next
@@ -44,8 +45,7 @@ from models.errors import WeightLoadError
 from models.utils import format_names
 
 if TYPE_CHECKING:
-    from engine.config import LoadConfig, ModelConfig
-    from worker.worker import Worker
+    from config import LoadConfig, ModelConfig
 
 DEFAULT_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 _FILE_RE = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
@@ -133,21 +133,6 @@ def save_sharded_model(
         _write_safetensors(out / file_name, tensors, metadata)
         names.append(file_name)
     return names
-
-
-def save_sharded_state_on_worker(worker: Worker, path: str, max_size: int | None = None) -> list[str]:
-    """`collective_rpc` target: each Worker saves its own rank's shard."""
-    runner = worker.model_runner
-    if runner is None or runner.model is None:
-        raise RuntimeError(f"rank {worker.rank}: no model is loaded, nothing to save")
-    if worker.config.quantization is not None:
-        # The loader builds the unquantised module, so quantised tensors and their scales
-        # would not load back; save the original checkpoint's precision instead.
-        raise ValueError(
-            f"save_sharded_state does not support quantization={worker.config.quantization!r}; "
-            "save from an engine without online quantization"
-        )
-    return save_sharded_model(runner.model, path, worker.rank, worker.world_size, max_size)
 
 
 def is_weight_file(name: str) -> bool:

@@ -14,7 +14,7 @@ from models.layers.quantization import get_quantization_config
 from models.registry import ModelRegistry
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from config import EngineConfig
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallel
 from models.utils import AutoWeightsLoader
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from config import EngineConfig
 
 
 def rope_settings(hf_config: SimpleNamespace) -> tuple[float, dict[str, Any] | None]:

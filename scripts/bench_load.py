@@ -8,7 +8,7 @@ Python process, one after the other:
   plain-read        os.readinto of every file into one reusable buffer (the ceiling)
   safetensors       safetensors.torch.load_file of every shard
   transformers      AutoModelForCausalLM.from_pretrained(dir, dtype=torch.bfloat16)
-  ours              get_model(EngineConfig(model=dir, device="cpu"))   (dtype auto)
+  ours              get_model(create_engine_config(model=dir, device="cpu"))   (dtype auto)
   ours-lazy/-eager/-prefetch   the same with each safetensors_load_strategy
   ours-tp2          two gloo ranks, each loading its shard (per-rank numbers)
   ours-thp          (diagnostic, only with --cases) `ours` with THP_MEM_ALLOC_ENABLE=1
@@ -113,7 +113,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     elif case.startswith("ours"):
         import model_loader.default_loader  # noqa: F401  (imports outside the clock)
         import models.llama  # noqa: F401
-        from engine.config import EngineConfig
+        from engine.arg_utils import create_engine_config
         from model_loader import get_model
 
         strategy = {"ours-lazy": "lazy", "ours-eager": "eager", "ours-prefetch": "prefetch"}.get(case)
@@ -121,8 +121,8 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         if case == "ours-tp2":
             tp = args.world
             join_tp_group(args.rank, tp, args.port)
-        config = EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=tp,
-                              safetensors_load_strategy=strategy)
+        config = create_engine_config(model=str(model_dir), device="cpu", tensor_parallel_size=tp,
+                                      safetensors_load_strategy=strategy)
 
         def load() -> Any:
             return list(get_model(config).parameters())

@@ -161,7 +161,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     import model_loader.npcache  # noqa: F401
     import model_loader.sharded_state_loader  # noqa: F401
     import models.llama  # noqa: F401
-    from engine.config import EngineConfig
+    from engine.arg_utils import create_engine_config
     from model_loader import get_model
 
     mt = {"enable_multithread_load": True, "num_threads": args.threads}
@@ -185,7 +185,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(1)
         tp = 2
         join_tp_group(args.rank, tp, args.port)
-    config = EngineConfig(device="cpu", tensor_parallel_size=tp, use_tqdm_on_load=False, **kwargs)
+    config = create_engine_config(device="cpu", tensor_parallel_size=tp, use_tqdm_on_load=False, **kwargs)
     with Meter() as meter:
         tensors = list(get_model(config).parameters())
         touch_all(tensors)

@@ -62,8 +62,8 @@ def make_prompts(seed: int = 0) -> list[list[int]]:
 
 
 def child_ours(model: str, dtype: str, caching: bool) -> dict:
+    from engine import SamplingParams
     from engine.core import EngineCore
-    from engine.sampling_params import SamplingParams
 
     prompts = make_prompts()
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)

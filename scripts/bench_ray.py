@@ -61,7 +61,7 @@ def _latencies(core: object, method: object, calls: int) -> list[float]:
 
 def child_main(args: argparse.Namespace) -> None:
     """One mode in this fresh interpreter: two engines one after another, RPC latency on the first."""
-    from engine.config import EngineConfig
+    from engine.arg_utils import create_engine_config
     from engine.core import EngineCore
 
     ray_init_s = None
@@ -74,8 +74,8 @@ def child_main(args: argparse.Namespace) -> None:
     backend = "mp" if args.child == "mp" else "ray"
     ready, rpc = [], {}
     for i in range(2):
-        config = EngineConfig(model=args.model, tensor_parallel_size=args.tp, distributed_executor_backend=backend,
-                              **ENGINE_KW)
+        config = create_engine_config(model=args.model, tensor_parallel_size=args.tp, distributed_executor_backend=backend,
+                                      **ENGINE_KW)
         start = time.perf_counter()
         core = EngineCore(config)
         ready.append(time.perf_counter() - start)

@@ -180,7 +180,7 @@ def main() -> None:
     import cloudpickle
     from bench_startup import tiny_model_dir
 
-    from engine.config import EngineConfig
+    from engine import EngineConfig
     from engine.core import EngineCore
     from executor.rpc import RPCReply, RPCRequest
 

@@ -54,8 +54,8 @@ class Ours:
 
     def __init__(self, model: str, prompts: list[list[int]], max_tokens: int, tp: int, device: str,
                  threads: int | None, prepack: bool) -> None:
+        from engine import SamplingParams
         from engine.core import EngineCore
-        from engine.sampling_params import SamplingParams
 
         self.prompts = prompts
         self.params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)

@@ -29,8 +29,8 @@ PROMPT = list(range(100, 164))
 
 
 def main() -> None:
+    from engine import SamplingParams
     from engine.core import EngineCore
-    from engine.sampling_params import SamplingParams
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=1)

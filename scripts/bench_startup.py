@@ -133,15 +133,15 @@ def run_baseline(world_size: int) -> float:
 def child_main(args: argparse.Namespace) -> None:
     """Runs in a fresh interpreter: build `--engines` engines one after another, print timings."""
     t0 = time.perf_counter()
-    from engine.config import EngineConfig
+    from engine.arg_utils import create_engine_config
     from engine.core import EngineCore
 
     import_s = time.perf_counter() - t0
     runs = []
     backends = ["mp"] * args.engines + (["uni"] if args.with_uni else [])
     for backend in backends:
-        config = EngineConfig(model=args.model, tensor_parallel_size=args.child_tp, distributed_executor_backend=backend,
-                              **ENGINE_KW)
+        config = create_engine_config(model=args.model, tensor_parallel_size=args.child_tp, distributed_executor_backend=backend,
+                                      **ENGINE_KW)
         start = time.perf_counter()
         core = EngineCore(config)
         ready_s = time.perf_counter() - start

@@ -37,7 +37,7 @@ from bench_vs_vllm import KV_BYTES, MAX_TOKENS, NUM_REQUESTS, ensure_model  # no
 def steady_state_workload():
     """(prompts, params): bench_vs_vllm.py's 32 prompts and what its generate() asks for
     (greedy, 64 new tokens, final outputs only, token ids only)."""
-    from engine.sampling_params import RequestOutputKind, SamplingParams
+    from engine import RequestOutputKind, SamplingParams
 
     prompts = make_prompts(NUM_REQUESTS, MODEL_SPEC["vocab_size"])
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False,

@@ -67,8 +67,8 @@ def vllm_bind(tp: int) -> str:
 
 
 def child_ours(model: str, tp: int, dtype: str, num_scheduler_steps: int = 1) -> dict:
+    from engine import SamplingParams
     from engine.core import EngineCore
-    from engine.sampling_params import SamplingParams
 
     prompts = make_prompts(NUM_REQUESTS, MODEL_SPEC["vocab_size"])
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False)  # as vLLM's

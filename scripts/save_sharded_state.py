@@ -54,12 +54,13 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     from distributed.utils import cdiv
-    from engine.config import EngineConfig
+    from engine import EngineConfig
+    from engine.arg_utils import create_engine_config
     from engine.core import EngineCore
 
     common = dict(tensor_parallel_size=args.tp, dtype=args.dtype, load_format=args.load_format,
                   revision=args.revision, download_dir=args.download_dir, device=args.device)
-    probe = EngineConfig(model=args.model, **common)  # resolves a Hub id once
+    probe = create_engine_config(model=args.model, **common)  # resolves a Hub id once
     max_len = min(args.max_model_len, probe.model_config.max_model_len)
     # Just the blocks of one max_model_len sequence, with no profile run.
     config = EngineConfig(model=probe.model, max_model_len=max_len, max_num_batched_tokens=max_len,

@@ -59,7 +59,7 @@ def engine_kwargs(model: str, device: str) -> dict[str, Any]:
 
 
 def generate(core: Any) -> list[list[int]]:
-    from engine.sampling_params import SamplingParams
+    from engine import SamplingParams
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     return [o.token_ids for o in core.generate(PROMPTS, params)]

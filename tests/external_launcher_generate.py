@@ -22,7 +22,7 @@ import json
 import os
 from pathlib import Path
 
-from engine.sampling_params import SamplingParams
+from config import SamplingParams
 
 PROMPTS = [[1, 17, 42, 99, 3], [250, 4, 8, 15, 16, 23, 42], list(range(10, 40))]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

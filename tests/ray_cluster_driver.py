@@ -62,8 +62,8 @@ def placed(core: object) -> list[dict[str, object]]:
 def main(model: str, head_address: str) -> None:
     import ray
 
+    from config import SamplingParams
     from engine.core import EngineCore
-    from engine.sampling_params import SamplingParams
     from executor.errors import EngineDeadError
     from tests.runtime_helpers import engine_config
 

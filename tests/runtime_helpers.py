@@ -25,8 +25,8 @@ DEATH_BOUND_S = 10.0
 
 
 def engine_config(model: str | os.PathLike, tp: int = 1, **overrides: Any):
-    """An EngineConfig for a tiny checkpoint on CPU/gloo with a small, fixed KV budget."""
-    from engine.config import EngineConfig
+    """A resolved EngineConfig for a tiny checkpoint on CPU/gloo with a small, fixed KV budget."""
+    from engine.arg_utils import create_engine_config
 
     kwargs: dict[str, Any] = dict(
         model=str(model),
@@ -39,7 +39,7 @@ def engine_config(model: str | os.PathLike, tp: int = 1, **overrides: Any):
         use_tqdm_on_load=False,
     )
     kwargs.update(overrides)
-    return EngineConfig(**kwargs)
+    return create_engine_config(**kwargs)
 
 
 def shm_segments(creator_pid: int | None = None) -> set[str]:

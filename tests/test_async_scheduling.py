@@ -17,11 +17,10 @@ import time
 
 import pytest
 
+from config import ConfigError, SamplingParams
 from engine.block_manager import KVBlockManager
-from engine.config import ConfigError
 from engine.core import EngineCore
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from executor.errors import EngineDeadError, RemoteWorkerError
 from tests.reliability.helpers import arm_forward_fault

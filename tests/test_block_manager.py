@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from config import SamplingParams
 from engine.block_manager import KVBlockManager
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 
 
 def make_request(req_id: str, num_prompt: int = 4) -> Request:

@@ -79,10 +79,10 @@ def test_served_model_names_do_not_swallow_the_model() -> None:
 
 @pytest.mark.parametrize("dtype", ["auto", "half", "float16", "bfloat16", "float", "float32"])
 def test_every_vllm_dtype_spelling_is_an_engine_dtype(dtype: str, tmp_path: Path) -> None:
-    from engine.config import _DTYPES
+    from config import DTYPES
 
     assert parse_args(["m", "--dtype", dtype]).dtype == dtype
-    assert dtype == "auto" or dtype in _DTYPES
+    assert dtype == "auto" or dtype in DTYPES
 
 
 def test_max_model_len_syntax_is_vllms() -> None:

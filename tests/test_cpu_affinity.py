@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from engine.config import ConfigError, EngineConfig
+from config import ConfigError
+from engine.arg_utils import create_engine_config
 from engine.core import EngineCore
 from worker.cpu_affinity import CpuBindError, allowed_cpus, cpu_binds, spare_cpus
 
@@ -38,8 +39,8 @@ def test_explicit_binds_are_parsed_and_checked():
 
 def test_a_bad_bind_is_a_config_error_naming_the_field(tiny_models):
     with pytest.raises(ConfigError, match="cpu_threads_bind="):
-        EngineConfig(model=str(tiny_models["llama"]), device="cpu", tensor_parallel_size=2,
-                     cpu_threads_bind=f"0|{max(CORES) + 1}")
+        create_engine_config(model=str(tiny_models["llama"]), device="cpu", tensor_parallel_size=2,
+                             cpu_threads_bind=f"0|{max(CORES) + 1}")
 
 
 def _affinity(worker: Any) -> tuple[list[int], int]:

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import EngineConfig
+from engine.arg_utils import create_engine_config
 from model_loader import get_model
 from models.layers.cpu_gemm import (
     PACKED_MAX_ROWS,
@@ -41,7 +41,7 @@ from models.layers.vocab_parallel_embedding import ParallelLMHead
 
 def load(model_dir: Path, **kwargs: Any) -> torch.nn.Module:
     kwargs.setdefault("dtype", "float32")
-    return get_model(EngineConfig(model=str(model_dir), device="cpu", use_tqdm_on_load=False, **kwargs))
+    return get_model(create_engine_config(model=str(model_dir), device="cpu", use_tqdm_on_load=False, **kwargs))
 
 
 def logits_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

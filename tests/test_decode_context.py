@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import models.layers.attention.backends.decode_context as decode_context
-from engine.sampling_params import SamplingParams
+from config import SamplingParams
 from models.layers.attention import Attention, AttentionMetadata
 from models.layers.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionImpl, CPUAttentionMetadata
 from models.layers.attention.backends.torch_sdpa import TorchSDPABackend
@@ -129,10 +129,10 @@ def test_buffer_path_equals_per_step_gather_through_a_serving_run(monkeypatch):
 
 
 def test_runner_shares_the_budget_and_renews_keys_of_reused_or_preempted_requests(tiny_models):
-    from engine.config import EngineConfig
+    from engine.arg_utils import create_engine_config
     from worker.model_runner import ModelRunner
 
-    config = EngineConfig(model=str(tiny_models["llama"]), device="cpu", dtype="float32", use_tqdm_on_load=False)
+    config = create_engine_config(model=str(tiny_models["llama"]), device="cpu", dtype="float32", use_tqdm_on_load=False)
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
 

@@ -18,8 +18,8 @@ from typing import Iterator
 
 import pytest
 
+from config import SamplingParams
 from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
 from executor.errors import EngineDeadError, RemoteWorkerError
 from executor.multiproc_executor import MultiprocExecutor
 from executor.uniproc_executor import UniProcExecutor

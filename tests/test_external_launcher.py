@@ -25,8 +25,8 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
+from config import SamplingParams
 from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
 from executor.abstract import Executor
 from executor.external_launcher_executor import ExternalLauncherExecutor, LauncherEnvError, read_torchrun_env
 from tests import external_launcher_generate as script

@@ -47,7 +47,7 @@ _SCRIPT = textwrap.dedent(
         import torch
         from multiprocessing import forkserver
         from engine.core import EngineCore
-        from engine.sampling_params import SamplingParams
+        from config import SamplingParams
         from tests.runtime_helpers import engine_config
 
         if mode == "openmp":

@@ -29,7 +29,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import ConfigError, EngineConfig
+from config import ConfigError
+from engine.arg_utils import create_engine_config
 from model_loader import get_model
 from models.layers.linear import LinearBase
 from models.layers.quantization import get_quantization_config
@@ -44,7 +45,7 @@ NUM_PROMPTS, PROMPT_LEN, NEW_TOKENS = 8, 8, 16
 
 def load(model_dir: Path | str, **kwargs: Any) -> torch.nn.Module:
     kwargs.setdefault("dtype", "float32")
-    return get_model(EngineConfig(model=str(model_dir), device="cpu", use_tqdm_on_load=False, **kwargs))
+    return get_model(create_engine_config(model=str(model_dir), device="cpu", use_tqdm_on_load=False, **kwargs))
 
 
 def linears(model: torch.nn.Module) -> dict[str, LinearBase]:
@@ -111,7 +112,7 @@ def test_unquantised_layers_use_plain_linear(tiny_models):
 
 def test_unknown_quantization_is_refused(tiny_models):
     with pytest.raises(ConfigError, match="quantization"):
-        EngineConfig(model=str(tiny_models["llama"]), quantization="int3", device="cpu")
+        create_engine_config(model=str(tiny_models["llama"]), quantization="int3", device="cpu")
     with pytest.raises(ValueError, match="supported methods"):
         get_quantization_config("int3")
 

@@ -20,9 +20,9 @@ from typing import Any, Callable, NamedTuple
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from config import EngineConfig, SamplingParams
+from engine.arg_utils import create_engine_config
 from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
 
 MAX_NEW = 10
 MAX_MODEL_LEN = 128
@@ -63,7 +63,7 @@ def engine_config(model_dir: Path, tp: int, block_size: int, **overrides: Any) -
         block_size=block_size,
     )
     kwargs.update(overrides)
-    return EngineConfig(**kwargs)
+    return create_engine_config(**kwargs)
 
 
 # ---------------------------------------------------------------------- the oracle

@@ -30,7 +30,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import EngineConfig
+from engine.arg_utils import create_engine_config
 from model_loader import UnsupportedArchitectureError, get_model
 from model_loader.gguf_utils import (
     GGUFError,
@@ -175,7 +175,7 @@ def gguf_files(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFa
 def load(model: Path | str, **kwargs: Any) -> torch.nn.Module:
     kwargs.setdefault("dtype", "float32")
     kwargs.setdefault("load_format", "gguf")
-    return get_model(EngineConfig(model=str(model), device="cpu", use_tqdm_on_load=False, **kwargs))
+    return get_model(create_engine_config(model=str(model), device="cpu", use_tqdm_on_load=False, **kwargs))
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -221,7 +221,7 @@ def test_f32_gguf_matches_safetensors_and_transformers(name, gguf_files, tiny_mo
 def test_config_comes_from_gguf_metadata(name, gguf_files, tiny_models):
     path = gguf_files(name, "F32")
     hf = json.loads((tiny_models[name] / "config.json").read_text())
-    config = EngineConfig(model=str(path), device="cpu")  # load_format "auto" -> "gguf" for a .gguf file
+    config = create_engine_config(model=str(path), device="cpu")  # load_format "auto" -> "gguf" for a .gguf file
     assert config.load_format == "gguf" and config.load_config.load_format == "gguf"
     c = config.model_config.hf_config
     assert c.architectures == hf["architectures"]
@@ -273,7 +273,7 @@ def test_quantised_gguf_loads_exact_dequantised_values(name, qtype, gguf_files, 
 def test_qwen2_bias_and_f16_dtype_auto(gguf_files, tiny_models):
     """Qwen2 q/k/v biases load un-permuted; dtype "auto" of an F16 file is float16."""
     path = gguf_files("qwen2", "F16")
-    config = EngineConfig(model=str(path), load_format="gguf", device="cpu", use_tqdm_on_load=False)
+    config = create_engine_config(model=str(path), load_format="gguf", device="cpu", use_tqdm_on_load=False)
     assert config.model_config.dtype == torch.float16
     model = get_model(config)
     hf = read_hf_tensors(tiny_models["qwen2"])
@@ -290,7 +290,7 @@ def test_model_dir_with_one_gguf(gguf_files, tiny_models, hf_logits, tmp_path):
     torch.testing.assert_close(compute_logits_on_rank(load(d), ids), expected, atol=1e-4, rtol=1e-4)
     (d / "other.gguf").write_bytes(b"")
     with pytest.raises(GGUFError, match="2 .gguf files"):
-        EngineConfig(model=str(d), load_format="gguf", device="cpu")
+        create_engine_config(model=str(d), load_format="gguf", device="cpu")
     with pytest.raises(GGUFError, match="no .gguf file"):
         find_gguf_file(tiny_models["llama"])
 
@@ -298,7 +298,7 @@ def test_model_dir_with_one_gguf(gguf_files, tiny_models, hf_logits, tmp_path):
 def test_unsupported_architecture_is_named(tiny_models, tmp_path):
     path = write_gguf(tiny_models["llama"], tmp_path / "phi.gguf", "F32", arch="phi3")
     with pytest.raises(UnsupportedArchitectureError) as e:
-        EngineConfig(model=str(path), load_format="gguf", device="cpu")
+        create_engine_config(model=str(path), load_format="gguf", device="cpu")
     msg = str(e.value)
     assert "'phi3'" in msg and "llama" in msg and "qwen2" in msg
 
@@ -434,8 +434,8 @@ def test_tokenizer_from_gguf_absent_or_unsupported(gguf_files, llama_with_tokeni
 
 
 def test_engine_core_uses_gguf_tokenizer(gguf_with_tokenizer):
+    from config import SamplingParams
     from engine.core import EngineCore
-    from engine.sampling_params import SamplingParams
 
     core = EngineCore(model=str(gguf_with_tokenizer), load_format="gguf", device="cpu", dtype="float32",
                       kv_cache_memory_bytes=1 << 22, max_model_len=128, use_tqdm_on_load=False)

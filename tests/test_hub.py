@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import ConfigError, EngineConfig
+from config import ConfigError, EngineConfig
+from engine.arg_utils import create_engine_config
 from engine.hub import looks_like_repo_id, resolve_model
 from model_loader import get_model
 from tests.conftest import input_ids_for
@@ -79,12 +80,12 @@ def logits(config: EngineConfig, vocab: int) -> torch.Tensor:
 
 
 def test_repo_id_resolves_from_the_offline_cache(offline: None, hub_cache: Path, tiny_models: dict[str, Path]) -> None:
-    config = EngineConfig(model=REPO_ID, download_dir=str(hub_cache), device="cpu", dtype="float32",
-                          use_tqdm_on_load=False)
+    config = create_engine_config(model=REPO_ID, download_dir=str(hub_cache), device="cpu", dtype="float32",
+                                  use_tqdm_on_load=False)
     snapshot = hub_cache / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT_MAIN
     assert config.model == str(snapshot) == config.model_config.model
     assert config.model_config.vocab_size == 320
-    local = EngineConfig(model=str(tiny_models["llama"]), device="cpu", dtype="float32", use_tqdm_on_load=False)
+    local = create_engine_config(model=str(tiny_models["llama"]), device="cpu", dtype="float32", use_tqdm_on_load=False)
     assert torch.equal(logits(config, 320), logits(local, 320))
     # The cross-process lock lives in the cache dir, keyed by the repo id.
     assert (hub_cache / ".locks" / "engine--models--tiny-org--tiny-llama.lock").exists()
@@ -94,21 +95,21 @@ def test_hf_hub_cache_env_is_the_default_cache(
     offline: None, hub_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache))
-    config = EngineConfig(model=REPO_ID, device="cpu")
+    config = create_engine_config(model=REPO_ID, device="cpu")
     assert config.model.startswith(str(hub_cache))
 
 
 def test_revision_selects_the_snapshot(offline: None, hub_cache: Path) -> None:
-    dev = EngineConfig(model=REPO_ID, revision="dev", download_dir=str(hub_cache), device="cpu",
-                       dtype="float32", use_tqdm_on_load=False)
+    dev = create_engine_config(model=REPO_ID, revision="dev", download_dir=str(hub_cache), device="cpu",
+                               dtype="float32", use_tqdm_on_load=False)
     assert dev.model.endswith(COMMIT_DEV) and dev.model_config.vocab_size == 250
     assert dev.model_config.revision == "dev"
-    by_commit = EngineConfig(model=REPO_ID, revision=COMMIT_MAIN, download_dir=str(hub_cache), device="cpu")
+    by_commit = create_engine_config(model=REPO_ID, revision=COMMIT_MAIN, download_dir=str(hub_cache), device="cpu")
     assert by_commit.model.endswith(COMMIT_MAIN) and by_commit.model_config.vocab_size == 320
     assert logits(dev, 250).shape == (input_ids_for("hub", 250).numel(), 250)
 
     with pytest.raises(ConfigError) as info:
-        EngineConfig(model=REPO_ID, revision="nope", download_dir=str(hub_cache), device="cpu")
+        create_engine_config(model=REPO_ID, revision="nope", download_dir=str(hub_cache), device="cpu")
     message = str(info.value)
     assert REPO_ID in message and "'nope'" in message and str(hub_cache) in message and "HF_HUB_OFFLINE" in message
 
@@ -117,7 +118,7 @@ def test_missing_files_in_the_cache_are_named(offline: None, tmp_path: Path, tin
     cache = tmp_path / "cache"
     # Not cached at all.
     with pytest.raises(ConfigError) as info:
-        EngineConfig(model="someone/absent", download_dir=str(cache), device="cpu")
+        create_engine_config(model="someone/absent", download_dir=str(cache), device="cpu")
     message = str(info.value)
     assert "someone/absent" in message and str(cache) in message and "HF_HUB_OFFLINE" in message
     assert "no snapshot" in message
@@ -125,23 +126,23 @@ def test_missing_files_in_the_cache_are_named(offline: None, tmp_path: Path, tin
     # Cached config, no weights: the format's patterns are named.
     add_snapshot(cache, "org/config-only", COMMIT_MAIN, model_files(tiny_models["llama"], weights=False))
     with pytest.raises(ConfigError) as info:
-        EngineConfig(model="org/config-only", download_dir=str(cache), device="cpu")
+        create_engine_config(model="org/config-only", download_dir=str(cache), device="cpu")
     message = str(info.value)
     assert "org/config-only" in message and str(cache) in message
     assert re.search(r"lacks weight files matching \['\*\.safetensors', '\*\.bin'\]", message), message
     # ... which is fine for the dummy format: it needs config.json only.
-    config = EngineConfig(model="org/config-only", download_dir=str(cache), device="cpu", load_format="dummy")
+    config = create_engine_config(model="org/config-only", download_dir=str(cache), device="cpu", load_format="dummy")
     assert config.model.endswith(COMMIT_MAIN)
 
     # Weights but no config.json.
     add_snapshot(cache, "org/no-config", COMMIT_MAIN, model_files(tiny_models["llama"], config=False))
     with pytest.raises(ConfigError, match=r"org/no-config.*lacks config\.json"):
-        EngineConfig(model="org/no-config", download_dir=str(cache), device="cpu")
+        create_engine_config(model="org/no-config", download_dir=str(cache), device="cpu")
 
     # safetensors in the cache, but load_format="pt" wants .pt/.bin files.
     add_snapshot(cache, REPO_ID, COMMIT_MAIN, model_files(tiny_models["llama"]))
     with pytest.raises(ConfigError, match=r"lacks weight files matching \['\*\.pt', '\*\.bin'\] \(load_format='pt'\)"):
-        EngineConfig(model=REPO_ID, download_dir=str(cache), device="cpu", load_format="pt")
+        create_engine_config(model=REPO_ID, download_dir=str(cache), device="cpu", load_format="pt")
 
 
 def test_local_paths_are_returned_unchanged(tiny_models: dict[str, Path], tmp_path: Path) -> None:
@@ -149,7 +150,7 @@ def test_local_paths_are_returned_unchanged(tiny_models: dict[str, Path], tmp_pa
     missing = str(tmp_path / "nope")
     assert resolve_model(missing) == missing  # not a repo id: the config reports the missing dir
     with pytest.raises(ConfigError, match=re.escape(missing)):
-        EngineConfig(model=missing)
+        create_engine_config(model=missing)
     assert looks_like_repo_id("meta-llama/Llama-3.2-1B") and looks_like_repo_id("gpt2")
     for bad in ("/abs/path", "./rel", "a/b/c", "org--x/y", "a/../b", "~/m", ""):
         assert not looks_like_repo_id(bad), bad
@@ -176,8 +177,8 @@ def test_snapshot_download_arguments(
     monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", fake_list_repo_files)
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    EngineConfig(model=REPO_ID, revision="dev", download_dir=str(hub_cache), load_format="safetensors",
-                 ignore_patterns=["*.gguf"], device="cpu")
+    create_engine_config(model=REPO_ID, revision="dev", download_dir=str(hub_cache), load_format="safetensors",
+                         ignore_patterns=["*.gguf"], device="cpu")
     call = calls.pop()
     assert call["repo_id"] == REPO_ID and call["revision"] == "dev" and call["cache_dir"] == str(hub_cache)
     assert call["local_files_only"] is True and call["ignore_patterns"] == ["*.gguf"]
@@ -187,16 +188,16 @@ def test_snapshot_download_arguments(
     # Online, "auto": the listing narrows the weights to safetensors (not both formats).
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    EngineConfig(model=REPO_ID, download_dir=str(hub_cache), device="cpu")
+    create_engine_config(model=REPO_ID, download_dir=str(hub_cache), device="cpu")
     call = calls.pop()
     assert call["local_files_only"] is False and call["revision"] is None
     assert "*.safetensors" in call["allow_patterns"] and "*.bin" not in call["allow_patterns"]
     assert call["ignore_patterns"] == ["original/**/*"]
     # sharded_state downloads the rank files; dummy no weights at all.
-    EngineConfig(model=REPO_ID, download_dir=str(hub_cache), device="cpu", load_format="dummy")
+    create_engine_config(model=REPO_ID, download_dir=str(hub_cache), device="cpu", load_format="dummy")
     assert not any(p.endswith((".safetensors", ".bin")) for p in calls.pop()["allow_patterns"])
     with pytest.raises(ConfigError, match=r"lacks weight files matching \['model-rank-\*-part-\*\.safetensors'\]"):
-        EngineConfig(model=REPO_ID, download_dir=str(hub_cache), device="cpu", load_format="sharded_state")
+        create_engine_config(model=REPO_ID, download_dir=str(hub_cache), device="cpu", load_format="sharded_state")
     assert "model-rank-*-part-*.safetensors" in calls.pop()["allow_patterns"]
 
 

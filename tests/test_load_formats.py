@@ -29,7 +29,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ConfigError, EngineConfig
+from config import ConfigError, EngineConfig
+from engine.arg_utils import create_engine_config
 from model_loader import WeightLoadError, get_model, get_model_loader, get_supported_load_formats
 from tests.conftest import REPO, input_ids_for, run_tp
 
@@ -43,7 +44,7 @@ MT = {"enable_multithread_load": True, "num_threads": 2}
 
 def make_config(model_dir: Path | str, **kwargs: Any) -> EngineConfig:
     kwargs.setdefault("dtype", "float32")
-    return EngineConfig(model=str(model_dir), device="cpu", use_tqdm_on_load=False, **kwargs)
+    return create_engine_config(model=str(model_dir), device="cpu", use_tqdm_on_load=False, **kwargs)
 
 
 def load(model_dir: Path | str, **kwargs: Any) -> torch.nn.Module:
@@ -136,8 +137,8 @@ def tp_format_world(rank: int, world_size: int, port: int, cases: list[dict[str,
     try:
         results: dict[str, Any] = {}
         for case in cases:
-            config = EngineConfig(model=case["model"], dtype="float32", device="cpu", tensor_parallel_size=world_size,
-                                  use_tqdm_on_load=False, **case.get("kwargs", {}))
+            config = create_engine_config(model=case["model"], dtype="float32", device="cpu", tensor_parallel_size=world_size,
+                                          use_tqdm_on_load=False, **case.get("kwargs", {}))
             if case.get("expect_error"):
                 try:
                     get_model(config)

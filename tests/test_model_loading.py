@@ -17,7 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ConfigError, EngineConfig
+from config import ConfigError
+from engine.arg_utils import create_engine_config
 from model_loader import (
     BaseModelLoader,
     UnsupportedArchitectureError,
@@ -50,7 +51,7 @@ ORACLE_MODELS = [
 
 def load(model_dir: Path | str, **kwargs: Any) -> torch.nn.Module:
     kwargs.setdefault("dtype", "float32")
-    return get_model(EngineConfig(model=str(model_dir), device="cpu", use_tqdm_on_load=False, **kwargs))
+    return get_model(create_engine_config(model=str(model_dir), device="cpu", use_tqdm_on_load=False, **kwargs))
 
 
 def our_logits(model_dir: Path | str, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -307,17 +308,17 @@ def test_missing_config_json(copy_model) -> None:
     model_dir = copy_model("llama")
     (model_dir / "config.json").unlink()
     with pytest.raises(ConfigError, match=re.escape(str(model_dir / "config.json"))):
-        EngineConfig(model=str(model_dir))
+        create_engine_config(model=str(model_dir))
 
 
 def test_model_dir_that_does_not_exist(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "nope"))):
-        EngineConfig(model=str(tmp_path / "nope"))
+        create_engine_config(model=str(tmp_path / "nope"))
 
 
 def test_tp_size_must_divide_attention_heads(tiny_models: dict[str, Path]) -> None:
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=3.*num_attention_heads=4"):
-        EngineConfig(model=str(tiny_models["llama"]), tensor_parallel_size=3)
+        create_engine_config(model=str(tiny_models["llama"]), tensor_parallel_size=3)
 
 
 @pytest.mark.parametrize(
@@ -333,7 +334,7 @@ def test_invalid_choice_names_field_and_allowed_values(
     tiny_models: dict[str, Path], field: str, value: str, allowed: list[str]
 ) -> None:
     with pytest.raises(ConfigError) as info:
-        EngineConfig(model=str(tiny_models["llama"]), **{field: value})
+        create_engine_config(model=str(tiny_models["llama"]), **{field: value})
     message = str(info.value)
     assert field in message and repr(value) in message
     for choice in allowed:
@@ -343,7 +344,7 @@ def test_invalid_choice_names_field_and_allowed_values(
 @pytest.mark.parametrize("max_model_len", [0, 1, 100_000])
 def test_max_model_len_out_of_range_is_a_config_error(tiny_models: dict[str, Path], max_model_len: int) -> None:
     with pytest.raises(ConfigError, match=rf"max_model_len={max_model_len}"):
-        EngineConfig(model=str(tiny_models["llama"]), max_model_len=max_model_len)
+        create_engine_config(model=str(tiny_models["llama"]), max_model_len=max_model_len)
 
 
 # ----------------------------------------------------------------- loader framework
@@ -388,8 +389,8 @@ def test_user_loader_and_load_model_order(
             DefaultModelLoader(self.load_config).load_weights(model, model_config)
 
     assert "mine" in get_supported_load_formats()
-    config = EngineConfig(model=str(tiny_models["llama"]), dtype="float32", device="cpu", load_format="mine",
-                          use_tqdm_on_load=False)
+    config = create_engine_config(model=str(tiny_models["llama"]), dtype="float32", device="cpu", load_format="mine",
+                                  use_tqdm_on_load=False)
     assert isinstance(get_model_loader(config.load_config), RecordingLoader)
     model = get_model(config)
 
@@ -405,8 +406,8 @@ def test_user_loader_and_load_model_order(
 
     # The dtype set for construction is in force only while the model is built.
     calls.clear()
-    bf16 = get_model(EngineConfig(model=str(tiny_models["llama"]), dtype="bfloat16", device="cpu",
-                                  load_format="mine", use_tqdm_on_load=False))
+    bf16 = get_model(create_engine_config(model=str(tiny_models["llama"]), dtype="bfloat16", device="cpu",
+                                          load_format="mine", use_tqdm_on_load=False))
     assert calls[0] == ("initialize_model", torch.bfloat16)
     assert calls[1][3] == torch.bfloat16 and next(bf16.parameters()).dtype == torch.bfloat16
     assert torch.get_default_dtype() == torch.float32

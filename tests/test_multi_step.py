@@ -25,12 +25,11 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from config import ConfigError, RequestOutputKind, SamplingParams
 from engine.block_manager import KVBlockManager
-from engine.config import ConfigError
 from engine.core import EngineCore
 from engine.metrics import PREFIX
 from engine.request import Request, RequestStatus
-from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler
 from tests.runtime_helpers import engine_config
 from worker.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput

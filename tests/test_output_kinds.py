@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
+from config import RequestOutputKind, SamplingParams
 from engine.core import EngineCore
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
 from tests.conftest import tiny_llama_with_tokenizer
 
 PROMPT = "the quick brown fox jumps over the lazy dog and then"

@@ -214,8 +214,8 @@ def _rank_kernel(worker) -> str | None:
 @needs_kernel
 def test_every_rank_of_a_cpu_engine_decodes_with_the_kernel(tiny_models):
     """The greedy-equals-transformers tests (test_generation.py) run on this path."""
+    from config import SamplingParams
     from engine.core import EngineCore
-    from engine.sampling_params import SamplingParams
 
     with EngineCore(model=str(tiny_models["llama"]), tensor_parallel_size=2, device="cpu", dtype="float32",
                     kv_cache_memory_bytes=4 << 20, max_model_len=64, distributed_executor_backend="mp",

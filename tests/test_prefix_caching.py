@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
+from config import EngineConfig, SamplingParams
+from engine.arg_utils import create_engine_config
 from engine.block_hash import hash_block_tokens, prefix_cache_salt
 from engine.block_manager import KVBlockManager
-from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from tests.test_generation import _hf_model, hf_greedy
 from worker.outputs import ModelRunnerOutput, SchedulerOutput
@@ -316,7 +316,7 @@ def engine_config(model_dir: Path, tp: int, enable_prefix_caching: bool, **overr
         enable_prefix_caching=enable_prefix_caching,
     )
     kwargs.update(overrides)
-    return EngineConfig(**kwargs)
+    return create_engine_config(**kwargs)
 
 
 def greedy() -> SamplingParams:
@@ -408,8 +408,8 @@ def test_engine_reset_prefix_cache(tiny_models: dict[str, Path]) -> None:
 
 
 def test_prefix_caching_is_on_by_default_and_can_be_turned_off(tiny_models: dict[str, Path]) -> None:
-    assert EngineConfig(model=str(tiny_models["llama"]), device="cpu").cache_config.enable_prefix_caching
-    off = EngineConfig(model=str(tiny_models["llama"]), device="cpu", enable_prefix_caching=False)
+    assert create_engine_config(model=str(tiny_models["llama"]), device="cpu").cache_config.enable_prefix_caching
+    off = create_engine_config(model=str(tiny_models["llama"]), device="cpu", enable_prefix_caching=False)
     assert not off.cache_config.enable_prefix_caching
     from engine.entrypoints.cli import build_parser
 

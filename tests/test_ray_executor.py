@@ -33,10 +33,9 @@ import pytest
 import ray
 import torch
 
-from engine.config import ConfigError
+from config import ConfigError, SamplingParams
 from engine.core import EngineCore
 from engine.entrypoints.cli import build_parser
-from engine.sampling_params import SamplingParams
 from executor.errors import EngineDeadError, RemoteWorkerError, WorkerStartupError
 from executor.ray_distributed_executor import RayDistributedExecutor
 from executor.ray_utils import node_local_ranks

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from config import SamplingParams
 from worker.outputs import ScheduledRequest
 from worker.sampler import Sampler, request_step_seed, stable_hash
 

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from config import SamplingParams
 from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
 from engine.tiny_model import EOS_ID
 from tests.conftest import tiny_llama_with_tokenizer
 

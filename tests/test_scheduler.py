@@ -14,9 +14,9 @@ import random
 
 import pytest
 
+from config import SamplingParams
 from engine.block_manager import KVBlockManager
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from worker.outputs import ModelRunnerOutput, SchedulerOutput
 

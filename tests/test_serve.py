@@ -533,8 +533,8 @@ def _in_process_core(model: Path) -> Any:
 
 
 def test_async_engine_generates_cancels_and_dies_cleanly(serve_model: Path) -> None:
+    from config import SamplingParams
     from engine.async_engine import AsyncEngine
-    from engine.sampling_params import SamplingParams
     from executor.errors import EngineDeadError
 
     core = _in_process_core(serve_model)
@@ -593,8 +593,8 @@ def test_async_engine_generates_cancels_and_dies_cleanly(serve_model: Path) -> N
 def test_async_engine_gives_a_slow_reader_every_delta(serve_model: Path) -> None:
     """DELTA outputs are never skipped for being queued behind each other: a reader that
     sleeps after each one still gets every token, in order, and the token count."""
+    from config import RequestOutputKind, SamplingParams
     from engine.async_engine import AsyncEngine
-    from engine.sampling_params import RequestOutputKind, SamplingParams
 
     core = _in_process_core(serve_model)
     engine = AsyncEngine(core, health_check_interval_s=0.1)
@@ -620,8 +620,8 @@ def test_async_engine_gives_a_slow_reader_every_delta(serve_model: Path) -> None
 
 
 def test_async_engine_shutdown_fails_pending_requests(serve_model: Path) -> None:
+    from config import SamplingParams
     from engine.async_engine import AsyncEngine, EngineShutdownError
-    from engine.sampling_params import SamplingParams
 
     engine = AsyncEngine(_in_process_core(serve_model))
 

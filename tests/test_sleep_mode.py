@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from config import SamplingParams
 from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
 from engine.tiny_model import make_tiny_model
 from tests.test_serve import ServerProcess
 

@@ -9,7 +9,7 @@ from dataclasses import fields
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from config import SamplingParams
 from executor.message_queue import MessageQueueOwner
 from executor.message_queue_reader import MessageQueueReader
 from executor.message_queue_writer import MessageQueueWriter
@@ -60,11 +60,11 @@ def test_a_step_becomes_the_model_s_inputs_on_a_rank(tiny_models):
     block tables padded to the longest with block 0, and the rows that sample."""
     import torch
 
-    from engine.config import EngineConfig
+    from engine.arg_utils import create_engine_config
     from worker.kv_cache import KVCacheConfig
     from worker.model_runner import ModelRunner
 
-    config = EngineConfig(model=str(tiny_models["llama"]), device="cpu", dtype="float32", use_tqdm_on_load=False)
+    config = create_engine_config(model=str(tiny_models["llama"]), device="cpu", dtype="float32", use_tqdm_on_load=False)
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(KVCacheConfig.from_spec(runner.get_kv_cache_spec(), 16))

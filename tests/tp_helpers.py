@@ -60,14 +60,14 @@ def tp_load_cases(rank: int, world_size: int, port: int, cases: list[dict[str, A
     Otherwise the result is this rank's full logits [T, vocab], plus a few shapes that
     show the model really is sharded.
     """
-    from engine.config import EngineConfig
+    from engine.arg_utils import create_engine_config
     from model_loader import get_model
 
     init_tp(rank, world_size, port)
     try:
         results: dict[str, Any] = {}
         for case in cases:
-            config = EngineConfig(
+            config = create_engine_config(
                 model=case["model"],
                 dtype="float32",
                 device="cpu",

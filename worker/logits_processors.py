@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # engine sits above worker; only the message's shape is needed here
-    from engine.sampling_params import SamplingParams
+    from config import SamplingParams
 
 
 @dataclass

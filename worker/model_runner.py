@@ -27,8 +27,7 @@ from worker.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledReq
 from worker.sampler import Sampler, prompt_logprobs
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
-    from engine.sampling_params import SamplingParams
+    from config import EngineConfig, SamplingParams
 
 PROMPT_LOGPROBS_ROWS = 256  # rows of prompt logits made at once: bounds the [rows, vocab] floats held
 

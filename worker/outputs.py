@@ -19,7 +19,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.sampling_params import SamplingParams
+    from config import SamplingParams
 
 # In ``ScheduledRequest.token_ids``: the token this request's previous step samples,
 # scheduled before that step's result came back (async scheduling). Every rank samples

@@ -21,11 +21,8 @@ from worker.memory import PeakRSSSampler, PoolUsage, cpu_memory_pool, cuda_memor
 from worker.sleep_mode import trim_host_memory
 
 if TYPE_CHECKING:
-    from engine.config import DeviceConfig
+    from config import DeviceConfig
 
-# The CPU's default KV budget per rank (engine.config applies it when the user gives
-# neither kv_cache_memory_bytes nor gpu_memory_utilization; engine.serve too).
-CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 class Platform:
@@ -180,4 +177,4 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, len(allowed_cpus()) // world_size)
 
 
-__all__ = ["CPU_DEFAULT_KV_CACHE_BYTES", "CpuPlatform", "CudaPlatform", "Platform", "get_platform", "threads_per_rank"]
+__all__ = ["CpuPlatform", "CudaPlatform", "Platform", "get_platform", "threads_per_rank"]

@@ -22,13 +22,14 @@ import torch
 
 from distributed import destroy_distributed_environment, init_distributed_environment
 from distributed.parallel_state import get_tensor_model_parallel_world_size
+from model_loader.sharded_state_loader import save_sharded_model
 from worker.kv_cache import KVCacheConfig, KVCacheSpec
 from worker.model_runner import ModelRunner
 from worker.platform import Platform, get_platform
 from worker.sleep_mode import TAGS, PoolState, ReleasedStorages, collect_garbage, unique_storages
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from config import EngineConfig
     from worker.outputs import ModelRunnerOutput, SchedulerOutput
 
 
@@ -302,6 +303,23 @@ class Worker:
         if isinstance(source, str):
             self._weights_checkpoint = source
         return {"rank": self.rank, "seconds": time.perf_counter() - start}
+
+    def save_sharded_state(self, path: str, max_size: int | None = None) -> list[str]:
+        """Write this rank's shard of the loaded model as `load_format="sharded_state"`
+        files in `path` (model_loader/sharded_state_loader.py); returns their names. Every
+        rank is called with the same arguments (EngineCore.save_sharded_state). Raises
+        RuntimeError before a model is loaded, ValueError under online quantization (the
+        loader builds the unquantised module, so quantised tensors and their scales would
+        not load back)."""
+        runner = self.model_runner
+        if runner is None or runner.model is None:
+            raise RuntimeError(f"rank {self.rank}: no model is loaded, nothing to save")
+        if self.config.quantization is not None:
+            raise ValueError(
+                f"save_sharded_state does not support quantization={self.config.quantization!r}; "
+                "save from an engine without online quantization"
+            )
+        return save_sharded_model(runner.model, path, self.rank, self.world_size, max_size)
 
     def sleep_state(self) -> dict[str, str]:
         return {tag: state.value for tag, state in self._pools.items()}

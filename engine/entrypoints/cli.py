@@ -31,13 +31,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from config import DTYPES, PLACEMENT_STRATEGIES
 from engine.entrypoints.demo_model import (
     DEMO_KV_CACHE_BYTES,
     DEMO_MODEL_NAME,
     ensure_demo_model,
 )
 from engine.entrypoints.torchrun import take_serving_role
-from executor.ray_utils import PLACEMENT_STRATEGIES
 from executor.registry import get_supported_executor_backends
 
 logger = logging.getLogger("engine.serve")  # the command's name, as before the CLI moved here
@@ -135,7 +135,6 @@ class _RefuseRemoteCode(argparse.Action):
                      "(only tensors are loaded, and only the architectures it implements are served)")
 
 
-DTYPES = ["auto", "half", "float16", "bfloat16", "float", "float32"]  # vLLM's spellings
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 
@@ -160,7 +159,7 @@ def build_parser(prog: str = "python -m engine.serve") -> argparse.ArgumentParse
                    help="a Jinja chat template, as a file or inline, in place of the tokenizer's own")
     p.add_argument("--trust-remote-code", action=_RefuseRemoteCode, nargs=0,
                    help="refused (exit 2): this server never runs code shipped with a checkpoint")
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="weight and activation dtype: auto (the checkpoint's), half = float16, bfloat16, "
                         "float = float32")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default auto: cuda if available")
@@ -368,7 +367,7 @@ def _serves_http(args: argparse.Namespace) -> bool:
 
 def engine_config_kwargs(args: argparse.Namespace, model: str) -> dict[str, Any]:
     """The EngineConfig keywords of a parsed command line."""
-    # Unset on CPU, EngineConfig gives each rank a fixed CPU_DEFAULT_KV_CACHE_BYTES; the
+    # Unset on CPU, the resolved config gives each rank a fixed CPU_DEFAULT_KV_CACHE_BYTES; the
     # demo model needs far less.
     kv_bytes = args.kv_cache_memory
     if kv_bytes is None and args.model is None and args.gpu_memory_utilization is None and _device_is_cpu(args.device):
@@ -414,8 +413,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.serve") ->
                 return 1
         import uvicorn
 
+        from engine.arg_utils import create_engine_config
         from engine.async_engine import AsyncEngine
-        from engine.config import EngineConfig
         from engine.core import EngineCore
         from engine.entrypoints.openai.app import build_app
         from engine.metrics import EngineMetrics
@@ -425,7 +424,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.serve") ->
             model, names = str(ensure_demo_model()), args.served_model_name or [DEMO_MODEL_NAME]
         else:
             model, names = args.model, args.served_model_name or [args.model]
-        config = EngineConfig(**engine_config_kwargs(args, model))
+        config = create_engine_config(**engine_config_kwargs(args, model))
         logger.info("Initializing tp-runtime %s with config: %s, served_model_name=%s, enforce_eager=True",
                     package_version(), config_summary(config), names)
         core = EngineCore(config)

@@ -23,7 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ConfigError, EngineConfig
+from config import ConfigError
+from engine.arg_utils import create_engine_config
 from model_loader import WeightLoadError, get_model
 from model_loader.pt_weights import load_pt_file
 from model_loader.safetensors_reader import read_safetensors_header
@@ -33,8 +34,8 @@ INDEX = "model.safetensors.index.json"
 
 
 def load(model_dir: Path, **kwargs: Any) -> torch.nn.Module:
-    return get_model(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", use_tqdm_on_load=False,
-                                  **kwargs))
+    return get_model(create_engine_config(model=str(model_dir), device="cpu", dtype="float32", use_tqdm_on_load=False,
+                                          **kwargs))
 
 
 def shard_of(model_dir: Path, tensor: str) -> Path:
@@ -281,7 +282,7 @@ def test_absurd_or_missing_config_field_is_named(copy_model, changes: dict[str, 
     model_dir = copy_model("llama")
     path = write_config(model_dir, **changes)
     with pytest.raises(ConfigError) as info:
-        EngineConfig(model=str(model_dir), device="cpu")
+        create_engine_config(model=str(model_dir), device="cpu")
     message = str(info.value)
     assert str(path) in message and expected in message, message
 
@@ -291,14 +292,14 @@ def test_unreadable_config_json_names_the_file(copy_model, content: bytes) -> No
     model_dir = copy_model("llama")
     (model_dir / "config.json").write_bytes(content)
     with pytest.raises(ConfigError, match=re.escape(str(model_dir / "config.json"))):
-        EngineConfig(model=str(model_dir), device="cpu")
+        create_engine_config(model=str(model_dir), device="cpu")
 
 
 def test_explicit_head_dim_need_not_divide_hidden_size(copy_model) -> None:
     # Qwen3 / Gemma style: head_dim given, heads * head_dim != hidden_size is legitimate.
     model_dir = copy_model("llama")
     write_config(model_dir, num_attention_heads=6, num_key_value_heads=2, head_dim=16)
-    config = EngineConfig(model=str(model_dir), device="cpu")
+    config = create_engine_config(model=str(model_dir), device="cpu")
     assert config.model_config.num_attention_heads == 6
 
 
@@ -309,7 +310,7 @@ def test_trust_remote_code_is_refused() -> None:
     from engine.entrypoints.cli import build_parser
 
     with pytest.raises(TypeError, match="trust_remote_code"):
-        EngineConfig(model="unused", trust_remote_code=True)  # type: ignore[call-arg]
+        create_engine_config(model="unused", trust_remote_code=True)  # type: ignore[call-arg]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["MODEL", "--trust-remote-code"])
 

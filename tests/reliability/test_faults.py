@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import pytest
 
+from config import SamplingParams
 from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
 from executor.errors import EngineDeadError, RemoteWorkerError, WorkerStartupError
 from tests.reliability.helpers import (
     arm_forward_fault,
@@ -292,9 +292,9 @@ def test_stopped_worker_is_named_by_its_missing_heartbeat(tiny_models, private_t
 
 
 def test_liveness_defaults(tiny_models):
-    from engine.config import EngineConfig
+    from engine.arg_utils import create_engine_config
 
-    config = EngineConfig(model=str(tiny_models["llama"]), device="cpu")
+    config = create_engine_config(model=str(tiny_models["llama"]), device="cpu")
     assert 0 < config.worker_liveness_timeout_s <= 10.0
 
 

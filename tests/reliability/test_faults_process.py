@@ -37,7 +37,7 @@ _SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         from engine.core import EngineCore
-        from engine.sampling_params import SamplingParams
+        from config import SamplingParams
         from tests.reliability.helpers import arm_forward_fault
         from tests.runtime_helpers import engine_config
 
@@ -223,18 +223,19 @@ def test_unwritable_tmpdir_fails_startup_naming_it(tiny_models, tmp_path):
 
 
 def test_cpu_default_kv_budget_is_fixed_and_overridable(tiny_models):
-    from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+    from config import CPU_DEFAULT_KV_CACHE_BYTES
+    from engine.arg_utils import create_engine_config
     from engine.core import EngineCore
 
     model = str(tiny_models["llama"])
     assert CPU_DEFAULT_KV_CACHE_BYTES == 1 << 30
-    assert EngineConfig(model=model, device="cpu").cache_config.kv_cache_memory_bytes == CPU_DEFAULT_KV_CACHE_BYTES
-    assert EngineConfig(model=model, device="cpu", kv_cache_memory_bytes=1 << 20).cache_config.kv_cache_memory_bytes \
+    assert create_engine_config(model=model, device="cpu").cache_config.kv_cache_memory_bytes == CPU_DEFAULT_KV_CACHE_BYTES
+    assert create_engine_config(model=model, device="cpu", kv_cache_memory_bytes=1 << 20).cache_config.kv_cache_memory_bytes \
         == 1 << 20
     # Asking for a share of memory (or a block count) keeps vLLM's rules.
-    assert EngineConfig(model=model, device="cpu", gpu_memory_utilization=0.5).cache_config.kv_cache_memory_bytes \
+    assert create_engine_config(model=model, device="cpu", gpu_memory_utilization=0.5).cache_config.kv_cache_memory_bytes \
         is None
-    assert EngineConfig(model=model, device="cpu", num_gpu_blocks_override=8).cache_config.kv_cache_memory_bytes \
+    assert create_engine_config(model=model, device="cpu", num_gpu_blocks_override=8).cache_config.kv_cache_memory_bytes \
         is None
 
     # The library's default, end to end: 1 GiB of blocks, not 90% of the host's memory.

@@ -1,4 +1,4 @@
-"""Self-healing (issue 12): with EngineConfig(max_worker_restarts=N), a rank that dies or
+"""Self-healing (issue 12): with create_engine_config(max_worker_restarts=N), a rank that dies or
 hangs mid-generation makes the engine replace the worker group and re-run the running
 requests from their tokens; greedy outputs equal an undisturbed run. Past N restarts
 within the window it fails as without self-healing. Each test checks that the old
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from config import SamplingParams
 from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
 from executor.errors import EngineDeadError
 from tests.reliability.helpers import arm_forward_fault, assert_nothing_left, wait_for_marker
 from tests.reliability.test_faults import _in_thread
@@ -98,9 +98,9 @@ def test_restarts_past_the_limit_fail_as_before(tiny_models, private_tmpdir, ref
 
 
 def test_self_healing_is_off_by_default(tiny_models):
-    from engine.config import EngineConfig
+    from engine.arg_utils import create_engine_config
 
-    assert EngineConfig(model=str(tiny_models["llama"]), device="cpu").max_worker_restarts == 0
+    assert create_engine_config(model=str(tiny_models["llama"]), device="cpu").max_worker_restarts == 0
 
 
 def test_streaming_clients_see_a_pause_not_an_error(tiny_models, private_tmpdir, reference):
@@ -171,11 +171,12 @@ def test_streaming_clients_see_a_pause_not_an_error(tiny_models, private_tmpdir,
 
 
 def test_restarts_refused_under_the_external_launcher(tiny_models):
-    from engine.config import ConfigError, EngineConfig
+    from config import ConfigError
+    from engine.arg_utils import create_engine_config
 
     with pytest.raises(ConfigError, match="max_worker_restarts=2 needs an executor that starts its own workers"):
-        EngineConfig(model=str(tiny_models["llama"]), device="cpu", max_worker_restarts=2,
-                     distributed_executor_backend="external_launcher")
+        create_engine_config(model=str(tiny_models["llama"]), device="cpu", max_worker_restarts=2,
+                             distributed_executor_backend="external_launcher")
 
 
 def _kill_and_heal(core: EngineCore) -> None:

@@ -24,11 +24,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
+from config import SamplingParams
 from engine.async_engine import AsyncEngine, RequestAbortedError, RequestStream
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions, UsageInfo, dump
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 from executor.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)

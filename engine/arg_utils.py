@@ -1,0 +1,189 @@
+"""The resolution step: an EngineConfig checked against the outside world, once.
+
+`create_engine_config(config)` (vLLM's `EngineArgs.create_engine_config`) is run by
+`EngineCore` in the engine process before any worker starts, and by `engine.serve`
+before it loads anything; workers only ever receive its result. It does everything
+that `EngineConfig`'s constructor may not:
+
+- a `.gguf` file with load_format "auto" is read as "gguf";
+- load_format, quantization and distributed_executor_backend are looked up in their
+  registries (user registrations included);
+- device "auto" becomes "cuda" where torch sees a GPU, else "cpu";
+- on the CPU, `cpu_threads_bind` is checked against the cores this process may use;
+- a Hub repo id becomes a local snapshot directory (downloaded once, under a file
+  lock: engine/hub.py);
+- config.json (or the GGUF header) is read and checked, the dtype and max_model_len
+  derived, and the TP size checked against the model's heads.
+
+Every failure is a ConfigError naming the field, value or file at fault. The input is
+not modified: the result is a copy with `model` the local path and the sub-configs set.
+A config that is already resolved comes back as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from config import (
+    CPU_DEFAULT_KV_CACHE_BYTES,
+    CacheConfig,
+    ConfigError,
+    DeviceConfig,
+    EngineConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from config.utils import check_choice, check_positive
+from distributed.utils import divide, kv_heads_per_rank
+from engine.hub import resolve_model
+from executor.registry import get_supported_executor_backends
+from model_loader.gguf_utils import find_gguf_file, gguf_hf_config
+from model_loader.registry import get_supported_load_formats
+from models.layers.quantization import QUANTIZATION_METHODS
+from worker.cpu_affinity import CpuBindError, allowed_cpus, cpu_binds
+
+_MAX_CONFIG_BYTES = 64 << 20  # config.json is a few KiB; a larger file is not a config
+
+
+def create_engine_config(config: EngineConfig | None = None, /, **kwargs: Any) -> EngineConfig:
+    """The resolved copy of `config` (or of `EngineConfig(**kwargs)`); see the module
+    docstring. Raises ConfigError; TypeError for both a config and keywords."""
+    if config is None:
+        config = EngineConfig(**kwargs)
+    elif kwargs:
+        raise TypeError("pass either an EngineConfig or keywords, not both")
+    if config.is_resolved:
+        return config
+    load_format = config.load_format
+    if load_format == "auto" and config.model.endswith(".gguf") and os.path.isfile(config.model):
+        load_format = "gguf"  # a single GGUF file can only be read one way
+    check_choice("load_format", load_format, tuple(get_supported_load_formats()))
+    check_choice("quantization", config.quantization, (None, *QUANTIZATION_METHODS))
+    backend = config.distributed_executor_backend
+    if backend is not None and not isinstance(backend, type):
+        check_choice("distributed_executor_backend", backend, tuple(get_supported_executor_backends()))
+
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        _check_cpu_binds(config)
+    load_config = LoadConfig(
+        load_format=load_format,
+        download_dir=config.download_dir,
+        safetensors_load_strategy=config.safetensors_load_strategy,
+        safetensors_prefetch_num_threads=config.safetensors_prefetch_num_threads,
+        safetensors_prefetch_block_size=config.safetensors_prefetch_block_size,
+        model_loader_extra_config=dict(config.model_loader_extra_config or {}),
+        ignore_patterns=list(config.ignore_patterns) if config.ignore_patterns is not None else ["original/**/*"],
+        use_tqdm_on_load=config.use_tqdm_on_load,
+        check_weights_finite=bool(config.check_weights_finite),
+    )
+    # A Hub repo id is resolved here, once, in the engine process (download or cache
+    # lookup under a file lock, honouring revision / download_dir / ignore_patterns):
+    # workers receive the local snapshot directory. Local paths come back unchanged.
+    model = resolve_model(config.model, config.revision, config.download_dir, load_format,
+                          load_config.ignore_patterns)
+    resolved = dataclasses.replace(config, model=model, load_format=load_format)
+    model_config = _model_config(resolved)
+    _check_parallel_fits_model(resolved, model_config)
+
+    kv_bytes = config.kv_cache_memory_bytes
+    if (device == "cpu" and kv_bytes is None and config.gpu_memory_utilization is None
+            and config.num_gpu_blocks_override is None):
+        kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES
+    max_len = model_config.max_model_len
+    batched = config.max_num_batched_tokens if config.max_num_batched_tokens is not None else max(max_len, 2048)
+    check_positive("max_num_batched_tokens", batched)
+
+    resolved.model_config = model_config
+    resolved.parallel_config = ParallelConfig(config.tensor_parallel_size, backend, config.ray_placement_strategy)
+    resolved.load_config = load_config
+    resolved.cache_config = CacheConfig(
+        config.block_size, 0.9 if config.gpu_memory_utilization is None else config.gpu_memory_utilization,
+        kv_bytes, config.num_gpu_blocks_override, bool(config.enable_prefix_caching),
+    )
+    resolved.device_config = DeviceConfig(device, bool(config.cpu_prepack_weights), config.cpu_threads_bind)
+    resolved.scheduler_config = SchedulerConfig(config.max_num_seqs, batched, max_len, config.async_scheduling,
+                                                config.num_scheduler_steps)
+    return resolved
+
+
+def _check_cpu_binds(config: EngineConfig) -> None:
+    """`cpu_threads_bind` against the cores this process may use, for the ranks that
+    share this host: all of them, except under torchrun, which says how many it
+    started here."""
+    ranks_here = config.tensor_parallel_size
+    if config.distributed_executor_backend == "external_launcher" \
+            and os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+        ranks_here = int(os.environ["LOCAL_WORLD_SIZE"])
+    try:
+        cpu_binds(config.cpu_threads_bind, ranks_here, allowed_cpus())
+    except CpuBindError as e:
+        raise ConfigError(str(e)) from None
+
+
+def read_hf_config(model_dir: Path) -> SimpleNamespace:
+    """Parse `model_dir/config.json` into attribute access; transformers is never imported,
+    and nothing in it is run (`auto_map` and other remote-code keys are plain data here).
+    Raises ConfigError naming the file when it is missing, too large, not UTF-8 JSON, or
+    not an object; `ModelConfig.from_hf_config` checks the fields."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"model={str(model_dir)!r}: no config.json found at {path}")
+    try:
+        size = path.stat().st_size
+        if size > _MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path} is {size} bytes, over the {_MAX_CONFIG_BYTES >> 20} MiB a config.json may have")
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ConfigError(f"cannot parse {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
+    return SimpleNamespace(**raw)
+
+
+def _model_config(config: EngineConfig) -> ModelConfig:
+    """The model's config from the GGUF metadata (load_format "gguf") or config.json."""
+    if config.load_format == "gguf":
+        source = find_gguf_file(config.model)
+        hf_config = gguf_hf_config(source)
+    elif not Path(config.model).is_dir():
+        raise ConfigError(f"model={config.model!r} is not a local directory")
+    else:
+        hf_config = read_hf_config(Path(config.model))
+        source = Path(config.model) / "config.json"
+    return ModelConfig.from_hf_config(
+        config.model, hf_config, source, dtype=config.dtype, max_model_len=config.max_model_len, seed=config.seed,
+        revision=config.revision, quantization=config.quantization,
+    )
+
+
+def _check_parallel_fits_model(config: EngineConfig, model_config: ModelConfig) -> None:
+    """The layers' own splitting rules (distributed.utils), applied before any worker
+    starts so that a bad TP size is a ConfigError here, not a failure on every rank."""
+    tp = config.tensor_parallel_size
+    heads = model_config.num_attention_heads
+    kv_heads = model_config.num_kv_heads
+    try:
+        divide(heads, tp, "num_attention_heads")
+    except ValueError:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} does not divide num_attention_heads={heads} of {config.model}"
+        ) from None
+    try:
+        kv_heads_per_rank(kv_heads, tp)
+    except ValueError:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} and num_key_value_heads={kv_heads} of {config.model} are incompatible: "
+            "one must be a multiple of the other"
+        ) from None
