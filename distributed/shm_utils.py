@@ -1,19 +1,34 @@
-"""Shared-memory primitives for processes of one host: a memory fence, and attaching to
-a POSIX segment by name without the resource tracker.
+"""Shared-memory primitives for processes of one host: which host a process is on, a
+memory fence, and attaching to a POSIX segment by name without the resource tracker.
 
-Used by the CPU shared-memory all-reduce (distributed/device_communicators/) and by the
-executor's message-queue ring (executor/shm_ring.py). POSIX only.
+Used by the CPU shared-memory all-reduce (distributed/device_communicators/), by the
+executor's message-queue ring (executor/shm_ring.py) and by the Worker's watch on the
+peers of its host (worker/worker.py). POSIX only.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import socket
 import threading
 
 import _posixshmem  # POSIX-only stdlib module behind SharedMemory
 
 _fence_lock = threading.Lock()
+
+
+def host_id() -> str:
+    """The same string exactly for every process of one host and one boot of it (the
+    host name plus the kernel's boot id), so that ranks that all-gather it know which of
+    them share this host's memory and process ids. A host without
+    /proc/sys/kernel/random/boot_id is named by its host name alone."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 def memory_fence() -> None:

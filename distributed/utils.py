@@ -1,10 +1,11 @@
 """How tensor parallelism splits a model's dimensions, and the block arithmetic: the one
 place each rule is written.
 
-Used by the parallel layers (which shapes their weights take), by `EngineConfig` (to
-refuse a TP size the model cannot be split by, before any worker starts), by the KV
-block manager and the attention backends (`cdiv`: blocks per sequence). Pure functions
-of their arguments; this is the lowest module of the project, so every layer may use it.
+Used by the parallel layers (which shapes their weights take), by the engine's resolution
+step (engine/arg_utils.py: to refuse a TP size the model cannot be split by, before any
+worker starts), by the KV block manager and the attention backends (`cdiv`: blocks per
+sequence). Pure functions of their arguments, importing nothing of ours, so every layer
+above may use them.
 """
 
 from __future__ import annotations

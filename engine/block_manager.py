@@ -39,10 +39,6 @@ class PrefixCacheStats:
     hits: int = 0
     evictions: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
 
 class KVBlockManager:
     """Hands out fixed-size KV blocks ``0..num_blocks-1``.
@@ -100,9 +96,6 @@ class KVBlockManager:
         """Extra blocks ``request`` needs to cover ``num_computed_tokens + num_new_tokens``."""
         total = self.blocks_for_tokens(request.num_computed_tokens + num_new_tokens)
         return max(0, total - len(request.block_ids))
-
-    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        return self.blocks_needed(request, num_new_tokens) <= self.num_free_blocks
 
     # ------------------------------------------------------------ prefix cache
 

@@ -22,6 +22,7 @@ from collections.abc import Collection
 
 from engine.block_manager import KVBlockManager
 from engine.request import Request, RequestStatus
+from engine.sched_utils import check_stop, ends_in_flight, num_decode_steps
 from worker.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
@@ -42,20 +43,15 @@ class Scheduler:
     ``running`` is kept sorted by it, so the last running request is always the
     preemption victim, and ``waiting`` is served strictly FCFS.
 
-    Multi-step (``num_scheduler_steps`` > 1, vLLM V0's ``--num-scheduler-steps``): when
-    every running request is decoding and nobody waits for admission, one output runs
-    up to that many decode steps back to back on the ranks, each feeding its sampled
-    token to the next (``SchedulerOutput.num_steps``). Slots for all of them are
-    allocated up front; the engine takes the tokens in order, so a stop token ends the
-    request there and the steps after it are dropped. The engine's own work per step
-    (schedule, send, collect, apply) is then paid once per ``num_steps`` tokens. Steps
-    with a prefill chunk, a waiting request, or a request with stop strings (found in
-    the text, after each token) stay single.
+    Multi-step (``num_scheduler_steps`` > 1): when every running request is decoding
+    and nobody waits, one output runs several decode steps back to back
+    (``engine.sched_utils.num_decode_steps`` decides how many). Slots for all of them
+    are allocated up front; the tokens are applied in order, so a stop token ends the
+    request there and the steps after it are dropped.
 
-    Capacity: a request finishes with ``"length"`` when it reaches
-    ``max_model_len`` tokens, or when it outgrows the whole KV cache
-    (``num_blocks * block_size`` tokens) — otherwise it could never be scheduled
-    again and would livelock preempting itself.
+    Capacity: a request finishes with ``"length"`` when it reaches ``max_model_len``
+    tokens, or when it outgrows the whole KV cache (``num_blocks * block_size``
+    tokens): ``engine.sched_utils.check_stop``.
     """
 
     def __init__(
@@ -157,10 +153,6 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
-
-    @property
     def num_outstanding_steps(self) -> int:
         """Outputs scheduled whose results have not been applied yet."""
         return len(self._outstanding)
@@ -178,7 +170,10 @@ class Scheduler:
             raise RuntimeError(f"schedule() with {len(self._outstanding)} outputs outstanding: update the oldest "
                                "first (at most one step is planned ahead)")
         budget = self.max_num_batched_tokens
-        num_steps = self._num_steps()
+        num_steps = num_decode_steps(
+            self.num_scheduler_steps, self.running, self.waiting, block_manager=self.block_manager,
+            max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
+            capacity_tokens=self._capacity_tokens)
         scheduled: list[ScheduledRequest] = []
         scheduled_requests: list[Request] = []
         preempted: list[Request] = []
@@ -189,7 +184,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_new_tokens(request, budget)
-            if num_new <= 0 or (request.num_output_placeholders and self._ends_with_pending(request)):
+            if num_new <= 0 or ends_in_flight(request, self.max_model_len, self._capacity_tokens):
                 i += 1  # its outstanding step samples its last token
                 continue
             while not self.block_manager.allocate_slots(request, num_new + num_steps - 1):
@@ -242,44 +237,12 @@ class Scheduler:
             self._outstanding.append((output, scheduled_requests))
         return output
 
-    def _num_steps(self) -> int:
-        """How many decode steps the next output runs: ``num_scheduler_steps`` when
-        every running request that will be scheduled decodes one token, nobody waits,
-        no request has stop strings, and the cache has room for every step's slot;
-        never more than any of them may still generate (``max_tokens``, the model
-        length, the whole cache), so no step runs past a length limit. Else 1."""
-        steps = self.num_scheduler_steps
-        if steps == 1 or self.waiting:
-            return 1
-        candidates = []
-        for request in self.running:
-            if request.num_output_placeholders and self._ends_with_pending(request):
-                continue  # not scheduled: its step in flight ends it
-            params = request.sampling_params
-            total = request.num_tokens + request.num_output_placeholders
-            if params.stop or total - request.num_computed_tokens != 1:
-                return 1
-            left = params.max_tokens - request.num_output_tokens - request.num_output_placeholders
-            steps = min(steps, left, self.max_model_len - total, self._capacity_tokens - total)
-            candidates.append(request)
-        if steps <= 1 or len(candidates) > self.max_num_batched_tokens:
-            return 1
-        needed = sum(self.block_manager.blocks_needed(r, steps) for r in candidates)
-        return steps if needed <= self.block_manager.num_free_blocks else 1
-
     def _num_new_tokens(self, request: Request, budget: int, num_cached_tokens: int = 0) -> int:
         num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
                       - num_cached_tokens, budget)
         if 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
         return num_new
-
-    def _ends_with_pending(self, request: Request) -> bool:
-        """Whether the tokens its outstanding steps sample will end ``request`` by
-        length (``_check_stop``'s length rules, counted with those tokens)."""
-        total = request.num_tokens + request.num_output_placeholders
-        return (request.num_output_tokens + request.num_output_placeholders >= request.sampling_params.max_tokens
-                or total >= self.max_model_len or total > self._capacity_tokens)
 
     def _schedule_chunk(self, request: Request, num_new: int, admitted: bool = False,
                         num_steps: int = 1) -> ScheduledRequest:
@@ -384,29 +347,13 @@ class Scheduler:
                     status: RequestStatus | None = RequestStatus.FINISHED_LENGTH
                 else:
                     request.append_output(token, logprobs)
-                    status = self._check_stop(request)
+                    status = check_stop(request, self.eos_token_ids, self.max_model_len, self._capacity_tokens)
                 if status is not None:  # the later steps' tokens are dropped
                     self.running.remove(request)
                     self._finish(request, status)
                     break
             updated.append(request)
         return updated
-
-    def _check_stop(self, request: Request) -> RequestStatus | None:
-        """Stop conditions on the newest token; "stop" wins over "length"."""
-        params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if not params.ignore_eos and last in self.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
-            request.stop_reason = last
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        # The next step would need KV for all num_tokens tokens.
-        if request.num_tokens >= self.max_model_len or request.num_tokens > self._capacity_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

@@ -17,8 +17,11 @@ so the step that failed simply yields nothing, and the next steps carry on: gree
 outputs equal an undisturbed run, and a streaming client sees a pause, not an error.
 Past N restarts within `worker_restart_window_s`, or when the restart itself fails, the
 original failure is raised as without self-healing; so it is while the engine sleeps,
-and after `update_weights` was given tensors by value (a fresh group could not have them). Each restart is logged with its
-cause and counted (`EngineCore.num_worker_restarts`).
+and after `update_weights` was given tensors by value (a fresh group could not have
+them). Each restart is logged with its cause and counted (`EngineCore.num_worker_restarts`).
+
+The restarter changes the core only through its public methods: `replace_executor`
+(steps 1 and 2: the old group down, a fresh one up) and `rerun_running_requests` (3).
 
 `restart` runs in the thread that steps the core (the only one that touches the
 executor and the scheduler); other threads may only ask `can_restart`.
@@ -32,7 +35,6 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING
 
-from executor.abstract import Executor
 from executor.errors import EngineDeadError
 
 if TYPE_CHECKING:
@@ -65,7 +67,7 @@ class WorkerRestarter:
     def _why_not(self, core: EngineCore) -> str | None:
         if self._weights_lost:
             return "its weights were replaced by tensors passed to update_weights, which a fresh group cannot load"
-        if core._sleep_level is not None:
+        if core.is_sleeping:
             return "the engine is asleep (its pools were released on purpose); wake it up after a restart by hand"
         return None
 
@@ -75,7 +77,7 @@ class WorkerRestarter:
         if self.restarting:
             return True
         core = self._core()
-        if core is None or self.limit <= 0 or not core._finalizer.alive or self._why_not(core):
+        if core is None or self.limit <= 0 or core.is_shut_down or self._why_not(core):
             return False
         now = time.monotonic()
         return sum(1 for t in self._recent if now - t <= self.window_s) < self.limit
@@ -86,7 +88,7 @@ class WorkerRestarter:
         was shut down, or N restarts within the window were used up: raise `error`.
         Raises EngineDeadError (from the cause) if the fresh group fails to start."""
         core = self._core()
-        if core is None or self.limit <= 0 or not core._finalizer.alive:
+        if core is None or self.limit <= 0 or core.is_shut_down:
             return False
         now = time.monotonic()
         while self._recent and now - self._recent[0] > self.window_s:
@@ -110,17 +112,11 @@ class WorkerRestarter:
         start = time.perf_counter()
         logger.warning("worker group failed: %s; restarting it (restart %d of at most %d within %gs)",
                        error, len(self._recent), self.limit, self.window_s)
-        old = core.model_executor
-        core._finalizer.detach()
-        old.shutdown()
         try:
-            new = Executor.get_class(core.config)(core.config)
+            new = core.replace_executor()
         except BaseException as e:
-            core._finalizer = weakref.finalize(core, old.shutdown)  # idempotent; keeps shutdown() working
             raise EngineDeadError(f"the worker group failed ({error}) and could not be restarted: "
                                   f"{type(e).__name__}: {e}") from e
-        core.model_executor = new
-        core._finalizer = weakref.finalize(core, new.shutdown)
         try:
             spec = new.get_kv_cache_spec()
             if spec.block_bytes != core.kv_cache_config.block_bytes:
@@ -132,15 +128,10 @@ class WorkerRestarter:
         except BaseException as e:
             raise EngineDeadError(f"the worker group failed ({error}) and its replacement could not be set up "
                                   f"(KV cache, weights): {type(e).__name__}: {e}") from e
-        rerun = self._requeue_running(core)
+        # Preempt every running request by recompute, drop the step in flight and the prefix cache.
+        rerun = core.rerun_running_requests()
         self.count += 1
         self.last_cause = str(error)
         logger.warning("worker group restarted in %.2fs; %d running request(s) will be re-run from their tokens",
                        time.perf_counter() - start, rerun)
         return True
-
-    @staticmethod
-    def _requeue_running(core: EngineCore) -> int:
-        """Preempt every running request by recompute, drop the step in flight and the
-        prefix cache."""
-        return core.rerun_running_requests()

@@ -17,7 +17,7 @@ times with its own `time.monotonic()`. An aligned float64 store is atomic on the
 architectures we run on, and each field has one writer, so no lock is needed; a reader
 may see a row mid-update, which costs at most one poll of delay.
 
-What the engine concludes (multiproc_executor.py):
+What the engine concludes (worker_monitor.py):
 - no heartbeat for `worker_liveness_timeout_s`: the process is stopped or frozen;
 - busy in a step, outside any collective, and no progress for that long: the rank hangs
   (a peer waiting for it is inside a collective, so only the culprit is named);

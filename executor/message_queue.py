@@ -11,9 +11,11 @@ Three roles, one class each::
     w.enqueue(obj); r.dequeue()
     w.shutdown(); r.shutdown(); owner.shutdown()
 
-Messages are pickled (protocol 5) into the ring of :mod:`executor.shm_ring`. A
-pickle larger than ``max_chunk_bytes`` is sent over a ZeroMQ PUB socket instead
-and its chunk only carries an overflow marker, so there is no size cap. Readers
+The writer encodes each message once (:mod:`executor.serial_utils`: MessagePack for
+the RPC envelope and the step messages, a pickle for anything else) into the ring of
+:mod:`executor.shm_ring`, and each reader decodes it once. A message larger than
+``max_chunk_bytes`` is sent over a ZeroMQ PUB socket instead and its chunk only
+carries an overflow marker, so there is no size cap. Readers
 spin briefly, then sleep in poll() on their own FIFO (named pipe), to which the
 writer writes one byte only when that reader has announced (in shared memory)
 that it is asleep; every blocking poll is bounded to 100 ms and re-checks the

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import pickle
 import select
 import time
 from typing import Any
@@ -12,6 +11,7 @@ import zmq
 
 from executor import zmq_utils
 from executor.message_queue import MessageQueueHandle, QueueClosedError, QueueEndpoint
+from executor.serial_utils import decode_message
 from executor.shm_ring import ShmRing, yield_cpu
 
 __all__ = ["MessageQueueReader"]
@@ -52,8 +52,9 @@ class MessageQueueReader(QueueEndpoint):
         Raises TimeoutError if none arrives within ``timeout`` seconds (safe to
         retry: nothing is consumed), QueueClosedError after ``shutdown()`` on
         this object (also from another thread, within ~100 ms) or once the
-        writer shut down and everything it sent was read. An exception from
-        unpickling propagates, and that message counts as consumed.
+        writer shut down and everything it sent was read; MessageDecodeError
+        (``executor.serial_utils``) for bytes that are no message, which then count
+        as consumed.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._op_lock, self._translate_closed():
@@ -66,9 +67,9 @@ class MessageQueueReader(QueueEndpoint):
             frame = self._recv_overflow(ring, deadline) if overflow else None
             try:
                 if frame is not None:
-                    return pickle.loads(frame.buffer)
+                    return decode_message(frame.buffer)
                 with ring.payload(idx, length) as view:
-                    return pickle.loads(view)
+                    return decode_message(view)
             finally:
                 ring.mark_read(idx, self._rank)
                 self._idx = (idx + 1) % self._handle.max_chunks

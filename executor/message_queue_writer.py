@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import pickle
 import time
 from typing import Any
 
@@ -11,6 +10,7 @@ import zmq
 
 from executor import zmq_utils
 from executor.message_queue import MessageQueueHandle, QueueClosedError, QueueEndpoint
+from executor.serial_utils import encode_message
 from executor.shm_ring import ShmRing, yield_cpu
 
 __all__ = ["MessageQueueWriter"]
@@ -68,21 +68,21 @@ class MessageQueueWriter(QueueEndpoint):
             self._ready = True
 
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
-        """Pickle ``obj`` and publish it to every reader.
+        """Encode ``obj`` once (``executor.serial_utils``) and publish it to every reader.
 
         Blocks while the ring is full (the slowest reader is ``max_chunks``
         behind) and, on first use, until all readers are ready. Raises
         TimeoutError if that lasts past ``timeout`` seconds (nothing was
         sent); QueueClosedError after ``shutdown()`` or if the ring is full
         and some reader has called ``shutdown()`` (a SIGKILLed reader is not
-        detected: use a timeout); and whatever pickling raises.
+        detected: use a timeout); and whatever encoding raises (nothing was sent).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._op_lock, self._translate_closed():
             self._check_open()
             if not self._ready:
                 self.wait_until_ready(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            payload = pickle.dumps(obj, protocol=5)
+            payload = encode_message(obj)
             ring = self._ring
             assert ring is not None
             self._wait_writable(ring, deadline)

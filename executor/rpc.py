@@ -4,14 +4,18 @@ Used by every executor: ``UniProcExecutor`` calls ``run_method`` in the engine's
 process; ``MultiprocExecutor`` sends ``RPCRequest`` over the broadcast queue and each
 ``WorkerProc`` runs it with ``run_method`` and answers with an ``RPCReply`` (the Ray
 actors answer the same way); both prepare the call with ``plan_call``. The
-messages are pickled by the message queue, so their layout must be identical in the
-engine and every worker (they import this same module).
+two per-call messages are `msgspec.Struct`s that ``executor/serial_utils.py`` encodes
+as MessagePack (what a call carries, ``args``, ``kwargs`` and ``result``, may be
+anything: see there for how each value crosses), so their layout must be identical in
+the engine and every worker (they import this same module).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
+
+import msgspec
 
 __all__ = ["SHUTDOWN", "CallPlan", "RPCMethod", "RPCReply", "RPCRequest", "ReadyMessage", "check_rpc_method",
            "plan_call", "run_method"]
@@ -23,11 +27,13 @@ RPCMethod = str | Callable[..., Any]
 SHUTDOWN = "__shutdown__"
 
 
-# The two per-call messages are NamedTuples: typed, but pickled as plain tuples, which
-# takes a measurable share of a no-op RPC's round trip off compared with dataclasses.
-class RPCRequest(NamedTuple):
+# The two per-call messages: typed Structs, encoded as MessagePack arrays of their fields
+# (``array_like``); built positionally or by keyword.
+class RPCRequest(msgspec.Struct, array_like=True):
     call_id: int
-    method: str | bytes  # a Worker method name, or a cloudpickled fn(worker, *args, **kwargs)
+    # A Worker method name, or a cloudpickled fn(worker, *args, **kwargs): str | bytes, which
+    # msgspec cannot type as one union (MessagePack keeps str and bin apart all the same).
+    method: Any
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = {}
     reply_rank: int | None = None  # None: every rank replies
@@ -36,7 +42,7 @@ class RPCRequest(NamedTuple):
     after_call: int | None = None
 
 
-class RPCReply(NamedTuple):
+class RPCReply(msgspec.Struct, array_like=True):
     call_id: int
     rank: int
     ok: bool

@@ -200,7 +200,7 @@ class ShmRing:
         fence()  # readers' payload loads complete before we overwrite the chunk
         return True
 
-    def write_chunk(self, idx: int, payload: bytes, *, overflow: bool) -> None:
+    def write_chunk(self, idx: int, payload: bytes | bytearray, *, overflow: bool) -> None:
         """Writer, after ``chunk_free(idx)``: publish ``payload`` in chunk ``idx``.
 
         ``overflow=True`` stores only the length (the bytes travel elsewhere, and must

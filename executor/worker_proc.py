@@ -167,6 +167,9 @@ class WorkerProc:
         proc.close()
 
     def busy_loop(self) -> None:
+        """Serve calls until SHUTDOWN or the queue closes. A request that does not decode
+        (``MessageDecodeError``) ends the process with its traceback: its call id is
+        unknown, so no reply could answer it, and the engine learns of the death at once."""
         failed_call = 0  # the latest call that failed here
         while True:
             try:
@@ -197,7 +200,7 @@ class WorkerProc:
             if must_reply or not reply.ok:
                 try:
                     self.reply.enqueue(reply)
-                except Exception as e:  # noqa: BLE001 - the result did not pickle; nothing was sent
+                except Exception as e:  # noqa: BLE001 - the result did not encode; nothing was sent
                     self.reply.enqueue(RPCReply(request.call_id, self.rank, False,
                                                 error=f"cannot send the result back: {type(e).__name__}: {e}",
                                                 traceback=traceback.format_exc()))

@@ -1,7 +1,7 @@
 """GGUFModelLoader: llama.cpp GGUF files (load_format "gguf").
 
 `model` is a .gguf file or a directory holding exactly one. The architecture and sizes
-come from the GGUF metadata (`EngineConfig` builds `hf_config` with
+come from the GGUF metadata (the engine's resolution step builds `hf_config` with
 `model_loader.gguf_utils.gguf_hf_config`); tensors are renamed to their HF names,
 dequantised (F32/F16/BF16, Q8_0, Q4_0, …) and un-permuted (llama q/k), then fed through
 the model's normal `load_weights`, so each rank keeps only its TP slice.

@@ -1,9 +1,9 @@
 """GGUF (llama.cpp) files: find them, read their config, and stream their tensors as HF weights.
 
-Used twice: by `EngineConfig` (once, in the engine process) to build the `hf_config`
-namespace the models expect from the GGUF metadata, and by `GGUFModelLoader` on every
-rank to stream (HF name, tensor) pairs into the model's normal `load_weights`, so TP
-slicing works unchanged.
+Used twice: by the engine's resolution step (`engine/arg_utils.py`, once, in the engine
+process) to build the `hf_config` namespace the models expect from the GGUF metadata,
+and by `GGUFModelLoader` on every rank to stream (HF name, tensor) pairs into the
+model's normal `load_weights`, so TP slicing works unchanged.
 
 Memory: `GGUFReader` memory-maps the file. F32/F16/BF16 tensors are yielded as zero-copy
 views of the mapping (the weight loader copies only this rank's slice); quantised

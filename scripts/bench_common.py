@@ -1,15 +1,19 @@
-"""What the load benchmarks (bench_load.py, bench_loaders.py) share: the cached
-checkpoint, the measurement of one load region, the TP=2 gloo world of a child, and
-running children that each print one `RESULT {json}` line. The scripts that start
-servers (bench_online_vs_vllm.py, bench_prefix_cache.py, bench_torchrun_startup.py,
-soak.py) take a free port and `die_with_parent` from here.
+"""What the benchmark scripts share. The load benchmarks (bench_load.py,
+bench_loaders.py): the cached checkpoint, the measurement of one load region, the TP=2
+gloo world of a child, the comma-separated case list. Every script that measures in
+child processes (those two, bench_ray.py, bench_startup.py): the child's one
+`RESULT {json}` line and reading it back. The scripts that start servers
+(bench_online_vs_vllm.py, bench_prefix_cache.py, bench_torchrun_startup.py,
+soak_server.py) take a free port and `die_with_parent` from here.
 
 Imported by bare name from its sibling scripts (`python scripts/bench_x.py` puts
-scripts/ first on sys.path); this module puts the repository root there too.
+scripts/ first on sys.path); this module puts the repository root there too. Not a
+script of its own: `python scripts/bench_common.py --help` prints this text.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -222,7 +226,10 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _parse(out: str, err: str, code: int, what: str) -> dict[str, Any]:
+def parse_result(out: str, err: str, code: int, what: str) -> dict[str, Any]:
+    """The `RESULT {json}` line a child printed (`print_result`) in its stdout `out`.
+    Raises RuntimeError, naming `what` and the exit `code`, with the ends of `out` and
+    `err`, for a child that printed none."""
     for line in out.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX):])
@@ -239,7 +246,7 @@ def run_children(cmds: list[list[str]], what: str, env: dict[str, str], timeout:
     try:
         for rank, p in enumerate(procs):
             out, err = p.communicate(timeout=timeout)
-            results.append(_parse(out, err, p.returncode, what if len(procs) == 1 else f"{what} rank {rank}"))
+            results.append(parse_result(out, err, p.returncode, what if len(procs) == 1 else f"{what} rank {rank}"))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -249,7 +256,7 @@ def run_children(cmds: list[list[str]], what: str, env: dict[str, str], timeout:
 
 
 def print_result(result: dict[str, Any]) -> None:
-    """A child's one line for `run_children`."""
+    """A child's one line, for `run_children` or `parse_result`."""
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
@@ -257,3 +264,34 @@ def median_run(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The repeat whose (slowest-rank) time is the median."""
     ordered = sorted(runs, key=lambda r: max(x["seconds"] for x in r))
     return ordered[(len(ordered) - 1) // 2]
+
+
+def load_average() -> str:
+    """The host's 1, 5 and 15 minute load averages, for a benchmark's header ("n/a" where
+    the OS has none): a busy host explains a slow run."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def comma_list(parser: argparse.ArgumentParser, text: str, allowed: list[str], what: str) -> list[str]:
+    """The items of a comma-separated flag value; `parser.error` (exit 2) names any not in
+    `allowed` (`what`: the items' name in that message, e.g. "case")."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    unknown = sorted(set(items) - set(allowed))
+    if unknown:
+        parser.error(f"unknown {what}(s) {unknown}; choose from {allowed}")
+    return items
+
+
+def add_child_args(parser: argparse.ArgumentParser) -> None:
+    """The hidden flags of a script's child mode (the command `run_children` starts):
+    --child CASE, and the TP rank and gloo port of a TP=2 case (`join_tp_group`)."""
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+
+
+if __name__ == "__main__":
+    print(__doc__)

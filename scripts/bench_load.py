@@ -40,7 +40,9 @@ from bench_common import (
     GB,
     REPO,
     Meter,
+    add_child_args,
     child_env,
+    comma_list,
     ensure_checkpoint,
     free_port,
     join_tp_group,
@@ -189,22 +191,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cases", default=",".join(DEFAULT_CASES),
                    help=f"comma-separated cases (default: all but the diagnostic ones) from {ALL_CASES}")
     p.add_argument("--profile", action="store_true", help="cProfile the 'ours*' cases and print the top entries")
-    # internal: child mode
-    p.add_argument("--child", help=argparse.SUPPRESS)
+    add_child_args(p)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.child:
         print_result(run_child(args))
         return
 
-    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = sorted(set(cases) - set(ALL_CASES))
-    if unknown:
-        p.error(f"unknown case(s) {unknown}; choose from {ALL_CASES}")
+    cases = comma_list(p, args.cases, ALL_CASES, "case")
     spec = QUICK_SPEC if args.quick else FULL_SPEC
     model_dir = ensure_checkpoint(Path(args.dir), spec)
     files = weight_files(model_dir)

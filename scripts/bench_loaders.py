@@ -45,7 +45,9 @@ from bench_common import (
     GB,
     REPO,
     Meter,
+    add_child_args,
     child_env,
+    comma_list,
     ensure_checkpoint,
     free_port,
     join_tp_group,
@@ -221,23 +223,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--modes", default="warm,cold", help="warm and/or cold page cache")
     p.add_argument("--threads", type=int, default=8, help="num_threads of the multi-thread cases")
     p.add_argument("--drop-caches", action="store_true", help="cold = /proc/sys/vm/drop_caches (root; host-wide)")
-    p.add_argument("--child", help=argparse.SUPPRESS)
+    add_child_args(p)
     p.add_argument("--dirs", help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.child:
         print_result(run_child(args))
         return
 
-    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = sorted(set(cases) - set(ALL_CASES))
-    if unknown:
-        p.error(f"unknown case(s) {unknown}; choose from {ALL_CASES}")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if set(modes) - {"warm", "cold"}:
-        p.error("--modes takes warm and/or cold")
+    cases = comma_list(p, args.cases, ALL_CASES, "case")
+    modes = comma_list(p, args.modes, ["warm", "cold"], "mode")
 
     model_dir = ensure_checkpoint(Path(args.dir), QUICK_SPEC if args.quick else SPEC)
     dirs = {"model": model_dir}

@@ -23,7 +23,6 @@ statistics and token authentication off. Never part of the test suite's pass/fai
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -32,11 +31,8 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+from bench_common import REPO, load_average, parse_result, print_result
 
-RESULT_MARKER = "BENCH_RESULT "
 MODES = ("mp", "ray-joined", "ray-started")
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "TP_RAY_NODE_IP": "127.0.0.2"}
 ENGINE_KW = dict(device="cpu", dtype="float32", kv_cache_memory_bytes=1 << 24, max_model_len=256,
@@ -84,7 +80,7 @@ def child_main(args: argparse.Namespace) -> None:
                    "callable": _latencies(core, _noop, args.calls)}
         # ray-started: this shutdown stops the instance, so the second engine starts its own.
         core.shutdown()
-    print(RESULT_MARKER + json.dumps(dict(ready=ready, rpc=rpc, ray_init_s=ray_init_s)), flush=True)
+    print_result(dict(ready=ready, rpc=rpc, ray_init_s=ray_init_s))
 
 
 def run_child(mode: str, model: str, tp: int, calls: int) -> dict:
@@ -97,11 +93,7 @@ def run_child(mode: str, model: str, tp: int, calls: int) -> dict:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, cwd=REPO)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_MARKER):
-            return json.loads(line[len(RESULT_MARKER):])
-    raise RuntimeError(f"{mode} child failed with exit code {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-                       f"{proc.stderr[-3000:]}")
+    return parse_result(proc.stdout, proc.stderr, proc.returncode, f"{mode} child")
 
 
 def _ms(xs: list[float]) -> str:
@@ -129,7 +121,7 @@ def main() -> None:
             runs[mode].append(run_child(mode, args.model, args.tp, args.calls))
             print(f"rep {rep + 1}/{args.reps} {mode}: ready {runs[mode][-1]['ready']}", file=sys.stderr, flush=True)
     print(f"TP={args.tp}, tiny llama on CPU, medians of {args.reps} fresh processes; load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+          f"{load_average()}")
     print("| mode | ray.init | first engine ready | second engine ready | no-op RPC by name (p90) "
           "| no-op RPC callable (p90) |")
     print("|---|---|---|---|---|---|")

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Benchmark: collective_rpc latency and 1 MiB throughput against a raw ZeroMQ REQ/REP round trip.
 
-Usage: ``python scripts/bench_rpc.py [--calls 2000] [--tp 1 2 4] [--profile] [--spin-sweep]``
+Usage: ``python scripts/bench_rpc.py [--calls 2000] [--tp 1 2 4] [--profile] [--spin-sweep] [--step-messages]``
 
 What is timed, in this one run:
 
 - baseline: a raw ZeroMQ REQ/REP round trip to one child process (a REP socket on ipc://
-  in a private temp dir) with the same message sizes as a no-op RPC (the pickled
-  RPCRequest out, the pickled RPCReply back); and 1 MiB requests (small replies). It is
+  in a private temp dir) with the same message sizes as a no-op RPC (the encoded
+  RPCRequest out, the encoded RPCReply back); and 1 MiB requests (small replies). It is
   measured in blocks interleaved with ours at each TP size (the REP child idles in a
   blocking recv meanwhile), so background load hits both alike.
 - ours: ``EngineCore(..., distributed_executor_backend="mp")`` at each TP size (one worker
@@ -24,6 +24,8 @@ Target: no-op collective_rpc at TP=2 <= 2x the raw REQ/REP round trip (medians).
 TP=2. ``--spin-sweep`` re-measures TP=2 latency with other values of the MessageQueue's
 reader spin budget (``executor.message_queue._SPIN_S``), set in the engine process and, by
 an RPC, in every worker: a diagnostic only, the library default is restored afterwards.
+``--step-messages`` (alone, no engine): what a step's messages cost to encode and decode,
+against the pickling before msgspec (scripts/bench_rpc_step_messages.py).
 Never part of the test suite's pass/fail.
 """
 
@@ -40,6 +42,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+from bench_common import load_average  # noqa: E402  (path set up above)
 
 TARGET_RATIO = 2.0
 MIB = 1 << 20
@@ -148,13 +152,6 @@ def throughput(fn, payload_bytes: int, min_calls: int, min_s: float, warmup: int
     return n * payload_bytes / MIB / elapsed, n / elapsed
 
 
-def load_average() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
-
-
 def us(x: float) -> str:
     return f"{x * 1e6:8.1f}"
 
@@ -173,9 +170,12 @@ def main() -> None:
     p.add_argument("--model", default=None, help="checkpoint dir (default: a cached tiny llama)")
     p.add_argument("--profile", action="store_true", help="cProfile the engine side at TP=2")
     p.add_argument("--spin-sweep", action="store_true", help="TP=2 latency vs the MessageQueue spin budget")
+    p.add_argument("--step-messages", action="store_true", help="only a step's encode + decode, new vs pickle")
     args = p.parse_args()
+    if args.step_messages:
+        from bench_rpc_step_messages import step_messages
 
-    import pickle
+        return step_messages(args.calls, args.warmup, args.blocks)
 
     import cloudpickle
     from bench_startup import tiny_model_dir
@@ -183,6 +183,7 @@ def main() -> None:
     from engine import EngineConfig
     from engine.core import EngineCore
     from executor.rpc import RPCReply, RPCRequest
+    from executor.serial_utils import encode_message
 
     wall = time.perf_counter()
     model = args.model or tiny_model_dir()
@@ -192,21 +193,18 @@ def main() -> None:
           f"engine: distributed_executor_backend='mp', start method "
           f"{os.environ.get('TP_WORKER_MULTIPROC_METHOD', 'forkserver')}\n")
 
-    # Message sizes of a no-op RPC, as the MessageQueue pickles them.
-    req_name = len(pickle.dumps(RPCRequest(12345, "check_health", (), {}, None), protocol=5))
-    req_fn = len(pickle.dumps(RPCRequest(12345, cloudpickle.dumps(noop), (), {}, None), protocol=5))
-    reply_size = len(pickle.dumps(RPCReply(12345, 0, True, result=True), protocol=5))
+    # Message sizes of a no-op RPC, as the MessageQueue encodes them.
+    req_name = len(encode_message(RPCRequest(12345, "check_health", (), {}, None)))
+    req_fn = len(encode_message(RPCRequest(12345, cloudpickle.dumps(noop), (), {}, None)))
+    reply_size = len(encode_message(RPCReply(12345, 0, True, result=True)))
     blob = os.urandom(MIB)
-    req_mib = len(pickle.dumps(RPCRequest(12345, cloudpickle.dumps(nbytes), (blob,), {}, None), protocol=5))
+    req_mib = len(encode_message(RPCRequest(12345, cloudpickle.dumps(nbytes), (blob,), {}, None)))
 
     # Other users' load on a small host swings within seconds, so the raw baseline is
     # measured in blocks interleaved with ours, per TP size, and each ratio uses the raw
     # numbers taken alongside it.
-    kinds = {
-        "name": lambda rpc: rpc("check_health"),
-        "callable": lambda rpc: rpc(noop),
-        "name, unique_reply_rank=0": lambda rpc: rpc("check_health", unique_reply_rank=0),
-    }
+    kinds = {"name": lambda rpc: rpc("check_health"), "callable": lambda rpc: rpc(noop),
+             "name, unique_reply_rank=0": lambda rpc: rpc("check_health", unique_reply_rank=0)}
     raw_msg_name, raw_msg_fn = b"q" * req_name, b"q" * req_fn
     blocks = max(1, args.blocks)
     per_block = max(1, args.calls // blocks)
@@ -285,7 +283,7 @@ def main() -> None:
             print(f"  {kind:<9}: {us(ours['median']).strip()} us vs raw {us(ref['median']).strip()} us "
                   f"= {ratio:.2f}x  {verdict}   (p99: {ours['p99'] / ref['p99']:.2f}x)")
 
-    print(f"\n1 MiB messages (request pickle {req_mib} B; reply = len(data) per rank; raw and ours interleaved)")
+    print(f"\n1 MiB messages (request {req_mib} B; reply = len(data) per rank; raw and ours interleaved)")
     print(f"{'what':<52}{'MiB/s':>10}{'msgs/s':>10}{'ms/msg':>10}{'x raw':>8}")
     for tp, (mibs, msgs) in tput.items():
         rm, rn = raw_tput[tp]

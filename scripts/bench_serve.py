@@ -24,11 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.tiny_model import make_tiny_model  # noqa: E402
 
 MODEL_SPEC = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
@@ -54,6 +50,8 @@ class Ours:
 
     def __init__(self, model: str, prompts: list[list[int]], max_tokens: int, tp: int, device: str,
                  threads: int | None, prepack: bool) -> None:
+        import torch
+
         from engine import SamplingParams
         from engine.core import EngineCore
 
@@ -89,6 +87,7 @@ class Transformers:
 
     def __init__(self, model: str, prompts: list[list[int]], max_tokens: int, device: str,
                  threads: int | None) -> None:
+        import torch
         from transformers import AutoModelForCausalLM
 
         if threads:
@@ -105,6 +104,8 @@ class Transformers:
                              **{**self.kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
 
     def run(self) -> tuple[float, list[list[int]]]:
+        import torch
+
         with torch.inference_mode():
             start = time.perf_counter()
             out = self.hf.generate(self.input_ids, attention_mask=self.attention_mask, **self.kwargs)
@@ -128,6 +129,10 @@ def main() -> None:
                    help="torch CPU threads for transformers and our in-process TP=1 worker (default: torch's / "
                         "the worker's own choice, cores // tp)")
     args = p.parse_args()
+    # Imported once the flags are read, so that --help loads no torch.
+    import torch
+
+    from engine.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         model = Path(args.model_dir or tmp) / "llama-100m"

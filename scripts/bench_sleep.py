@@ -29,15 +29,16 @@ PROMPT = list(range(100, 164))
 
 
 def main() -> None:
-    from engine import SamplingParams
-    from engine.core import EngineCore
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=".bench/load_model")
     p.add_argument("--quick", action="store_true", help="the ~0.2 GB model instead of ~1.3 GB")
     args = p.parse_args()
+    # Imported once the flags are read, so that --help loads no torch.
+    from engine import SamplingParams
+    from engine.core import EngineCore
+
     model = ensure_checkpoint(Path(args.dir), QUICK_SPEC if args.quick else FULL_SPEC)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

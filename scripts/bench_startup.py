@@ -33,8 +33,9 @@ the test suite's pass/fail.
 
 from __future__ import annotations
 
-# Keep the module-level imports light: spawned baseline workers re-import this file as
-# __mp_main__, and must not pay for (or time) anything but their own `import torch`.
+# Keep the module-level imports light (bench_common included: it is imported where it is
+# used): spawned baseline workers re-import this file as __mp_main__, and must not pay
+# for (or time) anything but their own `import torch`.
 import argparse
 import hashlib
 import json
@@ -49,7 +50,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-RESULT_MARKER = "BENCH_RESULT "
 TARGET_RATIO = 1.0
 TINY_SPEC = dict(arch="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=320, seed=0, num_shards=2, with_tokenizer=False)
@@ -151,7 +151,9 @@ def child_main(args: argparse.Namespace) -> None:
         core.shutdown()
         shutdown_s = time.perf_counter() - t1
         runs.append(dict(backend=backend, ready_s=ready_s, shutdown_s=shutdown_s, timings=timings))
-    print(RESULT_MARKER + json.dumps(dict(import_s=import_s, runs=runs)), flush=True)
+    from bench_common import print_result  # not at the top: see the imports there
+
+    print_result(dict(import_s=import_s, runs=runs))
 
 
 def run_child(model: str, tp: int, method: str, engines: int, with_uni: bool = False) -> dict:
@@ -159,24 +161,15 @@ def run_child(model: str, tp: int, method: str, engines: int, with_uni: bool = F
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--child-tp", str(tp),
            "--engines", str(engines)] + (["--with-uni"] if with_uni else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, cwd=REPO)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_MARKER):
-            return json.loads(line[len(RESULT_MARKER):])
-    raise RuntimeError(f"child (tp={tp}, {method}) failed with exit code {proc.returncode}:\n"
-                       f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    from bench_common import parse_result
+
+    return parse_result(proc.stdout, proc.stderr, proc.returncode, f"child (tp={tp}, {method})")
 
 
 # ---------------------------------------------------------------------------- report
 
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
-
-
-def load_average() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
 
 
 def main() -> None:
@@ -195,6 +188,8 @@ def main() -> None:
     if args.child:
         child_main(args)
         return
+
+    from bench_common import load_average
 
     wall = time.perf_counter()
     model = args.model or tiny_model_dir()

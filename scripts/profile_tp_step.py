@@ -1,8 +1,14 @@
 """Where a decode step's time goes at TP=N, measured inside the ranks and the engine.
 
-bench_tp_scaling.py says how much slower or faster TP=2 is than TP=1; this says why. One
-engine (bench_vs_vllm.py's workload: 32 requests of 32-128 prompt tokens, 64 new tokens
-each, greedy, prefix caching off) runs `generate()` round after round, with timestamps
+The question it answers: why is TP=N as fast as it is against TP=1 on this host? Is it
+the ranks' compute, their collectives (the data moved, or the wait for the slower
+rank), the engine's own work on a rank's core, or the reply? bench_tp_scaling.py says
+how much slower or faster TP=2 is than TP=1; this says why. Run both on a new host (more
+cores, another CPU) to see whether TP pays there; the 2026-12-03 figures of the 2-vCPU
+VM, and what they showed, are in docs/benchmarks.md.
+
+One engine (bench_vs_vllm.py's workload: 32 requests of 32-128 prompt tokens, 64 new
+tokens each, greedy, prefix caching off) runs `generate()` round after round, with timestamps
 taken in every rank (through `collective_rpc` with a callable that wraps, in that rank's
 process only, the communicator's collectives, `ModelRunner._run_step`, its
 `_prepare_inputs`, and the rank's queue reads and writes) and in the engine (scheduling,
@@ -29,8 +35,16 @@ sending a step, applying a result). Per round and per rank, over the decode step
 
     python scripts/profile_tp_step.py [--tp 2] [--dtype bfloat16] [--rounds 4] [--num-scheduler-steps 1] [--modules]
 
-Diagnostic only (the wrappers cost a few µs per call): not a benchmark, not a test. The
-first round includes first-time costs and is printed without the breakdown.
+Output: per round, the throughput and the engine's median per-step costs (schedule,
+send, apply, in µs); from round 2 on, a line per rank and (TP=2) the pair line above.
+The first round includes first-time costs and is printed without the breakdown. The
+model (bench_vs_vllm.py's 100M llama) is written once under --model-root.
+
+Diagnostic only (the wrappers cost a few µs per call, and they reach into private
+names: `ModelRunner._run_step`, `_prepare_inputs`, `EngineCore._apply`, the
+communicator below its liveness wrapper; a rename there breaks it with an
+AttributeError, not a wrong figure): not a benchmark, not a test. The tokens it
+generates are the engine's own.
 """
 
 from __future__ import annotations
@@ -181,12 +195,13 @@ def pair_summary(steps0: list, steps1: list) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--num-scheduler-steps", type=int, default=1)
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    p.add_argument("--dtype", default="bfloat16", help="model dtype (default bfloat16)")
+    p.add_argument("--rounds", type=int, default=4, help="generate() rounds; the first is warm-up (default 4)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1, help="the engine's multi-step (default 1)")
     p.add_argument("--modules", action="store_true", help="also time each kind of module in every rank")
-    p.add_argument("--model-root", default=str(Path.home() / ".cache" / "tp-runtime" / "bench"))
+    p.add_argument("--model-root", default=str(Path.home() / ".cache" / "tp-runtime" / "bench"),
+                   help="where the 100M llama is written once (default ~/.cache/tp-runtime/bench)")
     args = p.parse_args()
 
     model = ensure_model(Path(args.model_root), args.dtype)

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,11 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from bench_common import REPO, free_port
 
 PROMPTS = [[1, 5, 9, 200, 17, 3], [1] + list(range(40, 90))]
 MAX_TOKENS = 16
@@ -121,12 +117,6 @@ def run_engine(model: str, device: str, tp: int, backend: str) -> tuple[list[lis
     return tokens, timings
 
 
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_torchrun(model: str, device: str, tp: int, work: Path) -> list[list[int]]:
     """This script under `torchrun --nproc-per-node tp` (one node, loopback rendezvous);
     every rank's tokens must agree. Returns rank 0's."""
@@ -137,7 +127,7 @@ def run_torchrun(model: str, device: str, tp: int, work: Path) -> list[list[int]
     if device == "cpu":
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: keep gloo on loopback
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(tp),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_loopback_port()),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(Path(__file__).resolve()), "--torchrun-rank", model, str(out_dir), "--device", device]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -168,6 +158,8 @@ def torchrun_rank_main(model: str, out_dir: str, device: str) -> int:
 
 
 def smoke(args: argparse.Namespace, phases: dict[str, float], facts: dict[str, Any]) -> None:
+    import torch  # here, not at the top: --help loads no torch
+
     from engine.tiny_model import make_tiny_model
 
     cuda = torch.cuda.is_available()

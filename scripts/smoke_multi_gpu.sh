@@ -8,8 +8,15 @@
 # Prints one summary line (`SMOKE OK ...` / `SMOKE FAIL ...`) with the phase timings and
 # exits non-zero on any failure. Extra arguments go to scripts/smoke_multi_gpu.py
 # (--model DIR, --cpu-tp N, --no-torchrun). PYTHON picks the interpreter (default python3).
+# --help prints this text and the Python script's flags, and starts nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+    sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' scripts/smoke_multi_gpu.sh
+    echo
+    exec "${PYTHON:-python3}" scripts/smoke_multi_gpu.py --help
+fi
 
 if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi -L || true  # the GPUs as the driver sees them; torch's view decides the TP size

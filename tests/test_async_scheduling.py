@@ -264,6 +264,7 @@ def stop_tokens(tiny_models):
     return [outs[0].outputs[0].token_ids[6], outs[1].outputs[0].token_ids[3]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv", ["roomy", "tight"])
 def test_engine_async_equals_one_step_at_a_time_tp2(tiny_models, stop_tokens, kv):
     # "tight": a cache of 6 blocks of 16 tokens, so the 6 sequences preempt each other.
@@ -277,6 +278,7 @@ def test_engine_async_equals_one_step_at_a_time_tp2(tiny_models, stop_tokens, kv
     assert len(one_at_a_time[3][0][0]) == 1
 
 
+@pytest.mark.slow
 def test_calls_between_steps_wait_for_the_step_in_flight(tiny_models):
     """A collective_rpc (and sleep/wake, update_weights: all go through it) made while a
     step is in flight runs after it; the step's result is still applied."""
@@ -299,6 +301,7 @@ def test_calls_between_steps_wait_for_the_step_in_flight(tiny_models):
         assert [done[f"req-{i}"] for i in range(len(PROMPTS), 2 * len(PROMPTS))] == expected
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_with_a_step_queued_behind_fails_the_engine_fast(tiny_models):
     """Rank 1 raises in a forward that rank 0 runs on (rank 0 waits in an all-reduce
     for it) while the next step is already queued: no hang; the step's caller gets the
@@ -327,6 +330,7 @@ def fail_next_step_on_every_rank(worker) -> None:
     runner.execute_model = execute_model
 
 
+@pytest.mark.slow
 def test_a_step_that_fails_on_every_rank_is_rerun(tiny_models):
     """Every rank raises in one step (no collective left waiting): the caller gets the
     error, the step queued behind it is dropped, and the engine goes on: the requests

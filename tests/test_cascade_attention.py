@@ -60,6 +60,7 @@ def backend_md(common: AttentionMetadata) -> CPUAttentionMetadata:
     return CPUAttentionBackend(num_layers=1).build_metadata(common)  # type: ignore[return-value]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("paged_decode", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 def test_cascade_equals_the_plain_gather(dtype: torch.dtype, atol: float, paged_decode: bool) -> None:

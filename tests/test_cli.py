@@ -19,15 +19,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engine.entrypoints.cli import (
-    build_parser,
-    engine_config_kwargs,
+from engine.entrypoints.arg_types import (
     human_readable_int,
     load_chat_template,
     max_model_len_arg,
-    parse_args,
     parse_bytes,
 )
+from engine.entrypoints.cli_args import build_parser, parse_args
+from engine.entrypoints.engine_args import engine_config_kwargs
 from tests.conftest import REPO
 
 

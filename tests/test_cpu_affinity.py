@@ -55,6 +55,7 @@ def _engine(model: Path, tp: int, **kwargs: Any) -> EngineCore:
                       use_tqdm_on_load=False, **kwargs)
 
 
+@pytest.mark.slow
 @needs_two_cores
 def test_each_rank_runs_on_the_cores_it_was_given(tiny_models):
     half = len(CORES) // 2
@@ -65,6 +66,7 @@ def test_each_rank_runs_on_the_cores_it_was_given(tiny_models):
         assert core.collective_rpc(_affinity) == [([CORES[1]], 1), ([CORES[0]], 1)]
 
 
+@pytest.mark.slow
 @needs_two_cores
 def test_two_engines_with_disjoint_binds_share_no_core(tiny_models):
     with _engine(tiny_models["llama"], 1, cpu_threads_bind=str(CORES[0])) as first, \

@@ -26,6 +26,8 @@ from distributed.utils import cdiv
 from tests.conftest import run_tp
 from tests.tp_helpers import tp_collectives
 
+pytestmark = pytest.mark.slow
+
 
 def test_without_a_group_the_process_is_rank_0_of_1_and_collectives_are_identity():
     assert (get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()) == (0, 1)

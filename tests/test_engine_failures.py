@@ -44,7 +44,7 @@ from tests.runtime_helpers import (
 )
 from worker.kv_cache import KVCacheTooSmallError
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -61,6 +61,7 @@ def engine_tp2(tiny_models: dict[str, Path]) -> Iterator[EngineCore]:
         ("llama_h8_kv2", 4, 1),
     ],
 )
+@pytest.mark.slow
 def test_engine_starts_with_equal_kv_cache_on_every_rank(tiny_models, model_name, tp, kv_heads_per_rank):
     shm_before = shm_segments()
     config = engine_config(tiny_models[model_name], tp=tp)
@@ -157,6 +158,7 @@ def test_rpc_method_that_is_neither_a_name_nor_a_callable_is_refused_in_the_call
         assert uni.collective_rpc(lambda w: w.rank) == [0]
 
 
+@pytest.mark.slow
 def test_rpc_timeout_then_engine_still_works(engine_tp2):
     def slow(worker, seconds):
         time.sleep(seconds)
@@ -174,6 +176,7 @@ def test_rpc_timeout_then_engine_still_works(engine_tp2):
     engine_tp2.check_health()
 
 
+@pytest.mark.slow
 def test_rpc_timeout_with_unique_reply_rank(engine_tp2):
     def slow_on_rank1(worker):
         if worker.rank == 1:
@@ -185,6 +188,7 @@ def test_rpc_timeout_with_unique_reply_rank(engine_tp2):
     assert engine_tp2.collective_rpc(lambda w: ("fresh", w.rank)) == [("fresh", 0), ("fresh", 1)]
 
 
+@pytest.mark.slow
 def test_rpc_large_messages(engine_tp2):
     payload = os.urandom(1024) * (BIG // 1024)
     assert len(payload) > 64 * MIB
@@ -287,6 +291,7 @@ def test_a_step_whose_request_never_got_its_sampling_params_is_an_error_naming_i
 # ---------------------------------------------------------------- lifetime
 
 
+@pytest.mark.slow
 def test_context_manager_shuts_down(tiny_models):
     shm_before = shm_segments()
     with EngineCore(engine_config(tiny_models["llama"], tp=2)) as core:
@@ -300,6 +305,7 @@ def test_context_manager_shuts_down(tiny_models):
         core.collective_rpc("check_health")
 
 
+@pytest.mark.slow
 def test_context_manager_shuts_down_on_exception(tiny_models):
     shm_before = shm_segments()
     with pytest.raises(KeyError, match="inside the block"):
@@ -309,6 +315,7 @@ def test_context_manager_shuts_down_on_exception(tiny_models):
     assert_nothing_left(pids, ipc_dir, shm_before)
 
 
+@pytest.mark.slow
 def test_garbage_collection_shuts_down(tiny_models):
     shm_before = shm_segments()
     core = EngineCore(engine_config(tiny_models["llama"], tp=2))
@@ -319,6 +326,7 @@ def test_garbage_collection_shuts_down(tiny_models):
     assert_nothing_left(pids, ipc_dir, shm_before)
 
 
+@pytest.mark.slow
 def test_spawn_start_method(tiny_models, monkeypatch):
     monkeypatch.setenv("TP_WORKER_MULTIPROC_METHOD", "spawn")
     shm_before = shm_segments()
@@ -341,6 +349,7 @@ def test_bad_multiproc_method_is_rejected(tiny_models, monkeypatch):
     assert live_children() <= children_before
 
 
+@pytest.mark.slow
 def test_generate_refusing_a_prompt_leaves_no_request_behind(engine_tp2):
     vocab = engine_tp2.config.model_config.vocab_size
     with pytest.raises(ValueError, match="outside the vocabulary"):

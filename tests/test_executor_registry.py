@@ -93,6 +93,7 @@ _LAZY_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_registry_import_is_light_and_builtins_are_imported_only_when_chosen() -> None:
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", _LAZY_SCRIPT], capture_output=True, text=True, timeout=120, env=env)

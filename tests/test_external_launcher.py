@@ -44,7 +44,7 @@ from tests.torchrun_helpers import (
     wait_gone,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 # Liveness bounds, not performance: how long a start or a stop may take before the
 # test reports it as hung.

@@ -28,7 +28,7 @@ from executor import forked_forkserver
 from tests.reliability.helpers import assert_nothing_left, short_tmpdir
 from tests.runtime_helpers import DEATH_BOUND_S, shm_segments, wait_pids_gone
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -170,6 +170,7 @@ def test_fp8_memory_against_bf16(tiny_models, record_property):
     assert rel_err(compute_logits_on_rank(fp8, ids), compute_logits_on_rank(bf16, ids)) < LOGITS_REL_TOL
 
 
+@pytest.mark.slow
 def test_fp8_greedy_agreement(tiny_models, record_property):
     ref = load(tiny_models["llama"])
     fp8 = load(tiny_models["llama"], quantization="fp8")
@@ -199,6 +200,7 @@ def test_fp8_greedy_agreement(tiny_models, record_property):
     assert free >= 0.4
 
 
+@pytest.mark.slow
 def test_fp8_tp2(tiny_models, hf_logits):
     """TP=2 in real gloo processes: column shards keep their rows' scales, row-parallel
     shards quantise their own input slice; logits stay within the fp8 tolerance."""

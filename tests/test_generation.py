@@ -155,6 +155,7 @@ def vocab_of(model_dir: Path) -> int:
 # ---------------------------------------------------------------------- tests
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers(engine: Engine, hf_reference: Callable) -> None:
     prompts = make_prompts(engine.vocab_size)
     outs = engine.core.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
@@ -185,6 +186,7 @@ def test_logprobs_match_transformers(engine: Engine, hf_reference: Callable) -> 
                 )
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible(engine: Engine, tp1_engines: Callable) -> None:
     prompts = make_prompts(engine.vocab_size, seed=1)
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=MAX_NEW, ignore_eos=True)
@@ -211,6 +213,7 @@ def test_seeded_sampling_is_reproducible(engine: Engine, tp1_engines: Callable) 
     assert top1 == greedy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_preemption_keeps_greedy_tokens(tp: int, tiny_models: dict[str, Path], hf_reference: Callable) -> None:
     name, block_size, max_len = "llama", 4, 80
@@ -329,6 +332,7 @@ def test_paged_attention_matches_dense(num_heads: int, num_kv_heads: int, group_
             free.extend(blocks)
 
 
+@pytest.mark.slow
 def test_long_staggered_generation_matches_transformers(tiny_models: dict[str, Path]) -> None:
     """Decode runs long enough for each layer's decode context to outgrow its buffer
     several times, with sequences of different lengths finishing at different steps
@@ -349,12 +353,14 @@ def _uses_shared_memory_collectives(worker: Any) -> bool:
     return getattr(get_tp_group().communicator, "shm", None) is not None
 
 
+@pytest.mark.slow
 def test_cpu_tp_engine_runs_its_collectives_through_shared_memory(tiny_models: dict[str, Path]) -> None:
     """The TP=2/4 greedy tests above run on this path: every rank has the shm all-reduce."""
     with EngineCore(engine_config(tiny_models["llama"], 2, 16)) as core:
         assert core.collective_rpc(_uses_shared_memory_collectives) == [True, True]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_size,tp", [(64, 1), (64, 2), (128, 2)])
 def test_head_sizes_of_the_vectorised_attention_match_transformers(
     head_size: int, tp: int, tmp_path_factory: pytest.TempPathFactory

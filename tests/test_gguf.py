@@ -328,6 +328,7 @@ def test_fallback_dequantisers_match_gguf(qtype):
     torch.testing.assert_close(ours, torch.from_numpy(gguf.quants.dequantize(packed, Q[qtype])), atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_gguf_tp2(gguf_files, hf_logits):
     """TP=2 in real gloo processes: F32 llama and qwen2 exact against TP=1 / transformers, Q8_0 llama
     identical to the TP=1 Q8_0 load (the dequantised tensor is only sliced)."""

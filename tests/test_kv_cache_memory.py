@@ -18,6 +18,8 @@ import torch
 from worker.kv_cache import DeviceKVCache, HostKVCache, allocate_kv_cache
 from worker.sleep_mode import trim_host_memory
 
+pytestmark = pytest.mark.slow
+
 SHAPE = (64, 2, 16, 4, 64)  # 64 blocks of 16 tokens, K and V, 4 heads of 64: 2 MiB per layer in float32
 LAYERS = 24
 MIB = 1 << 20

@@ -167,6 +167,7 @@ def test_registry_lists_the_new_formats() -> None:
         get_model_loader(type("LC", (), {"load_format": "bogus"})())
 
 
+@pytest.mark.slow
 def test_every_format_matches_safetensors_tp1(
     tiny_models: dict[str, Path], formats_root: dict[str, Path], reference: dict[str, Any]
 ) -> None:
@@ -202,6 +203,7 @@ def test_every_format_matches_safetensors_tp1(
         assert torch.equal(logits_of(model, ids_t), expected_t), kwargs
 
 
+@pytest.mark.slow
 def test_every_format_matches_safetensors_tp2(
     tiny_models: dict[str, Path], formats_root: dict[str, Path], reference: dict[str, Any]
 ) -> None:

@@ -191,6 +191,7 @@ def test_plan_shards_balanced():
     assert _plan_shards([5, 5], 1) == [0, 0]
 
 
+@pytest.mark.slow
 def test_cli_and_no_transformers_import(tmp_path):
     help_out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True,
                               check=True).stdout

@@ -22,6 +22,8 @@ from executor.message_queue import MessageQueueHandle, MessageQueueOwner, QueueC
 from executor.message_queue_reader import MessageQueueReader
 from executor.message_queue_writer import MessageQueueWriter
 
+pytestmark = pytest.mark.slow
+
 SPAWN = mp.get_context("spawn")
 SMALL_CHUNK = 64 * 1024
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -157,6 +157,7 @@ def test_dtype_auto_and_bfloat16(tiny_models: dict[str, Path]) -> None:
 # ----------------------------------------------------------------- numerics: TP=2 and 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_logits_match_transformers_tensor_parallel(
     world_size: int, tiny_models: dict[str, Path], hf_logits, copy_model
@@ -191,6 +192,7 @@ def test_logits_match_transformers_tensor_parallel(
         assert err[0] == "WeightLoadError" and missing in err[1], err
 
 
+@pytest.mark.slow
 def test_run_tp_propagates_worker_errors_and_leaves_no_process() -> None:
     import multiprocessing
 

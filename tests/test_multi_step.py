@@ -710,6 +710,7 @@ def test_engine_multi_step_equals_single_step_tp1(stopping_model: dict[str, Any]
         assert single_preemptions > 0 and multi_preemptions > 0
 
 
+@pytest.mark.slow
 def test_engine_multi_step_equals_single_step_tp2_async(stopping_model: dict[str, Any]) -> None:
     model, stop = stopping_model["path"], stopping_model["stop"]
     single, single_steps, _ = run_mixed(model, 2, 1, stop)

@@ -157,6 +157,7 @@ def _leftovers(root: Path) -> list[str]:
     return sorted(p.name for p in kernels.iterdir()) if kernels.exists() else []
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_builds_once_into_the_cache_and_then_only_loads(tmp_path, monkeypatch):
     monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
@@ -211,6 +212,7 @@ def _rank_kernel(worker) -> str | None:
     return None if kernel is None else str(kernel.path)
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_every_rank_of_a_cpu_engine_decodes_with_the_kernel(tiny_models):
     """The greedy-equals-transformers tests (test_generation.py) run on this path."""

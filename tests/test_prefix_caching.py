@@ -341,6 +341,7 @@ def hf_llama(tiny_models: dict[str, Path]) -> Any:
     return _hf_model(tiny_models["llama"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_outputs_equal_with_caching_on_and_off_and_transformers(
     tp: int, tiny_models: dict[str, Path], hf_llama: Any
@@ -411,7 +412,7 @@ def test_prefix_caching_is_on_by_default_and_can_be_turned_off(tiny_models: dict
     assert create_engine_config(model=str(tiny_models["llama"]), device="cpu").cache_config.enable_prefix_caching
     off = create_engine_config(model=str(tiny_models["llama"]), device="cpu", enable_prefix_caching=False)
     assert not off.cache_config.enable_prefix_caching
-    from engine.entrypoints.cli import build_parser
+    from engine.entrypoints.cli_args import build_parser
 
     assert build_parser().parse_args(["m"]).enable_prefix_caching
     assert not build_parser().parse_args(["m", "--no-enable-prefix-caching"]).enable_prefix_caching

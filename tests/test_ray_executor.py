@@ -35,7 +35,7 @@ import torch
 
 from config import ConfigError, SamplingParams
 from engine.core import EngineCore
-from engine.entrypoints.cli import build_parser
+from engine.entrypoints.cli_args import build_parser
 from executor.errors import EngineDeadError, RemoteWorkerError, WorkerStartupError
 from executor.ray_distributed_executor import RayDistributedExecutor
 from executor.ray_utils import node_local_ranks
@@ -65,7 +65,7 @@ from tests.test_engine_runtime import (  # noqa: F401
 )
 from tests.test_serve import ServerProcess
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 LOCAL_IP, HEAD_IP, NODE2_IP, SERVE_IP = "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"
 PROMPTS = [[1, 17, 42, 99, 3], [250, 4, 8, 15, 16, 23, 42], list(range(10, 40))]
@@ -150,6 +150,7 @@ def hf_tokens(tiny_models: dict[str, Path]) -> Callable[[str], list[list[int]]]:
 # ---------------------------------------------------------------- one node
 
 
+@pytest.mark.slow
 def test_tp2_engine_on_ray_matches_mp_and_transformers(engine_tp2, tiny_models, hf_tokens):
     executor = engine_tp2.model_executor
     assert isinstance(executor, RayDistributedExecutor)
@@ -182,6 +183,7 @@ def test_rpc_callable_runs_in_each_ranks_actor(engine_tp2):
     assert results == [(0, 2473, actor_pids(engine_tp2)[0]), (1, 2473, actor_pids(engine_tp2)[1])]
 
 
+@pytest.mark.slow
 def test_rpc_timeout_leaves_the_slow_call_running_and_the_engine_working(engine_tp2, tmp_path):
     """As test_engine_runtime's timeout test, with no wall-clock bound: the slow call is
     seen still running (its marker file is not there yet) when TimeoutError arrives."""
@@ -220,6 +222,7 @@ def _barrier_on_rank_1(worker):
     return worker.rank
 
 
+@pytest.mark.slow
 def test_failure_on_a_rank_that_was_not_asked_is_reported_at_once(engine_tp2, hf_tokens):
     start = time.monotonic()
     with pytest.raises(RemoteWorkerError, match="boom on rank 1") as info:
@@ -244,6 +247,7 @@ def _rank_actors() -> set[psutil.Process]:
     return found
 
 
+@pytest.mark.slow
 def test_failed_start_up_leaves_no_actor_or_placement_group(engine_tp2, copy_model):
     model = copy_model("llama")
     shard = model / "model-00002-of-00002.safetensors"
@@ -265,6 +269,7 @@ def test_failed_start_up_leaves_no_actor_or_placement_group(engine_tp2, copy_mod
     assert ray.available_resources().get("CPU") == cpus_before
 
 
+@pytest.mark.slow
 def test_a_placement_the_cluster_cannot_satisfy_fails_naming_the_resources(engine_tp2, tiny_models, monkeypatch):
     """STRICT_SPREAD needs a node per rank; the local instance is one node."""
     import executor.ray_distributed_executor as ray_executor
@@ -278,6 +283,7 @@ def test_a_placement_the_cluster_cannot_satisfy_fails_naming_the_resources(engin
     assert new_groups and all(g["state"] == "REMOVED" for g in new_groups.values()), new_groups
 
 
+@pytest.mark.slow
 def test_two_engines_share_a_cluster_without_interfering(engine_tp2, local_ray, tiny_models, hf_tokens):
     with EngineCore(ray_config(tiny_models["qwen2"])) as other:
         local_ray.record()
@@ -304,6 +310,7 @@ def _busy_on(rank: int) -> Callable[[Any], int]:
     return busy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how,victim", [("ray.kill", 1), ("os.kill", 0)])
 def test_killed_actor_makes_the_engine_dead_at_once(local_ray, tiny_models, how, victim):
     core = EngineCore(ray_config(tiny_models["llama"]))
@@ -370,6 +377,7 @@ def test_node_local_ranks_count_per_node_in_rank_order():
     assert node_local_ranks(["a", "a", "b", "b", "b"]) == [(0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
 
 
+@pytest.mark.slow
 def test_choosing_the_backend_does_not_import_ray():
     script = textwrap.dedent("""
         import sys
@@ -430,6 +438,7 @@ def _wait_for_log(node: RayNode, text: str, timeout: float = 90.0) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_two_node_cluster_spreads_the_ranks_and_survives_losing_a_node(ray_env, tiny_models, hf_tokens):
     head = RayNode(HEAD_IP, num_cpus=1)
     second = None
@@ -481,6 +490,7 @@ def test_two_node_cluster_spreads_the_ranks_and_survives_losing_a_node(ray_env, 
 # ---------------------------------------------------------------- no cluster: the engine starts one
 
 
+@pytest.mark.slow
 def test_serve_with_no_cluster_starts_a_local_instance_and_stops_it(ray_env, tmp_path):
     model = tiny_llama_with_tokenizer(tmp_path / "model", num_attention_heads=4, num_key_value_heads=2,
                                       vocab_size=512, max_position_embeddings=256)

@@ -91,6 +91,7 @@ def test_unseeded_requests_use_engine_seed_and_request_id() -> None:
     assert draws("a", 0) != draws("a", 1)
 
 
+@pytest.mark.slow
 def test_stable_hash_is_stable_across_processes() -> None:
     code = "from worker.sampler import stable_hash; print(stable_hash('req-1', 5, -3))"
     outputs = {
@@ -129,6 +130,7 @@ def test_top_p_restricts_support_to_nucleus() -> None:
     assert seen == {0, 1, 2}
 
 
+@pytest.mark.slow
 def test_draws_follow_the_distribution() -> None:
     """Over many steps each token is drawn about as often as its probability says (within
     4.5 standard deviations of a binomial count), and a token of zero mass never is:

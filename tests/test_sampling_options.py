@@ -295,6 +295,7 @@ def test_truncate_prompt_tokens_and_skip_special_tokens(engine: EngineCore) -> N
     assert engine.generate(ids, _greedy(skip_special_tokens=False, **forced))[0].text == eos_text * 3
 
 
+@pytest.mark.slow
 def test_options_that_need_the_token_history_agree_across_tp_ranks(model_dir: Path, engine: EngineCore) -> None:
     ids = _prompt_ids(engine)
     params = [

@@ -211,6 +211,7 @@ def _sse_payloads(body: str) -> list[Any]:
 # --------------------------------------------------------------------------- completions
 
 
+@pytest.mark.slow
 def test_completion_stream_and_non_stream_agree(client: openai.OpenAI) -> None:
     kwargs = dict(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=24, temperature=0,
                   extra_body={"ignore_eos": True})
@@ -386,6 +387,7 @@ def test_server_survives_bad_requests(server: ServerProcess, client: openai.Open
 # ------------------------------------------------------------------ concurrency, metrics
 
 
+@pytest.mark.slow
 def test_64_concurrent_requests_match_sequential_ones(server: ServerProcess) -> None:
     url = f"{server.url}/v1/completions"
     cases = [(PROMPTS[i % len(PROMPTS)], 8 + 4 * (i % 3), i % 2 == 1) for i in range(64)]  # prompt, max_tokens, stream
@@ -417,6 +419,7 @@ def test_64_concurrent_requests_match_sequential_ones(server: ServerProcess) -> 
         assert got == reference[(prompt, max_tokens)], (prompt, max_tokens, stream)
 
 
+@pytest.mark.slow
 def test_health_and_metrics(server: ServerProcess, client: openai.OpenAI) -> None:
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     before = httpx.get(f"{server.url}/metrics")
@@ -454,6 +457,7 @@ def test_health_and_metrics(server: ServerProcess, client: openai.OpenAI) -> Non
     assert int(info.labels["num_gpu_blocks"]) > 0 and info.labels["kv_cache_memory_bytes"] == str(16 << 20), info
 
 
+@pytest.mark.slow
 def test_prefix_cache_metrics_reset_and_log_line(server: ServerProcess, client: openai.OpenAI) -> None:
     prompt = "A long shared system prompt, " * 6 + "and then a question"
 
@@ -485,6 +489,7 @@ def test_prefix_cache_metrics_reset_and_log_line(server: ServerProcess, client: 
         assert part in line, (part, line)
 
 
+@pytest.mark.slow
 def test_client_disconnect_aborts_the_request(server: ServerProcess) -> None:
     def aborted() -> float:
         text = httpx.get(f"{server.url}/metrics").text
@@ -532,6 +537,7 @@ def _in_process_core(model: Path) -> Any:
                       kv_cache_memory_bytes=16 << 20, max_model_len=MAX_MODEL_LEN, use_tqdm_on_load=False)
 
 
+@pytest.mark.slow
 def test_async_engine_generates_cancels_and_dies_cleanly(serve_model: Path) -> None:
     from config import SamplingParams
     from engine.async_engine import AsyncEngine
@@ -590,6 +596,7 @@ def test_async_engine_generates_cancels_and_dies_cleanly(serve_model: Path) -> N
         engine.shutdown()
 
 
+@pytest.mark.slow
 def test_async_engine_gives_a_slow_reader_every_delta(serve_model: Path) -> None:
     """DELTA outputs are never skipped for being queued behind each other: a reader that
     sleeps after each one still gets every token, in order, and the token count."""
@@ -644,6 +651,7 @@ def test_async_engine_shutdown_fails_pending_requests(serve_model: Path) -> None
 # --------------------------------------------------------------------- own servers
 
 
+@pytest.mark.slow
 def test_enable_log_requests_logs_each_request_cut_to_max_log_len(serve_model: Path, start_server: Any) -> None:
     """vLLM's --enable-log-requests: one INFO line per request received, naming its id,
     prompt, parameters and prompt token ids, the prompt and the ids cut to --max-log-len."""
@@ -671,6 +679,7 @@ def test_help() -> None:
         assert flag in out.stdout or flag.lower() in out.stdout
 
 
+@pytest.mark.slow
 def test_api_key_then_sigterm_stops_cleanly(serve_model: Path, start_server: Any) -> None:
     # (also the plain-sgemm path: this server runs without packed CPU weights)
     server = start_server(_server_args(serve_model, "--api-key", "s3cret", "--shutdown-timeout", "5",
@@ -710,6 +719,7 @@ def test_api_key_then_sigterm_stops_cleanly(serve_model: Path, start_server: Any
     assert "Serving tiny-serve on http://127.0.0.1:" in server.log()
 
 
+@pytest.mark.slow
 def test_worker_death_turns_health_503_and_exits_nonzero(serve_model: Path, start_server: Any) -> None:
     server = start_server(_server_args(serve_model, "--max-worker-restarts", "0"))  # no self-healing
     children = _descendants(server.pid)
@@ -749,6 +759,7 @@ def test_worker_death_turns_health_503_and_exits_nonzero(serve_model: Path, star
         assert "error" in payloads[-1] or payloads[-1]["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.slow
 def test_a_dead_worker_is_replaced_and_the_server_goes_on(serve_model: Path, start_server: Any) -> None:
     server = start_server(_server_args(serve_model, "--max-worker-restarts", "1"))
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -771,6 +782,7 @@ def test_a_dead_worker_is_replaced_and_the_server_goes_on(serve_model: Path, sta
     assert len(restarts) == 1 and restarts[0].endswith(" 1.0"), restarts
 
 
+@pytest.mark.slow
 def test_no_model_serves_the_demo_model(start_server: Any, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     server = start_server(["--device", "cpu", "--no-access-log"], env={"TP_RUNTIME_CACHE": str(cache)})

@@ -164,6 +164,7 @@ def test_every_vllm_field_is_declared_and_covered() -> None:
 
 @pytest.mark.parametrize("route, field", [("completions", f) for f in REFUSED_COMPLETION]
                          + [("chat/completions", f) for f in REFUSED_CHAT])
+@pytest.mark.slow
 def test_refused_fields_are_a_400_naming_them(server: ServerProcess, route: str, field: str) -> None:
     refused = REFUSED_COMPLETION if route == "completions" else REFUSED_CHAT
     body = {"prompt": PROMPT} if route == "completions" else {"messages": MESSAGES}
@@ -172,6 +173,7 @@ def test_refused_fields_are_a_400_naming_them(server: ServerProcess, route: str,
     assert response.json()["error"]["param"] == field, response.text
 
 
+@pytest.mark.slow
 def test_unknown_fields_are_ignored_and_nulls_mean_default(server: ServerProcess) -> None:
     base = _text(server)
     nulls = {"stream": None, "n": None, "stop": None, "logprobs": None, "seed": None, "stream_options": None,
@@ -185,6 +187,7 @@ def test_unknown_fields_are_ignored_and_nulls_mean_default(server: ServerProcess
     assert chat.status_code == 200, chat.text
 
 
+@pytest.mark.slow
 def test_stop_strings_stream_and_whole_agree(server: ServerProcess) -> None:
     full = _text(server, max_tokens=24)
     stop = full[7:10]
@@ -214,6 +217,7 @@ def test_stop_strings_stream_and_whole_agree(server: ServerProcess) -> None:
     assert content == chat["message"]["content"]
 
 
+@pytest.mark.slow
 def test_a_list_of_prompts_and_n_samples(server: ServerProcess) -> None:
     prompts = [PROMPT, "The capital of France"]
     body = {"prompt": prompts, "n": 3, "seed": 7, "temperature": 1.0, "max_tokens": 8}
@@ -261,6 +265,7 @@ def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt(server: ServerPro
     assert echoed["logprobs"]["text_offset"][num] == len(PROMPT)
 
 
+@pytest.mark.slow
 def test_sampling_fields_change_the_output(server: ServerProcess) -> None:
     base = _complete(server, max_tokens=16, return_token_ids=True)["choices"][0]
     ids = base["token_ids"]
@@ -340,6 +345,7 @@ def test_chat_echo_continue_final_message_and_template_kwargs(server: ServerProc
     assert kwargs.status_code == 200
 
 
+@pytest.mark.slow
 def test_generation_config_path_sets_defaults(serve_model: Path, tmp_path: Path) -> None:
     config_dir = tmp_path / "genconfig"
     config_dir.mkdir()
@@ -360,6 +366,7 @@ def test_generation_config_path_sets_defaults(serve_model: Path, tmp_path: Path)
         proc.stop()
 
 
+@pytest.mark.slow
 def test_bad_values_name_their_field(server: ServerProcess) -> None:
     for field, value in (("stop_token_ids", [10**6]), ("allowed_token_ids", [10**6]), ("logit_bias", {"1000000": 1}),
                          ("logit_bias", {"x": 1}), ("n", 10**6), ("best_of", 10**6), ("min_tokens", 99)):

@@ -158,6 +158,7 @@ def test_unlink_and_close_leave_no_dev_shm_entry() -> None:
         ShmRing.attach(spec)  # owner gone: the name is really gone
 
 
+@pytest.mark.slow
 def test_bad_geometry_and_short_segment() -> None:
     with pytest.raises(ValueError):
         ShmSegment(_spec(n_reader=0))
@@ -193,6 +194,7 @@ def _child_reader(spec: RingSpec, n: int, results: Any) -> None:
         ring.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_second_process_reads_every_message_through_a_small_ring() -> None:
     n = 200

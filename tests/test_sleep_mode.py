@@ -24,6 +24,8 @@ from engine.core import EngineCore
 from engine.tiny_model import make_tiny_model
 from tests.test_serve import ServerProcess
 
+pytestmark = pytest.mark.slow
+
 KV_BYTES = 32 << 20
 PROMPTS = [list(range(5, 41)), [7, 300, 12, 9, 1000, 4, 4, 81]]
 MODEL_SPEC: dict[str, Any] = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6,

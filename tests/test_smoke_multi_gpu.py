@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 SUMMARY = re.compile(
     r"^SMOKE OK device=cpu tp=2 tokens=32 \| model [\d.]+s \| tp1 [\d.]+s \| tp2 [\d.]+s \| torchrun [\d.]+s "

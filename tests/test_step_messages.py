@@ -5,9 +5,9 @@ the shared-memory queue the multiproc executor sends them on."""
 from __future__ import annotations
 
 import pickle
-from dataclasses import fields
 
 import pytest
+from msgspec.structs import fields
 
 from config import SamplingParams
 from executor.message_queue import MessageQueueOwner

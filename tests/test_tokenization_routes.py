@@ -50,6 +50,7 @@ def _post(server: ServerProcess, route: str, body: Any) -> httpx.Response:
     return httpx.post(f"{server.url}/{route}", json=body, timeout=60)
 
 
+@pytest.mark.slow
 def test_tokenize_a_prompt(tok_server: ServerProcess, tokenizer: Tokenizer) -> None:  # noqa: F811
     expected = tokenizer.encode("Hello world").ids  # with BOS, as /v1/completions encodes text
     body = _post(tok_server, "tokenize", {"model": NAME, "prompt": "Hello world"}).json()
@@ -124,6 +125,7 @@ def test_bad_requests_are_400s_naming_the_field(tok_server: ServerProcess, route
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
 
 
+@pytest.mark.slow
 def test_unknown_model_and_non_json(tok_server: ServerProcess) -> None:
     for route, body in (("tokenize", {"model": "nope", "prompt": "hi"}), ("detokenize", {"model": "nope",
                                                                                           "tokens": [1]})):

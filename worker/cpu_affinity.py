@@ -6,7 +6,7 @@
     "0-3|4-7"     explicit: one cpu list per rank, separated by "|" (like
                   VLLM_CPU_OMP_THREADS_BIND); a cpu list is "0-3,8,10-11"
 
-Validated by `EngineConfig` in the engine process, applied by `CpuPlatform.set_device`
+Validated by the resolution step (`engine/arg_utils.py`) in the engine process, applied by `CpuPlatform.set_device`
 in each rank's process before any compute thread exists, so torch's OpenMP threads
 inherit the rank's cores. Pinned ranks of one host never share a core, and two engines
 given disjoint binds never share one either.

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import select
-import socket
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +21,7 @@ import torch
 
 from distributed import destroy_distributed_environment, init_distributed_environment
 from distributed.parallel_state import get_tensor_model_parallel_world_size
+from distributed.shm_utils import host_id
 from model_loader.sharded_state_loader import save_sharded_model
 from worker.kv_cache import KVCacheConfig, KVCacheSpec
 from worker.model_runner import ModelRunner
@@ -64,20 +64,11 @@ def _maybe_inject_fault(rank: int, phase: str) -> None:
     raise ValueError(f"{FAULT_ENV}={spec!r}: action {action!r} is not one of 'hang', 'raise', 'exit'")
 
 
-def _host_key() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
 def _local_peer_pids(rank: int, world_size: int) -> dict[int, int]:
     """{rank: pid} of the other ranks on this host (one object all-gather, at start-up)."""
     if world_size == 1:
         return {}
-    mine = (_host_key(), os.getpid())
+    mine = (host_id(), os.getpid())
     everyone: list[Any] = [None] * world_size
     torch.distributed.all_gather_object(everyone, mine)
     return {r: pid for r, (host, pid) in enumerate(everyone) if r != rank and host == mine[0]}

@@ -15,25 +15,15 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
 from distributed.device_communicators.base import DeviceCommunicatorBase
 from distributed.device_communicators.shm_allreduce import ShmAllReduce
+from distributed.shm_utils import host_id
 
 logger = logging.getLogger(__name__)
-
-
-def _host_id() -> str:
-    """Same string exactly for processes of one host (and one boot of it)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 class CpuCommunicator(DeviceCommunicatorBase):
@@ -45,7 +35,7 @@ class CpuCommunicator(DeviceCommunicatorBase):
         if os.environ.get("TP_CPU_SHM_ALLREDUCE", "1") == "0":
             return
         hosts = [""] * world_size
-        dist.all_gather_object(hosts, _host_id(), group=group)
+        dist.all_gather_object(hosts, host_id(), group=group)
         if len(set(hosts)) != 1:
             return  # ranks on several hosts: gloo
         try:

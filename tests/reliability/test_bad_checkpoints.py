@@ -307,7 +307,7 @@ def test_explicit_head_dim_need_not_divide_hidden_size(copy_model) -> None:
 
 
 def test_trust_remote_code_is_refused() -> None:
-    from engine.entrypoints.cli import build_parser
+    from engine.entrypoints.cli_args import build_parser
 
     with pytest.raises(TypeError, match="trust_remote_code"):
         create_engine_config(model="unused", trust_remote_code=True)  # type: ignore[call-arg]

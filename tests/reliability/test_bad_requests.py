@@ -87,6 +87,7 @@ def post_raw(server: ServerProcess, path: str, body: bytes, **headers: str) -> h
         ({"max_tokens": MAX_MODEL_LEN}, "prompt", ["maximum context length is 256"]),
     ],
 )
+@pytest.mark.slow
 def test_completion_length_and_vocab_errors(server: ServerProcess, body: dict[str, Any], param: str,
                                             needles: list[str]) -> None:
     request = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **body}
@@ -215,6 +216,7 @@ def _big_body(size: int) -> bytes:
     return head + b"a" * (size - len(head) - 2) + b'"}'
 
 
+@pytest.mark.slow
 def test_body_over_10_mib_is_a_413_and_the_server_stays_up(server: ServerProcess) -> None:
     before = rejected(server)
     body = _big_body(10 * MiB + 1)
@@ -239,6 +241,7 @@ def test_body_over_10_mib_is_a_413_and_the_server_stays_up(server: ServerProcess
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.slow
 def test_many_bad_requests_leave_the_server_serving(server: ServerProcess) -> None:
     url = f"{server.url}/v1/completions"
     bodies = [b"{", b"\xff", b'{"model": "%s", "prompt": "\\ud800"}' % MODEL.encode(), _big_body(11 * MiB),
@@ -272,6 +275,7 @@ EDGE_SAMPLING_VALUES = [
 ]
 
 
+@pytest.mark.slow
 def test_sampling_values_at_the_edge_of_float32_never_kill_the_engine(tmp_path: Path,
                                                                         server: ServerProcess) -> None:
     # Its own server (same model and flags as the module's): a failure here must not take the
@@ -295,6 +299,7 @@ def test_sampling_values_at_the_edge_of_float32_never_kill_the_engine(tmp_path: 
 # without the check is busy with one for a minute, so the test stops at the first)
 
 
+@pytest.mark.slow
 def test_huge_n_or_best_of_is_refused(server: ServerProcess) -> None:
     # One request with n = 10**6 fans out into a million sequences: without a bound, every
     # other client waits until it is aborted (51 s for a 2-token request on this host).

@@ -5,7 +5,7 @@ shared-memory segment, socket or file of ours remains.
 
 What each asserts: the error names the rank, it comes within a liveness bound, and
 every later call raises at once or works (none hangs). Figures are printed (-s) for
-the README's "Failure behaviour" table.
+the "Failure behaviour" table of docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from tests.runtime_helpers import (
     worker_pids,
 )
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]

@@ -26,7 +26,7 @@ import pytest
 from tests.reliability.helpers import queue_sockets, short_tmpdir
 from tests.runtime_helpers import DEATH_BOUND_S, live_children, pid_alive, shm_segments, wait_pids_gone
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,7 @@ from tests.reliability.helpers import arm_forward_fault, assert_nothing_left, wa
 from tests.reliability.test_faults import _in_thread
 from tests.runtime_helpers import DEATH_BOUND_S, engine_config, shm_segments, worker_pids
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [40, 41, 42], [7, 8, 9, 10]]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

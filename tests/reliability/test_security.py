@@ -29,6 +29,8 @@ import pytest
 from tests.conftest import REPO, free_port, tiny_llama_with_tokenizer
 from tests.test_serve import ServerProcess
 
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-secure"
 KEY = "s3cret-key"
 LIVENESS = ("/health", "/ping")

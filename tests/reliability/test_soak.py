@@ -24,6 +24,8 @@ import pytest
 
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.slow
+
 
 def test_soak_60s_nothing_lost_no_growth_kv_free(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"

@@ -3,10 +3,12 @@
 for whole (not streamed) responses.
 
 A handler calls `check_request(body)`, builds its prompt ids, then `sampling_params`
-and `submit(...)`, which truncates the prompt, checks the context length and submits
-the request; the checks run in that order, so a request with several problems gets
-the first one's 400. Every failure is an `APIError` (400 invalid, 404 unknown model,
-500 aborted, 503 dead engine).
+and `submit(...)`, which has the engine's input processor validate the request once,
+on the event loop (the number of samples, truncation, this server's context-length
+check, the token ids, the sampling fields against the model), and hands the engine
+the processed request; the checks run in that order, so a request with several
+problems gets the first one's 400. Every failure is an `APIError` (400 invalid, 404
+unknown model, 500 aborted, 503 dead engine).
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
 from config import SamplingParams
-from engine.async_engine import AsyncEngine, RequestAbortedError, RequestStream
+from engine.async_engine import AsyncEngine
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions, UsageInfo, dump
 from engine.outputs import RequestOutput
+from engine.request_stream import RequestAbortedError, RequestStream
 from executor.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -69,6 +72,13 @@ def load_generation_defaults(generation_config: str, model_dir: str) -> dict[str
     if defaults:
         logger.info("Default sampling parameters have been overridden by %s: %s", path, defaults)
     return defaults
+
+
+def _param_of(message: str, prompt_param: str) -> str:
+    """The field a refusal names first in its message ("n must ...", "stop_token_ids [...]
+    are outside ..."); else the prompt is at fault."""
+    match = _PARAM_IN_MESSAGE.match(message) or _FIELD_IN_MESSAGE.match(message)
+    return match.group(1) if match else prompt_param
 
 
 def _wait_for_disconnect(request: Request) -> Any:
@@ -227,25 +237,26 @@ class OpenAIServing:
 
     async def submit(self, body: AnyRequest, prompt_ids: list[int], params: SamplingParams, prompt_param: str,
                      request_id: str) -> tuple[RequestStream, list[int]]:
-        """Truncate the prompt (truncate_prompt_tokens), check the context length, and
-        submit. Returns the stream and the prompt ids as run."""
+        """Validate the request once, here on the event loop (engine/processor.py: the
+        number of samples, truncate_prompt_tokens, then this server's context-length
+        check and request log, then the token ids and the sampling fields against the
+        model), and hand the processed request to the engine. Returns the stream and
+        the prompt ids as run."""
+
+        def check_prompt(ids: list[int]) -> None:
+            self._check_context(len(ids), params.max_tokens, prompt_param)
+            if self.enable_log_requests:
+                self._log_request(request_id, ids, params)
+
         try:
-            self.engine.core.check_num_samples(params)
+            request = self.engine.processor.process_inputs(request_id, prompt_ids, params, body.cache_salt,
+                                                           check_prompt=check_prompt)
+            stream = await self.engine.add_request(request)
         except ValueError as e:
-            raise APIError(400, str(e), param="best_of" if params.best_of is not None else "n") from None
-        prompt_ids = self.engine.core.truncate_prompt(prompt_ids, params)
-        self._check_context(len(prompt_ids), params.max_tokens, prompt_param)
-        if self.enable_log_requests:
-            self._log_request(request_id, prompt_ids, params)
-        try:
-            stream = await self.engine.add_request(prompt_ids, params, request_id, cache_salt=body.cache_salt)
-        except ValueError as e:
-            # The engine names a sampling field it refused first in its message; else the prompt is at fault.
-            field = _FIELD_IN_MESSAGE.match(str(e))
-            raise APIError(400, str(e), param=field.group(1) if field else prompt_param) from None
+            raise APIError(400, str(e), param=_param_of(str(e), prompt_param)) from None
         except EngineDeadError as e:
             raise APIError(503, str(e), type="service_unavailable_error") from None
-        return stream, prompt_ids
+        return stream, request.prompt_token_ids
 
     def _log_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """vLLM's --enable-log-requests line, before the engine sees the request: its

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.types import Send
 
-from engine.async_engine import RequestAbortedError
+from engine.request_stream import RequestAbortedError
 from engine.entrypoints.openai.errors import error_payload
 from engine.entrypoints.openai.logprobs import TextOffsets
 from engine.outputs import RequestOutput
