@@ -33,18 +33,35 @@ import logging
 import time
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from executor.errors import EngineDeadError
 
 if TYPE_CHECKING:
-    from engine.core import EngineCore
+    from config import EngineConfig
+    from executor.abstract import Executor
+    from worker.kv_cache import KVCacheConfig
 
 logger = logging.getLogger(__name__)
 
 
+class RestartableEngine(Protocol):
+    """What the restarter uses of EngineCore (named here, so that this module need not
+    import the core that owns it)."""
+
+    config: EngineConfig
+    kv_cache_config: KVCacheConfig
+
+    @property
+    def is_sleeping(self) -> bool: ...
+    @property
+    def is_shut_down(self) -> bool: ...
+    def replace_executor(self) -> Executor: ...
+    def rerun_running_requests(self) -> int: ...
+
+
 class WorkerRestarter:
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: RestartableEngine) -> None:
         # A weak reference: the core's finalizer must still run when the core is collected.
         self._core = weakref.ref(core)
         self.limit = core.config.max_worker_restarts
@@ -64,7 +81,7 @@ class WorkerRestarter:
         self._weights = directory
         self._weights_lost = directory is None
 
-    def _why_not(self, core: EngineCore) -> str | None:
+    def _why_not(self, core: RestartableEngine) -> str | None:
         if self._weights_lost:
             return "its weights were replaced by tensors passed to update_weights, which a fresh group cannot load"
         if core.is_sleeping:
@@ -108,7 +125,7 @@ class WorkerRestarter:
         finally:
             self.restarting = False
 
-    def _restart(self, core: EngineCore, error: EngineDeadError) -> bool:
+    def _restart(self, core: RestartableEngine, error: EngineDeadError) -> bool:
         start = time.perf_counter()
         logger.warning("worker group failed: %s; restarting it (restart %d of at most %d within %gs)",
                        error, len(self._recent), self.limit, self.window_s)

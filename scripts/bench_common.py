@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -295,3 +295,21 @@ def add_child_args(parser: argparse.ArgumentParser) -> None:
 
 if __name__ == "__main__":
     print(__doc__)
+
+
+def latencies(fn: Callable[[], object], calls: int, warmup: int) -> list[float]:
+    """Per-call seconds of `fn()` over `calls` calls, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    clock = time.perf_counter_ns
+    for _ in range(calls):
+        t = clock()
+        fn()
+        out.append((clock() - t) * 1e-9)
+    return out
+
+
+def us(seconds: float) -> str:
+    """Seconds as microseconds, right-aligned for a table."""
+    return f"{seconds * 1e6:8.1f}"

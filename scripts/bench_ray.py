@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from bench_common import REPO, load_average, parse_result, print_result
+from bench_common import REPO, latencies, load_average, parse_result, print_result
 
 MODES = ("mp", "ray-joined", "ray-started")
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "TP_RAY_NODE_IP": "127.0.0.2"}
@@ -42,17 +42,6 @@ CHILD_TIMEOUT_S = 300
 
 def _noop(worker: object) -> None:
     return None
-
-
-def _latencies(core: object, method: object, calls: int) -> list[float]:
-    for _ in range(20):
-        core.collective_rpc(method)
-    out = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        core.collective_rpc(method)
-        out.append(time.perf_counter() - start)
-    return out
 
 
 def child_main(args: argparse.Namespace) -> None:
@@ -76,8 +65,8 @@ def child_main(args: argparse.Namespace) -> None:
         core = EngineCore(config)
         ready.append(time.perf_counter() - start)
         if i == 0:
-            rpc = {"by_name": _latencies(core, "check_health", args.calls),
-                   "callable": _latencies(core, _noop, args.calls)}
+            rpc = {"by_name": latencies(lambda: core.collective_rpc("check_health"), args.calls, 20),
+                   "callable": latencies(lambda: core.collective_rpc(_noop), args.calls, 20)}
         # ray-started: this shutdown stops the instance, so the second engine starts its own.
         core.shutdown()
     print_result(dict(ready=ready, rpc=rpc, ray_init_s=ray_init_s))

@@ -43,7 +43,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench_common import load_average  # noqa: E402  (path set up above)
+from bench_common import latencies, load_average, us  # noqa: E402  (path set up above)
 
 TARGET_RATIO = 2.0
 MIB = 1 << 20
@@ -121,19 +121,6 @@ class RawZmq:
 
 # ---------------------------------------------------------------------------- measuring
 
-def latencies(fn, calls: int, warmup: int) -> list[float]:  # noqa: ANN001
-    """Per-call seconds of `fn()` over `calls` calls, after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    clock = time.perf_counter_ns
-    for _ in range(calls):
-        t = clock()
-        fn()
-        out.append((clock() - t) * 1e-9)
-    return out
-
-
 def stats(xs: list[float]) -> dict[str, float]:
     s = sorted(xs)
     return dict(median=statistics.median(s), p99=s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))],
@@ -150,10 +137,6 @@ def throughput(fn, payload_bytes: int, min_calls: int, min_s: float, warmup: int
         n += 1
     elapsed = time.perf_counter() - start
     return n * payload_bytes / MIB / elapsed, n / elapsed
-
-
-def us(x: float) -> str:
-    return f"{x * 1e6:8.1f}"
 
 
 # ---------------------------------------------------------------------------- main

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pickle
 import statistics
 
-from bench_rpc import latencies, load_average, us
+from bench_common import latencies, load_average, us
 
 
 class Legacy:

@@ -32,6 +32,7 @@ from engine.entrypoints.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from engine.entrypoints.engine_args import engine_config_kwargs
 from engine.entrypoints.launcher import ShutdownSignals, bind_socket, serve_http
 from engine.entrypoints.torchrun import take_serving_role
+from engine.version import package_version
 
 logger = logging.getLogger("engine.serve")  # the command's name, as before the CLI moved here
 
@@ -123,16 +124,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.serve") ->
     if exit_code == 0 and signals.received is not None:
         logger.info("stopped by %s", signal.Signals(signals.received).name)
     return exit_code
-
-
-def package_version() -> str:
-    """This package's installed version ("unknown" when run from a bare checkout)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("tp-runtime")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def console_main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,7 @@ from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from engine.metrics import CONTENT_TYPE
+from engine.version import package_version
 from executor.errors import EngineDeadError
 
 
@@ -100,8 +101,6 @@ def build_app(
 
     @app.get("/version")
     async def version() -> JSONResponse:
-        from engine.entrypoints.cli import package_version
-
         return JSONResponse({"version": package_version()})
 
     @app.get("/metrics")
