@@ -81,10 +81,6 @@ class Processor:
             ids = self._check_token_ids(ids)
         return EngineCoreRequest(request_id, ids, self._with_model_stops(params), cache_salt, arrival_time)
 
-    def to_token_ids(self, prompt: Prompt) -> list[int]:
-        """The prompt as validated token ids (strings through the tokenizer). Raises ValueError."""
-        return self._encode(prompt) if isinstance(prompt, str) else self._check_token_ids(prompt)
-
     def check_num_samples(self, params: SamplingParams) -> None:
         """A request runs at most max_num_seqs samples (n, or best_of): more could never
         run in one step, and a huge fan-out would hold every other request back.

@@ -80,7 +80,7 @@ def serve(core: EngineCore, bodies: list[dict[str, Any]]) -> list[httpx.Response
 
 def test_a_served_request_is_validated_once_on_its_own_thread(core: EngineCore) -> None:
     calls = Calls()
-    for name in ("process_inputs", "check_num_samples", "truncate_prompt", "to_token_ids"):
+    for name in ("process_inputs", "check_num_samples", "truncate_prompt"):
         calls.spy(core.processor, name)
     calls.spy(core, "add_request")
     try:
