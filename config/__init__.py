@@ -6,7 +6,9 @@ reads no file and probes nothing. The engine's resolution step
 (`engine.arg_utils.create_engine_config`) fills in what needs the outside world.
 """
 
+from config.attention import ATTENTION_BACKENDS, AttentionConfig
 from config.cache import CPU_DEFAULT_KV_CACHE_BYTES, CacheConfig
+from config.compilation import CompilationConfig
 from config.device import DeviceConfig
 from config.engine import DEFAULT_WORKER_LIVENESS_TIMEOUT_S, EngineConfig
 from config.load import LoadConfig
@@ -17,6 +19,9 @@ from config.scheduler import SchedulerConfig
 from config.utils import ConfigError
 
 __all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionConfig",
+    "CompilationConfig",
     "CPU_DEFAULT_KV_CACHE_BYTES",
     "CacheConfig",
     "ConfigError",

@@ -22,11 +22,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from config.attention import ATTENTION_BACKENDS, AttentionConfig
 from config.cache import CacheConfig
+from config.compilation import CompilationConfig
 from config.device import DEVICES, DeviceConfig
 from config.load import SAFETENSORS_LOAD_STRATEGIES, LoadConfig, MiB
 from config.model import DTYPES, ModelConfig
-from config.parallel import PLACEMENT_STRATEGIES, ParallelConfig
+from config.parallel import PLACEMENT_STRATEGIES, TP_COMMUNICATORS, ParallelConfig
 from config.scheduler import SchedulerConfig
 from config.utils import ConfigError, check_choice, check_positive
 
@@ -35,7 +37,7 @@ from config.utils import ConfigError, check_choice, check_positive
 DEFAULT_WORKER_LIVENESS_TIMEOUT_S = 10.0
 
 RESOLVED_FIELDS = ("model_config", "parallel_config", "load_config", "cache_config", "device_config",
-                   "scheduler_config")
+                   "scheduler_config", "attention_config", "compilation_config")
 
 
 def _resolved_field() -> Any:
@@ -56,6 +58,16 @@ class EngineConfig:
     seed: int = 0
     distributed_executor_backend: str | type | None = None
     ray_placement_strategy: str = "PACK"
+    # config/parallel.py: TP_COMMUNICATORS. "gloo" on CUDA lets TP ranks share one GPU.
+    tp_communicator: str = "auto"
+    # config/attention.py: ATTENTION_BACKENDS, or None for the platform's default.
+    attention_backend: str | None = None
+    # CUDA graphs for decode steps (config/compilation.py), as vLLM's flags: off with
+    # enforce_eager; None sizes: 1, 2, 4, 8, 16, ... up to max_cudagraph_capture_size
+    # (default 512), never above max_num_seqs.
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
@@ -113,6 +125,8 @@ class EngineConfig:
     cache_config: CacheConfig = _resolved_field()
     device_config: DeviceConfig = _resolved_field()
     scheduler_config: SchedulerConfig = _resolved_field()
+    attention_config: AttentionConfig = _resolved_field()
+    compilation_config: CompilationConfig = _resolved_field()
 
     def __post_init__(self) -> None:
         self.model = os.fspath(self.model)
@@ -141,6 +155,15 @@ class EngineConfig:
         if self.num_gpu_blocks_override is not None:
             check_positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
         check_choice("ray_placement_strategy", self.ray_placement_strategy, PLACEMENT_STRATEGIES)
+        check_choice("tp_communicator", self.tp_communicator, TP_COMMUNICATORS)
+        check_choice("attention_backend", self.attention_backend, (None, *ATTENTION_BACKENDS))
+        if self.max_cudagraph_capture_size is not None:
+            check_positive("max_cudagraph_capture_size", self.max_cudagraph_capture_size)
+        if self.cudagraph_capture_sizes is not None:
+            sizes = self.cudagraph_capture_sizes
+            if not isinstance(sizes, (list, tuple)) or not all(
+                    isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+                raise ConfigError(f"cudagraph_capture_sizes={sizes!r} must be a list of positive integers")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ConfigError(
                 f"distributed_executor_backend='uni' runs one in-process worker; "

@@ -10,6 +10,8 @@ that `EngineConfig`'s constructor may not:
   registries (user registrations included);
 - device "auto" becomes "cuda" where torch sees a GPU, else "cpu";
 - on the CPU, `cpu_threads_bind` is checked against the cores this process may use;
+- the TP communicator, the attention backend and the CUDA graph sizes are chosen for
+  the device (and refused where they cannot run there);
 - a Hub repo id becomes a local snapshot directory (downloaded once, under a file
   lock: engine/hub.py);
 - config.json (or the GGUF header) is read and checked, the dtype and max_model_len
@@ -23,6 +25,7 @@ A config that is already resolved comes back as it is.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -33,7 +36,9 @@ import torch
 
 from config import (
     CPU_DEFAULT_KV_CACHE_BYTES,
+    AttentionConfig,
     CacheConfig,
+    CompilationConfig,
     ConfigError,
     DeviceConfig,
     EngineConfig,
@@ -42,6 +47,7 @@ from config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from config.compilation import DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE, default_capture_sizes
 from config.utils import check_choice, check_positive
 from distributed.utils import divide, kv_heads_per_rank
 from engine.hub import resolve_model
@@ -77,6 +83,8 @@ def create_engine_config(config: EngineConfig | None = None, /, **kwargs: Any) -
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         _check_cpu_binds(config)
+    tp_communicator = _tp_communicator(config, device, backend)
+    attention_backend = _attention_backend(config, device)
     load_config = LoadConfig(
         load_format=load_format,
         download_dir=config.download_dir,
@@ -106,7 +114,8 @@ def create_engine_config(config: EngineConfig | None = None, /, **kwargs: Any) -
     check_positive("max_num_batched_tokens", batched)
 
     resolved.model_config = model_config
-    resolved.parallel_config = ParallelConfig(config.tensor_parallel_size, backend, config.ray_placement_strategy)
+    resolved.parallel_config = ParallelConfig(config.tensor_parallel_size, backend, config.ray_placement_strategy,
+                                              tp_communicator)
     resolved.load_config = load_config
     resolved.cache_config = CacheConfig(
         config.block_size, 0.9 if config.gpu_memory_utilization is None else config.gpu_memory_utilization,
@@ -115,7 +124,68 @@ def create_engine_config(config: EngineConfig | None = None, /, **kwargs: Any) -
     resolved.device_config = DeviceConfig(device, bool(config.cpu_prepack_weights), config.cpu_threads_bind)
     resolved.scheduler_config = SchedulerConfig(config.max_num_seqs, batched, max_len, config.async_scheduling,
                                                 config.num_scheduler_steps)
+    resolved.attention_config = AttentionConfig(attention_backend)
+    resolved.compilation_config = _compilation_config(config, device, attention_backend, tp_communicator)
     return resolved
+
+
+def _tp_communicator(config: EngineConfig, device: str, executor_backend: str | type | None) -> str:
+    """"auto" as NCCL on CUDA and gloo on the CPU; NCCL refused on the CPU, and where the
+    ranks this host starts outnumber its GPUs (NCCL cannot put two ranks on one device)."""
+    choice = config.tp_communicator
+    if choice == "auto":
+        choice = "nccl" if device == "cuda" else "gloo"
+    if choice == "nccl" and device != "cuda":
+        raise ConfigError(f"tp_communicator='nccl' needs device='cuda' (device is {device!r}); use 'gloo' or 'auto'")
+    ranks_here = config.tensor_parallel_size if executor_backend in (None, "mp", "uni") else 1
+    if choice == "nccl" and ranks_here > 1 and ranks_here > torch.cuda.device_count():
+        raise ConfigError(
+            f"tensor_parallel_size={config.tensor_parallel_size} needs {ranks_here} GPUs with tp_communicator="
+            f"{config.tp_communicator!r} (NCCL), but {torch.cuda.device_count()} are visible; "
+            "tp_communicator='gloo' lets the ranks share a GPU"
+        )
+    return choice
+
+
+def _attention_backend(config: EngineConfig, device: str) -> str:
+    """The backend asked for, or the device's default: TRITON_ATTN on CUDA (TORCH_SDPA
+    where Triton is not installed), CPU_ATTN on the CPU. Refuses a backend that cannot
+    run on the device; never falls back silently."""
+    name = config.attention_backend
+    has_triton = importlib.util.find_spec("triton") is not None
+    if name is None:
+        return ("TRITON_ATTN" if has_triton else "TORCH_SDPA") if device == "cuda" else "CPU_ATTN"
+    if name == "CPU_ATTN" and device != "cpu":
+        raise ConfigError(f"attention_backend='CPU_ATTN' runs on the CPU only (device is {device!r})")
+    if name == "TRITON_ATTN":
+        if not has_triton:
+            raise ConfigError("attention_backend='TRITON_ATTN' needs the triton package, which is not installed")
+        if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(
+                "attention_backend='TRITON_ATTN' on the CPU runs only under Triton's interpreter: set "
+                "TRITON_INTERPRET=1 in the environment, or use CPU_ATTN or TORCH_SDPA"
+            )
+    return name
+
+
+def _compilation_config(config: EngineConfig, device: str, attention_backend: str,
+                        tp_communicator: str) -> CompilationConfig:
+    """CUDA graphs only where they can be captured: on CUDA, with TRITON_ATTN (whose
+    kernels read every step's lengths from device buffers) and NCCL or no collectives
+    (gloo stages through the host). Sizes sorted, deduplicated, and capped at
+    max_num_seqs, the largest decode batch."""
+    graphs = (not config.enforce_eager and device == "cuda" and attention_backend == "TRITON_ATTN"
+              and (tp_communicator == "nccl" or config.tensor_parallel_size == 1))
+    if not graphs:
+        return CompilationConfig(enforce_eager=True)
+    if config.cudagraph_capture_sizes is not None:
+        sizes = sorted({s for s in config.cudagraph_capture_sizes if s <= config.max_num_seqs})
+        if config.max_cudagraph_capture_size is not None:
+            sizes = [s for s in sizes if s <= config.max_cudagraph_capture_size]
+    else:
+        ceiling = config.max_cudagraph_capture_size or DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE
+        sizes = default_capture_sizes(min(ceiling, config.max_num_seqs))
+    return CompilationConfig(enforce_eager=not sizes, cudagraph_capture_sizes=sizes)
 
 
 def _check_cpu_binds(config: EngineConfig) -> None:

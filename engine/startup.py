@@ -22,7 +22,7 @@ from worker.kv_cache import KVCacheConfig, KVCacheTooSmallError
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
-STARTUP_PHASES = ("spawn", "distributed_init", "load", "profile", "kv_alloc")
+STARTUP_PHASES = ("spawn", "distributed_init", "load", "profile", "kv_alloc", "capture")
 
 
 def resolve_async_scheduling(config: EngineConfig, executor_class: type[Executor]) -> bool:
@@ -40,8 +40,8 @@ def resolve_async_scheduling(config: EngineConfig, executor_class: type[Executor
 
 
 def initialize_kv_caches(executor: Executor, config: EngineConfig) -> KVCacheConfig:
-    """Size the KV cache (the smallest rank's spare memory, or `num_gpu_blocks_override`)
-    and allocate it on every rank. Raises KVCacheTooSmallError, with the memory figures
+    """Size the KV cache (the smallest rank's spare memory, or `num_gpu_blocks_override`),
+    allocate it on every rank, then capture the CUDA graphs (where enabled). Raises KVCacheTooSmallError, with the memory figures
     used, when one sequence of max_model_len does not fit."""
     spec = executor.get_kv_cache_spec()
     block_bytes = spec.block_bytes
@@ -64,6 +64,7 @@ def initialize_kv_caches(executor: Executor, config: EngineConfig) -> KVCacheCon
         )
     kv_cache_config = KVCacheConfig.from_spec(spec, num_blocks)
     executor.initialize_from_config(kv_cache_config)
+    executor.compile_or_warm_up_model()
     return kv_cache_config
 
 

@@ -98,6 +98,10 @@ class Executor(ABC):
     def initialize_from_config(self, kv_cache_config: "KVCacheConfig") -> None:
         self.collective_rpc("initialize_from_config", args=(kv_cache_config,))
 
+    def compile_or_warm_up_model(self) -> None:
+        """Capture the CUDA graphs on every rank (nothing where the config has none)."""
+        self.collective_rpc("compile_or_warm_up_model")
+
     def execute_model(
         self, scheduler_output: "SchedulerOutput", non_block: bool = False
     ) -> "ModelRunnerOutput | Future[ModelRunnerOutput]":

@@ -11,10 +11,18 @@ prefills. Prints each round, each engine's median tok/s, prefill time and decode
 and the median of the per-round ratios TP=2 / TP=1.
 
     python scripts/bench_tp_scaling.py [--dtypes float32 bfloat16] [--rounds 10] [--num-scheduler-steps 1 [8 ...]]
+                                       [--tp 1 2 [4]] [--cores-per-rank N]
 
 With --num-scheduler-steps N (multi-step decode) a decode step's time is its output's
 over N. Several values run an engine pair for each, all alternating in every round,
 and print, besides each TP=2 / TP=1, what each value buys at each TP over the first.
+
+--tp picks the TP sizes (default 1 2; each TP=t / TP=1 is printed). --cores-per-rank N
+gives every rank its own N cores (rank r of every engine: the allowed cores r*N ..
+r*N+N-1, so the engines, which alternate, share them) and runs every engine, TP=1
+included, with the multiprocess backend, so that the engine's own thread never sits on
+a rank's cores: TP=2 then has twice TP=1's cores, and the goal printed is TP=2 >= 1.6x
+TP=1 (a host with 16 cores: --tp 1 2 4 --cores-per-rank 4).
 
 Not a test: timings on a shared machine are noisy.
 """
@@ -45,15 +53,27 @@ def steady_state_workload():
     return prompts, params
 
 
-def steady_state_engine(model: Path, tp: int, dtype: str, num_scheduler_steps: int = 1):
+SCALING_GOAL = 1.6  # TP=2 / TP=1 with --cores-per-rank (issue 35)
+
+
+def steady_state_engine(model: Path, tp: int, dtype: str, num_scheduler_steps: int = 1, cores_per_rank: int = 0):
     """An EngineCore for that workload (bench_vs_vllm.py's KV cache and batch, prefix
     caching off so that every round prefills), returned once its KV cache is committed
-    (so that the commit's page faults are in no round). The caller shuts it down."""
+    (so that the commit's page faults are in no round). With `cores_per_rank`, rank r is
+    bound to the allowed cores r*N .. r*N+N-1 and TP=1 runs in a worker process too
+    (see the module docstring). The caller shuts it down."""
     from engine.core import EngineCore
+    from worker.cpu_affinity import allowed_cpus
 
+    placement = {}
+    if cores_per_rank:
+        cpus = allowed_cpus()
+        binds = [cpus[r * cores_per_rank:(r + 1) * cores_per_rank] for r in range(tp)]
+        placement = dict(distributed_executor_backend="mp",
+                         cpu_threads_bind="|".join(",".join(map(str, cores)) for cores in binds))
     core = EngineCore(model=str(model), tensor_parallel_size=tp, device="cpu", dtype=dtype,
                       kv_cache_memory_bytes=KV_BYTES, max_num_seqs=NUM_REQUESTS, use_tqdm_on_load=False,
-                      enable_prefix_caching=False, num_scheduler_steps=num_scheduler_steps)
+                      enable_prefix_caching=False, num_scheduler_steps=num_scheduler_steps, **placement)
     try:
         core.collective_rpc("wait_kv_cache_committed")
     except BaseException:
@@ -88,18 +108,32 @@ def main() -> None:
                    help="the engines' num_scheduler_steps (decode steps per schedule), both TPs alike; several "
                         "values: an engine pair for each")
     p.add_argument("--model-root", default=str(Path.home() / ".cache" / "tp-runtime" / "bench"))
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes, 1 among them (default 1 2)")
+    p.add_argument("--cores-per-rank", type=int, default=0,
+                   help="bind every rank to its own this many cores (default 0: cpu_threads_bind auto, TP=1 in-process)")
     args = p.parse_args()
+    tps = sorted(set(args.tp))
+    if tps[0] != 1:
+        p.error("--tp must include 1: every ratio is against TP=1")
+    if args.cores_per_rank:
+        from worker.cpu_affinity import allowed_cpus
+
+        if len(allowed_cpus()) < tps[-1] * args.cores_per_rank:
+            p.error(f"--cores-per-rank {args.cores_per_rank} at TP={tps[-1]} needs {tps[-1] * args.cores_per_rank} "
+                    f"cores; this process may use {len(allowed_cpus())}")
 
     prompts, params = steady_state_workload()
     tokens = NUM_REQUESTS * MAX_TOKENS
-    configs = [(tp, k) for k in args.num_scheduler_steps for tp in (1, 2)]
+    configs = [(tp, k) for k in args.num_scheduler_steps for tp in tps]
+    print(f"TP sizes {tps}; " + (f"{args.cores_per_rank} cores per rank, every engine in worker processes"
+                                if args.cores_per_rank else "cpu_threads_bind auto, TP=1 in-process"), flush=True)
     name = {(tp, k): f"TP={tp}" + (f" K={k}" if len(args.num_scheduler_steps) > 1 else "") for tp, k in configs}
     for dtype in args.dtypes:
         model = ensure_model(Path(args.model_root), dtype)
         engines = {}
         try:
             for tp, k in configs:
-                core = engines[(tp, k)] = steady_state_engine(model, tp, dtype, k)
+                core = engines[(tp, k)] = steady_state_engine(model, tp, dtype, k, args.cores_per_rank)
                 timed_generate(core, prompts[:4], params)  # warm-up
             runs: dict[tuple[int, int], list[dict[str, float]]] = {c: [] for c in configs}
             for r in range(args.rounds):
@@ -116,13 +150,18 @@ def main() -> None:
                   f"prefill {statistics.median(x['prefill'] for x in xs):.3f} s, "
                   f"decode step {statistics.median(x['decode'] for x in xs) * 1e3:.1f} ms")
         for k in args.num_scheduler_steps:
-            ratios = [a["total"] / b["total"] for a, b in zip(runs[(1, k)], runs[(2, k)])]  # TP=2 tok/s / TP=1's
-            label = f" K={k}" if len(args.num_scheduler_steps) > 1 else ""
-            print(f"{dtype}{label} TP=2 / TP=1: {statistics.median(ratios):.3f} (median of {args.rounds} rounds; "
-                  f"{min(ratios):.2f}-{max(ratios):.2f})", flush=True)
+            for tp in tps[1:]:
+                ratios = [a["total"] / b["total"] for a, b in zip(runs[(1, k)], runs[(tp, k)])]  # TP=t tok/s / TP=1's
+                label = f" K={k}" if len(args.num_scheduler_steps) > 1 else ""
+                goal = ""
+                if tp == 2 and args.cores_per_rank:
+                    met = statistics.median(ratios) >= SCALING_GOAL
+                    goal = f"; goal >= {SCALING_GOAL}x at {args.cores_per_rank} cores per rank: {'PASS' if met else 'MISS'}"
+                print(f"{dtype}{label} TP={tp} / TP=1: {statistics.median(ratios):.3f} (median of {args.rounds} rounds; "
+                      f"{min(ratios):.2f}-{max(ratios):.2f}){goal}", flush=True)
         first = args.num_scheduler_steps[0]
         for k in args.num_scheduler_steps[1:]:
-            for tp in (1, 2):
+            for tp in tps:
                 gains = [a["total"] / b["total"] for a, b in zip(runs[(tp, first)], runs[(tp, k)])]
                 print(f"{dtype} TP={tp}: K={k} / K={first} {statistics.median(gains):.3f} "
                       f"({min(gains):.2f}-{max(gains):.2f})", flush=True)

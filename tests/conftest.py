@@ -22,10 +22,18 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import os
+
 import pytest
 import torch
 
-from engine.tiny_model import make_tiny_model
+# Without a GPU the Triton attention backend (TRITON_ATTN) runs under Triton's
+# interpreter, on CPU tensors. Triton reads this when a kernel module is imported, and
+# spawned workers inherit it, so it is set before anything imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine.tiny_model import make_tiny_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

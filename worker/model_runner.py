@@ -6,8 +6,12 @@ collectives line up), gets the same all-gathered logits and samples the same tok
 when every token of the step is a plain argmax (`Sampler.argmax_suffices`), the ranks
 exchange one (value, id) pair per row instead of the logits (`compute_greedy_tokens`).
 Only the output rank's result travels back to the engine. Platform-specific attention
-lives in the attention backend chosen for this rank's device; the runner only lays the
-step out (`AttentionMetadata`) and tells the backend which requests finished.
+lives in the attention backend named by the config; the runner only lays the step out
+(`StepInputs`, `AttentionMetadata`) and tells the backend which requests finished.
+A pure-decode step that fits a captured size replays a CUDA graph instead
+(`worker/cuda_graph.py`). Logits are sampled where they are; only the sampled ids and
+the logprobs asked for come to the host, and that is where a rank waits for the step's
+NCCL collectives (`device_sync_point`, so liveness sees a rank waiting for its peers).
 """
 
 from __future__ import annotations
@@ -19,15 +23,21 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 from torch import nn
 
+from config import SamplingParams
+
+from distributed import device_sync_point
+from distributed.utils import cdiv
 from model_loader import get_model, get_model_loader
 from model_loader.utils import process_weights_after_loading
 from models.layers.attention import Attention, AttentionBackend, AttentionMetadata, get_attn_backend
 from worker.kv_cache import KVCacheConfig, KVCacheMemory, KVCacheSpec, allocate_kv_cache
 from worker.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from worker.cuda_graph import CudaGraphRunner
 from worker.sampler import Sampler, prompt_logprobs
+from worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
-    from config import EngineConfig, SamplingParams
+    from config import EngineConfig
 
 PROMPT_LOGPROBS_ROWS = 256  # rows of prompt logits made at once: bounds the [rows, vocab] floats held
 
@@ -42,6 +52,9 @@ class ModelRunner:
         self.kv_cache_memory: KVCacheMemory | None = None  # what holds kv_caches' memory
         self.kv_cache_config: KVCacheConfig | None = None
         self.sampler = Sampler()
+        # Pure-decode steps by CUDA graph (or the same padded buffers, eagerly): set up
+        # by `capture_model` where the config enables graphs.
+        self.cuda_graphs: CudaGraphRunner | None = None
         # Each running request's SamplingParams, sent once at admission (ScheduledRequest).
         self._sampling_params: dict[str, SamplingParams] = {}
         # The token each request sampled in its latest step: what a placeholder stands for.
@@ -55,7 +68,7 @@ class ModelRunner:
             config = copy.copy(config)
             config.model_config = dataclasses.replace(config.model_config, model=checkpoint)
         self.model = get_model(config)
-        self.attn_backend = get_attn_backend(self.device.type, len(self._attention_layers()))
+        self.attn_backend = get_attn_backend(self.config.attention_config.backend, len(self._attention_layers()))
 
     @torch.no_grad()
     def update_weights(self, source: str | Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -87,13 +100,27 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:
         """A dummy full-causal forward of `num_tokens` tokens plus logits for every
-        sequence's last token: the largest activation footprint a step can have."""
+        sequence's last token, while holding the largest workspace one attention call of
+        the backend allocates (at max_model_len of context; zeroed, so that the CPU's
+        resident memory shows it), then a sampling of those rows with every filter on:
+        the largest footprint a step can have."""
         model = self._require_model()
+        assert self.attn_backend is not None
+        max_len = self.config.model_config.max_model_len
+        workspace = max((self.attn_backend.workspace_bytes(layer, max_len) for layer in self._attention_layers()),
+                        default=0)
+        held = torch.zeros(workspace, dtype=torch.uint8, device=self.device)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device) % self.config.model_config.max_model_len
+        positions = torch.arange(num_tokens, device=self.device) % max_len
         hidden = model(input_ids, positions)
         num_seqs = min(self.config.scheduler_config.max_num_seqs, num_tokens)
-        model.compute_logits(hidden[-num_seqs:])
+        logits = model.compute_logits(hidden[-num_seqs:]).float()
+        # The sampler's temporaries at its most expensive (top-k, top-p, min-p, logprobs:
+        # several [rows, vocab] tensors; 6 x 128 MiB at 256 rows of a 128k vocab).
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=20, seed=0)
+        Sampler()(logits, [ScheduledRequest(req_id=f"_profile{i}", token_ids=[0], start_pos=0, block_ids=[0],
+                                            sample=True, sampling_params=params) for i in range(num_seqs)])
+        del held
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
         """The cache this rank's layers need per block; ValueError if the layers differ
@@ -120,54 +147,48 @@ class ModelRunner:
         """Attach the allocated caches to the model's layers (again, after the model
         was rebuilt by a wake-up), each with a fresh impl of the backend."""
         assert self.attn_backend is not None
+        backend = self.attn_backend
+        if not backend.supports_sliding_window and any(layer.sliding_window for layer in self._attention_layers()):
+            raise ValueError(f"this model has sliding-window attention layers, which attention_backend="
+                             f"{backend.name!r} does not support; use TRITON_ATTN")
         for layer, cache in zip(self._attention_layers(), self.kv_caches, strict=True):
             layer.bind_kv_cache(cache, self.attn_backend.make_impl(layer))
+
+    def capture_model(self) -> float:
+        """Capture the decode CUDA graphs the config enables (CUDA only; TRITON_ATTN),
+        after the KV cache is bound; returns the seconds it took (0.0 with none)."""
+        sizes = self.config.compilation_config.cudagraph_capture_sizes
+        if not sizes or self.device.type != "cuda":
+            return 0.0
+        assert self.kv_cache_config is not None and self.attn_backend is not None
+        block_size = self.kv_cache_config.block_size
+        max_blocks = cdiv(self.config.model_config.max_model_len, block_size)
+        self.cuda_graphs = CudaGraphRunner(self._require_model(), self.attn_backend, sizes, max_blocks, block_size,
+                                           self.device)
+        return self.cuda_graphs.capture()
+
+    def cuda_graph_pool_estimate(self, peak_bytes: int, profiled_tokens: int) -> int:
+        """What the decode graphs' memory pool will hold, from the profile run's peak at
+        `profiled_tokens` tokens: activations grow about linearly with the tokens of a
+        step, and the pool holds those of the largest captured batch (0 without graphs)."""
+        sizes = self.config.compilation_config.cudagraph_capture_sizes
+        if not sizes or self.device.type != "cuda":
+            return 0
+        return int(peak_bytes * min(1.0, sizes[-1] / profiled_tokens))
+
+    def release_cuda_graphs(self) -> None:
+        """Drop the captured graphs: they hold the addresses of the weights and the KV
+        cache, which sleep mode is about to release (wake-up captures again)."""
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.release()
+            self.cuda_graphs = None
 
     def release_model(self) -> None:
         """Drop the model and the backend's per-request state (sleep level 2); the
         caches stay allocated or released as they are. `load_model()` builds it again."""
+        self.release_cuda_graphs()
         self.model = None
         self.attn_backend = None
-
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        assert self.kv_cache_config is not None and self.attn_backend is not None
-        block_size = self.kv_cache_config.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_start_loc = [0]
-        for req in scheduler_output.scheduled:
-            n = len(req.token_ids)
-            input_ids.extend(req.token_ids)
-            for pos in range(req.start_pos, req.start_pos + n):
-                positions.append(pos)
-                slots.append(req.block_ids[pos // block_size] * block_size + pos % block_size)
-            seq_lens.append(req.start_pos + n)
-            query_start_loc.append(query_start_loc[-1] + n)
-        # One tensor from one flat list: a tensor and a row copy per request cost a
-        # 32-sequence decode step 136 µs here (warm), the flat list 14.
-        max_blocks = max(len(r.block_ids) for r in scheduler_output.scheduled)
-        table: list[int] = []
-        for req in scheduler_output.scheduled:
-            table.extend(req.block_ids)
-            table.extend([0] * (max_blocks - len(req.block_ids)))
-        block_tables = torch.tensor(table, dtype=torch.long, device=self.device).view(len(seq_lens), max_blocks)
-        common = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_tables=block_tables,
-            seq_lens=seq_lens,
-            query_start_loc=query_start_loc,
-            block_size=block_size,
-            req_ids=tuple(r.req_id for r in scheduler_output.scheduled),
-        )
-        self.attn_backend.requests_finished(scheduler_output.finished_req_ids)
-        md = self.attn_backend.build_metadata(common)
-        # The last token of each chunk that samples is where its logits come from.
-        sample_rows = [query_start_loc[i + 1] - 1 for i, r in enumerate(scheduler_output.scheduled) if r.sample]
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return ids, pos_t, md, sample_rows
 
     def _fill_request_state(self, scheduler_output: SchedulerOutput) -> None:
         """Give every scheduled request its SamplingParams, in place: those that came with
@@ -238,8 +259,7 @@ class ModelRunner:
         """One forward pass of the step's tokens, and one token sampled per request that
         samples (its state already filled in)."""
         model = self._require_model()
-        input_ids, positions, md, sample_rows = self._prepare_inputs(scheduler_output)
-        hidden = model(input_ids, positions, md)
+        hidden, sample_rows = self._forward(scheduler_output)
         prompt_logprobs = self._prompt_logprobs(hidden, scheduler_output)
         sampled_reqs = [r for r in scheduler_output.scheduled if r.sample]
         if not sampled_reqs:
@@ -248,13 +268,48 @@ class ModelRunner:
         if hasattr(model, "compute_greedy_tokens") and self.sampler.argmax_suffices(sampled_reqs):
             # The argmax alone: at TP > 1 the ranks exchange one (value, id) per row
             # instead of all-gathering [rows, vocab] logits.
-            tokens = model.compute_greedy_tokens(hidden[sample_rows]).tolist()
+            with device_sync_point():
+                tokens = model.compute_greedy_tokens(hidden[sample_rows]).tolist()
             self._last_sampled.update(zip(req_ids, tokens))
             return ModelRunnerOutput(req_ids, tokens, [None] * len(tokens), prompt_logprobs)
-        logits = model.compute_logits(hidden[sample_rows]).float().cpu()
-        tokens, logprobs = self.sampler(logits, sampled_reqs, self.config.seed)
+        # The logits stay on the device; only the sampled ids (and asked-for logprobs)
+        # come to the host, where the step's collectives are waited for.
+        logits = model.compute_logits(hidden[sample_rows]).float()
+        with device_sync_point():
+            tokens, logprobs = self.sampler(logits, sampled_reqs, self.config.seed)
         self._last_sampled.update(zip(req_ids, tokens))
         return ModelRunnerOutput(req_ids, tokens, logprobs, prompt_logprobs)
+
+    def _forward(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """The step's hidden states (a replayed CUDA graph's for a pure-decode step that
+        fits one, else an eager forward) and the rows that sample."""
+        step = self._step_inputs(scheduler_output)
+        graphs = self.cuda_graphs
+        if graphs is not None and step.is_pure_decode:
+            decode = step.as_decode_inputs()
+            padded = graphs.padded_size(decode)
+            if padded is not None:
+                return graphs.run(decode, padded), step.sample_rows
+        input_ids, positions, md = self._eager_inputs(step)
+        return self._require_model()(input_ids, positions, md), step.sample_rows
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
+                                                                          AttentionMetadata, list[int]]:
+        """An eager step's input ids, positions, the backend's metadata, and the rows
+        that sample."""
+        step = self._step_inputs(scheduler_output)
+        return (*self._eager_inputs(step), step.sample_rows)
+
+    def _step_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        """The step laid out on the host; the backend hears which requests finished."""
+        assert self.kv_cache_config is not None and self.attn_backend is not None
+        self.attn_backend.requests_finished(scheduler_output.finished_req_ids)
+        return StepInputs.from_scheduler_output(scheduler_output, self.kv_cache_config.block_size)
+
+    def _eager_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        assert self.attn_backend is not None
+        input_ids, positions, common = step.to_device(self.device)
+        return input_ids, positions, self.attn_backend.build_metadata(common)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, scheduler_output: SchedulerOutput
@@ -283,7 +338,7 @@ class ModelRunner:
             for lo in range(req.start_pos, end, PROMPT_LOGPROBS_ROWS):
                 hi = min(lo + PROMPT_LOGPROBS_ROWS, end)
                 rows = hidden[first_row + lo - req.start_pos: first_row + hi - req.start_pos]
-                logits = model.compute_logits(rows).float().cpu()
+                logits = model.compute_logits(rows).float()
                 for entry, rank in prompt_logprobs(logits, prompt[lo + 1: hi + 1], k):
                     entries.append(entry)
                     ranks.append(rank)

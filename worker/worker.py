@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distributed import destroy_distributed_environment, init_distributed_environment
+from distributed import destroy_distributed_environment, init_distributed_environment, tp_collective_timeout
 from distributed.parallel_state import get_tensor_model_parallel_world_size
 from distributed.shm_utils import host_id
 from model_loader.sharded_state_loader import save_sharded_model
@@ -117,7 +117,7 @@ class Worker:
         self.world_size = config.parallel_config.world_size
         self.local_world_size = local_world_size if local_world_size is not None else self.world_size
         self.distributed_init_method = distributed_init_method
-        self.platform: Platform = get_platform(config.device_config)
+        self.platform: Platform = get_platform(config.device_config, config.parallel_config.tp_communicator)
         self.device = self.platform.device_for(local_rank)
         self.model_runner: ModelRunner | None = None
         self.timings: dict[str, float] = {}
@@ -130,12 +130,14 @@ class Worker:
         self._peers: dict[int, _PeerWatch] = {}  # the other ranks on this host (check_health)
 
     def init_device(self) -> None:
-        """Bind the device (or the CPU threads) and join the TP process group."""
+        """Bind the device (or the CPU threads) and join the TP process group with the
+        config's `tp_communicator` (on CUDA, "gloo" lets ranks share a GPU)."""
         start = time.perf_counter()
         self.platform.set_device(self.local_rank, self.local_world_size)
         torch.manual_seed(self.config.seed)
         _, self._memory_at_init = self.platform.total_and_free_memory()
-        init_distributed_environment(self.world_size, self.rank, self.distributed_init_method, self.device)
+        init_distributed_environment(self.world_size, self.rank, self.distributed_init_method, self.device,
+                                     self.config.parallel_config.tp_communicator, tp_collective_timeout())
         self._peers = {r: _PeerWatch(pid) for r, pid in _local_peer_pids(self.rank, self.world_size).items()}
         self.model_runner = ModelRunner(self.config, self.device)
         self.timings["distributed_init"] = time.perf_counter() - start
@@ -162,7 +164,7 @@ class Worker:
         with no profile run.
 
         How the budget follows from the profile is the platform's rule
-        (`Platform.kv_cache_budget`).
+        (`Platform.kv_cache_budget`); ranks that share a GPU split it.
         """
         start = time.perf_counter()
         cache_config = self.config.cache_config
@@ -178,6 +180,8 @@ class Worker:
             cache_config.gpu_memory_utilization, self._memory_at_init // self.local_world_size,
             self.model_memory_usage, peak_activation,
         )
+        # The decode graphs' memory pool is allocated after the cache: keep room for it.
+        available -= runner.cuda_graph_pool_estimate(peak_activation, num_tokens)
         self.timings["profile"] = time.perf_counter() - start
         return max(0, available)
 
@@ -190,6 +194,12 @@ class Worker:
         with self.platform.memory_pool("kv_cache") as usage:
             self._runner().initialize_kv_cache(kv_cache_config)
         self.timings["kv_alloc"] = usage.seconds
+
+    def compile_or_warm_up_model(self) -> None:
+        """Capture the decode steps' CUDA graphs where the config enables them (vLLM's
+        name for this phase); nothing on the CPU. Called on every rank after
+        initialize_from_config: at TP > 1 each capture runs the model's collectives."""
+        self.timings["capture"] = self._runner().capture_model()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._runner().execute_model(scheduler_output)
@@ -217,6 +227,7 @@ class Worker:
             raise ValueError(f"sleep level={level!r} must be 1 or 2 on a worker")
         start = time.perf_counter()
         runner = self._runner()
+        runner.release_cuda_graphs()  # they hold the addresses released below; wake_up captures again
         kv = runner.kv_cache_memory
         if kv is not None:
             kv.wait_committed()  # so that the memory reported before is all of it
@@ -280,6 +291,8 @@ class Worker:
                     kv.restore()
             restored["kv_cache"] = kv.nbytes if kv is not None else 0
             self._pools["kv_cache"] = PoolState.AWAKE
+        if all(state is PoolState.AWAKE for state in self._pools.values()) and runner.cuda_graphs is None:
+            runner.capture_model()
         return self._memory_report("wake_up", None, restored, before, start)
 
     def update_weights(self, source: str | list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
@@ -290,7 +303,13 @@ class Worker:
         if self._pools["weights"] is not PoolState.AWAKE:
             raise RuntimeError(f"rank {self.rank}: the weights are asleep; wake_up(tags=['weights']) first")
         start = time.perf_counter()
-        self._runner().update_weights(source)
+        runner = self._runner()
+        # Processing after loading may replace tensors whose addresses a graph holds.
+        captured = runner.cuda_graphs is not None
+        runner.release_cuda_graphs()
+        runner.update_weights(source)
+        if captured:
+            runner.capture_model()
         if isinstance(source, str):
             self._weights_checkpoint = source
         return {"rank": self.rank, "seconds": time.perf_counter() - start}
@@ -362,8 +381,20 @@ class Worker:
             )
 
     def shutdown(self) -> None:
-        """Leave the process group; safe to call more than once."""
+        """Leave the process group, drop the model and the cache, and hand the memory
+        back (a later engine in this process, under the uni executor, profiles against
+        what is free); safe to call more than once.
+        Waits for the KV cache's background commit (CPU): a thread still inside torch
+        when the interpreter exits aborts the process."""
+        runner = self.model_runner
+        if runner is not None and runner.kv_cache_memory is not None:
+            runner.kv_cache_memory.wait_committed()
         for peer in self._peers.values():
             peer.close()
         self._peers = {}
         destroy_distributed_environment()
+        if runner is not None:
+            runner.release_cuda_graphs()
+            self.model_runner = None
+            collect_garbage()
+            self.platform.release_cached_memory()

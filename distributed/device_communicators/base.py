@@ -4,11 +4,14 @@ One instance per process, created by `init_distributed_environment` once the pro
 group exists, held by the TP group handle. Every rank of the group must call each
 collective in the same order with tensors of the same shape and dtype (the usual
 torch.distributed contract); a rank that does not arrive leaves the others blocked in
-the backend until the engine notices and tears the group down.
+the backend until the engine notices and tears the group down, or until the group's
+`timeout` (init_distributed_environment's) runs out: then the collective raises (gloo,
+the shared-memory path) or NCCL's watchdog ends the process.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import ClassVar
 
 import torch
@@ -21,11 +24,20 @@ class DeviceCommunicatorBase:
     one, as long as the result is the same on every rank."""
 
     dist_backend: ClassVar[str] = ""
+    # True where a collective only queues work on the device's stream and returns (NCCL):
+    # a rank then waits for its peers later, wherever the host next syncs with the device
+    # (`distributed.parallel_state.device_sync_point` marks that wait for the liveness
+    # board). False where the call returns with the result in place (gloo, shared memory).
+    completes_at_device_sync: ClassVar[bool] = False
 
-    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup) -> None:
+    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup,
+                 timeout: timedelta | None = None) -> None:
+        """`timeout`: how long one collective may wait for its peers (None: no limit of
+        ours; the process group has its own, set when it was created)."""
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        self.timeout = timeout
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the group, in place; returns `x`."""

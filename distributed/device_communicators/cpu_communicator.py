@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,9 @@ logger = logging.getLogger(__name__)
 class CpuCommunicator(DeviceCommunicatorBase):
     dist_backend = "gloo"
 
-    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup) -> None:
-        super().__init__(rank, world_size, group)
+    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup,
+                 timeout: timedelta | None = None) -> None:
+        super().__init__(rank, world_size, group, timeout)
         self.shm: ShmAllReduce | None = None
         if os.environ.get("TP_CPU_SHM_ALLREDUCE", "1") == "0":
             return
@@ -39,7 +41,8 @@ class CpuCommunicator(DeviceCommunicatorBase):
         if len(set(hosts)) != 1:
             return  # ranks on several hosts: gloo
         try:
-            self.shm = ShmAllReduce(rank, world_size, group)
+            self.shm = ShmAllReduce(rank, world_size, group,
+                                    timeout_s=timeout.total_seconds() if timeout is not None else None)
         except OSError as e:
             if rank == 0:
                 logger.warning("shared-memory all-reduce unavailable, using gloo: %s", e)

@@ -36,8 +36,9 @@ between two pinned processes the all-reduce and the norm took about 40 µs a cal
 [32, 768] bfloat16 where the fused call takes 29 (the same bits).
 
 While waiting, a rank spins, then yields, then sleeps 50 µs at a time, and every 1000
-sleeps (about 0.1 s) checks that its peers' processes are alive: a dead peer is a `RuntimeError` naming its
-rank and pid, not a hang. The segment's name is unlinked as soon as every rank has
+sleeps (about 0.1 s) checks that its peers' processes are alive: a dead peer is a
+`RuntimeError` naming its rank and pid, not a hang; so is a wait past `timeout_s` (the
+process group's timeout). The segment's name is unlinked as soon as every rank has
 mapped it, so no crash can leave it behind.
 
 Created by `CpuCommunicator` on every rank of the group together (it calls gloo
@@ -85,12 +86,14 @@ T = TypeVar("T")
 
 class ShmAllReduce:
     def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup,
-                 slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
+                 slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: float | None = None) -> None:
         """Every rank of `group` calls this together. Raises OSError when the segment
         cannot be created or mapped on some rank (the caller then keeps gloo)."""
         self.rank = rank
         self.world_size = world_size
         self.slot_bytes = slot_bytes
+        self.timeout_s = timeout_s
+        self._sleeping_since = 0.0  # when the current wait began to sleep
         header_bytes = 2 * world_size * _LINE * 8
         self._slots_offset = header_bytes
         size = header_bytes + world_size * 2 * slot_bytes
@@ -199,6 +202,8 @@ class ShmAllReduce:
         if spins < _YIELDS:
             os.sched_yield()
             return spins
+        if spins == _YIELDS:
+            self._sleeping_since = time.monotonic()
         time.sleep(_SLEEP_S)
         if spins % _LIVENESS_SLEEPS == 0:
             self._check_peers_alive(seq)
@@ -216,6 +221,10 @@ class ShmAllReduce:
             if not alive:
                 raise RuntimeError(f"TP rank {j} (pid {pid}) died while rank {self.rank} waited for it in a "
                                    "shared-memory collective")
+        if self.timeout_s is not None and time.monotonic() - self._sleeping_since > self.timeout_s:
+            late = [j for j in self._peers if self._arrive[j] < seq]
+            raise RuntimeError(f"rank {self.rank} waited over {self.timeout_s:g} s for TP rank(s) {late} in a "
+                               "shared-memory collective (the process group's timeout)")
 
     def _kernel_round(self, fn: Callable[..., int], head: tuple, tail: tuple = ()) -> None:
         """One round of a C entry, called as fn(group, *head, seq, published, max_spins,

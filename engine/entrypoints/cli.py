@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.serve") ->
         else:
             model, names = args.model, args.served_model_name or [args.model]
         config = create_engine_config(**engine_config_kwargs(args, model))
-        logger.info("Initializing tp-runtime %s with config: %s, served_model_name=%s, enforce_eager=True",
+        logger.info("Initializing tp-runtime %s with config: %s, served_model_name=%s",
                     package_version(), config_summary(config), names)
         core = EngineCore(config)
         if args.chat_template_text is not None:

@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from config import DTYPES, PLACEMENT_STRATEGIES
+from config import ATTENTION_BACKENDS, DTYPES, PLACEMENT_STRATEGIES
+from config.parallel import TP_COMMUNICATORS
 from engine.entrypoints.arg_types import (
     load_chat_template,
     max_model_len_arg,
@@ -72,8 +73,19 @@ def build_parser(prog: str = "python -m engine.serve", description: str | None =
     p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
                    help="online weight quantisation (default none)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="accepted for vLLM compatibility: this runtime always runs eagerly (no CUDA graphs, no "
-                        "torch.compile), so there is nothing to turn off")
+                   help="no CUDA graphs: every decode step runs eagerly (CUDA graphs are used only on CUDA "
+                        "with TRITON_ATTN)")
+    p.add_argument("--cudagraph-capture-sizes", type=positive_int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes captured as CUDA graphs (default 1 2 4 8 16 ... up to "
+                        "--max-cudagraph-capture-size)")
+    p.add_argument("--max-cudagraph-capture-size", type=positive_int, default=None, metavar="N",
+                   help="the largest decode batch captured (default min(512, --max-num-seqs))")
+    p.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
+                   help="default: TRITON_ATTN on CUDA, CPU_ATTN on the CPU (TRITON_ATTN on the CPU needs "
+                        "TRITON_INTERPRET=1)")
+    p.add_argument("--tp-communicator", default="auto", choices=TP_COMMUNICATORS,
+                   help="how TP ranks exchange tensors (default auto: NCCL on CUDA, gloo with shared memory "
+                        "on the CPU); gloo on CUDA lets the ranks share one GPU")
     p.add_argument("--no-cpu-prepack-weights", dest="cpu_prepack_weights", action="store_false",
                    help="on CPU, do not keep a packed copy of the linear weights (saves their size in "
                         "memory, slower decode)")

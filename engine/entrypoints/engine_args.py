@@ -53,4 +53,7 @@ def engine_config_kwargs(args: argparse.Namespace, model: str) -> dict[str, Any]
         "max_worker_restarts": 0 if args.distributed_executor_backend == "external_launcher"
         else args.max_worker_restarts,
         "check_weights_finite": args.check_weights_finite,
+        "enforce_eager": args.enforce_eager, "cudagraph_capture_sizes": args.cudagraph_capture_sizes,
+        "max_cudagraph_capture_size": args.max_cudagraph_capture_size,
+        "attention_backend": args.attention_backend, "tp_communicator": args.tp_communicator,
     }

@@ -2,9 +2,12 @@
 
     layer.py               Attention (the nn.Module), AttentionSpec, causal_sdpa
     backends/abstract.py   AttentionBackend, AttentionImpl, AttentionMetadata, gather_paged_kv
-    backends/torch_sdpa.py TorchSDPABackend: portable paged SDPA (CUDA for now)
-    backends/cpu_attn.py   CPUAttentionBackend: SDPA plus the per-layer decode context
-    selector.py            get_attn_backend(device_type, num_layers)
+    backends/triton_attn.py TritonAttentionBackend: TRITON_ATTN, Triton paged attention
+                           (CUDA; the CPU under Triton's interpreter)
+    backends/torch_sdpa.py TorchSDPABackend: TORCH_SDPA, portable SDPA over gathered K/V
+    backends/cpu_attn.py   CPUAttentionBackend: CPU_ATTN, SDPA plus the per-layer decode context
+    ops/                   the Triton kernels
+    selector.py            get_attn_backend(name, num_layers)
 """
 
 from models.layers.attention.backends.abstract import AttentionBackend, AttentionImpl, AttentionMetadata

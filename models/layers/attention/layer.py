@@ -31,25 +31,39 @@ class AttentionSpec:
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of one sequence: q [T, H, D], k and v [T, Hkv, D] -> [T, H, D]."""
+    """Causal attention of one sequence: q [T, H, D], k and v [T, Hkv, D] -> [T, H, D].
+
+    On CUDA the kv heads are repeated for GQA instead of asking SDPA for `enable_gqa`,
+    which only its flash kernel takes: a float32 model would otherwise fall to the
+    math kernel, whose [H, T, T] scores grow with the square of the prompt (the
+    profile run at max_num_batched_tokens among them). The copies are O(T)."""
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and q.is_cuda:
+        repeats = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        gqa = False
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
         is_causal=True,
         scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
+        enable_gqa=gqa,
     )
     return out.squeeze(0).transpose(0, 1)
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        # A query at position p sees keys at positions > p - sliding_window (itself
+        # included), as transformers' sliding-window mask; None: the whole context.
+        self.sliding_window = sliding_window
         # The model's dtype: the loader builds layers under it as the default dtype.
         self.dtype = torch.get_default_dtype()
         # Attached together by bind_kv_cache, once the cache is allocated.

@@ -17,7 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -41,6 +41,10 @@ class AttentionMetadata:
     query_start_loc: list[int]  # num_seqs + 1 entries
     block_size: int
     req_ids: tuple[str, ...] = ()
+    # seq_lens and query_start_loc on the device (int64), where the runner sent them
+    # with the rest of the step; None where it did not.
+    seq_lens_tensor: torch.Tensor | None = None
+    query_start_loc_tensor: torch.Tensor | None = None
 
     # Derived once per step, on first use by the first layer, then shared by all layers.
     @cached_property
@@ -75,14 +79,17 @@ class AttentionImpl(ABC):
         self.num_kv_heads = layer.num_kv_heads
         self.head_size = layer.head_size
         self.scale = layer.scale
+        self.sliding_window = layer.sliding_window
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: Any
     ) -> torch.Tensor:
         """q [T, H, D], k and v [T, Hkv, D] for this step's tokens: write k and v into
         `kv_cache` at `md.slot_mapping`, then attend every query to its sequence's
-        cached context (causally within its chunk). Returns [T, H, D].
+        cached context (causally within its chunk). Returns [T, H, D]. `md` is the
+        step's metadata as this backend built it (`build_metadata`, or
+        `make_decode_metadata` for a CUDA graph).
 
         Every token's K/V must be in the cache before any sequence attends: with prefix
         caching, a sequence's context may include blocks that another sequence of the
@@ -93,6 +100,13 @@ class AttentionBackend(ABC):
     """One per rank (ModelRunner). Subclasses name themselves and their impl."""
 
     name: str = ""
+    # Whether the impls honour `Attention.sliding_window` (the runner refuses a model
+    # with sliding-window layers on a backend that does not).
+    supports_sliding_window: bool = False
+    # Whether a decode step can be captured in a CUDA graph: the impls read every length
+    # from device tensors and `make_decode_metadata` builds metadata over persistent
+    # buffers (worker/cuda_graph.py).
+    supports_cuda_graphs: bool = False
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
@@ -103,9 +117,25 @@ class AttentionBackend(ABC):
     def make_impl(self, layer: Attention) -> AttentionImpl:
         """The impl for one layer (called once per layer when its cache is attached)."""
 
-    def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:
-        """This backend's metadata for a step (the common one, unless it needs more)."""
+    def build_metadata(self, common: AttentionMetadata) -> Any:
+        """This backend's metadata for a step (the common one, unless it needs more),
+        which every layer's impl receives."""
         return common
+
+    def workspace_bytes(self, layer: Attention, max_model_len: int) -> int:
+        """The most memory one layer's attention call allocates beyond its output, at any
+        step of up to max_model_len tokens of context: the profile run holds this much
+        during its forward, so the KV cache sized after it leaves room for it."""
+        return 0
+
+    def make_decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                             query_start_loc: torch.Tensor, block_size: int) -> Any:
+        """Metadata for a decode batch (one query token per sequence) over the device
+        tensors given, which the caller refills before every replay: slot_mapping int64
+        [n] (-1: write nothing), block_tables int32 [n, max_blocks], seq_lens int32 [n]
+        (0: a padding row), query_start_loc int32 [n + 1]. Only for backends that
+        support CUDA graphs."""
+        raise NotImplementedError(f"attention backend {self.name!r} cannot build metadata for a CUDA graph")
 
     def reset(self) -> None:  # noqa: B027 - optional hook
         """Forget every request's state and free what holds it: the KV cache was

@@ -285,7 +285,7 @@ class CPUAttentionBackend(TorchSDPABackend):
     only without the kernel). `paged_decode=False` keeps the kernel out even where it
     builds (the torch path's tests)."""
 
-    name = "CPU_SDPA"
+    name = "CPU_ATTN"
 
     def __init__(self, num_layers: int, decode_context_bytes: int = TOTAL_BYTES, paged_decode: bool = True) -> None:
         self.kernel = load_paged_decode() if paged_decode else None

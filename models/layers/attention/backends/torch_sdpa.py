@@ -26,6 +26,11 @@ from models.layers.attention.layer import Attention, causal_sdpa
 # Decode sequences are attended in groups whose padded K/V context (gathered from the
 # paged cache) stays under this many bytes; see TorchSDPAImpl.decode_attention.
 DECODE_GROUP_BYTES = 8 << 20
+# A chunk over cached context runs SDPA with a mask, which takes the math kernel: its
+# float32 scores, probabilities and mask are [H, queries, context]. The queries are split
+# so that those stay under this many bytes (2k queries at 32k context and 32 heads
+# would otherwise need about 8 GiB, which no profile run sees).
+CHUNK_SCORES_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -120,18 +125,27 @@ class TorchSDPAImpl(AttentionImpl):
             return causal_sdpa(q, k, v, self.scale)
         num_blocks = cdiv(seq_len, md.block_size)
         ctx = gather_paged_kv(kv_cache, md.block_tables[i, :num_blocks], 1, num_blocks * md.block_size)
-        # Query j sits at position seq_len - query_len + j and sees keys up to it.
-        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device).unsqueeze(1)
+        keys = ctx[0, :, 0, :seq_len].unsqueeze(0).to(q.dtype)
+        values = ctx[1, :, 0, :seq_len].unsqueeze(0).to(q.dtype)
+        rows = max(1, CHUNK_SCORES_BYTES // self.scores_bytes_per_query(seq_len))
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            ctx[0, :, 0, :seq_len].unsqueeze(0).to(q.dtype),
-            ctx[1, :, 0, :seq_len].unsqueeze(0).to(q.dtype),
-            attn_mask=k_pos <= q_pos,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return out.squeeze(0).transpose(0, 1)
+        out = torch.empty_like(q)
+        for lo in range(0, query_len, rows):
+            hi = min(lo + rows, query_len)
+            # Query j sits at position seq_len - query_len + j and sees keys up to it.
+            q_pos = torch.arange(seq_len - query_len + lo, seq_len - query_len + hi, device=q.device).unsqueeze(1)
+            out[lo:hi] = F.scaled_dot_product_attention(
+                q[lo:hi].transpose(0, 1).unsqueeze(0), keys, values,
+                attn_mask=k_pos <= q_pos,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            ).squeeze(0).transpose(0, 1)
+        return out
+
+    def scores_bytes_per_query(self, context_len: int) -> int:
+        """What the masked (math) SDPA holds per query row: float32 scores and
+        probabilities, and the boolean mask, over `context_len` keys and every head."""
+        return self.num_heads * context_len * (4 + 4 + 1)
 
     def decode_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: TorchSDPAMetadata
@@ -175,6 +189,12 @@ class TorchSDPAImpl(AttentionImpl):
 
 class TorchSDPABackend(AttentionBackend):
     name = "TORCH_SDPA"
+
+    def workspace_bytes(self, layer: Attention, max_model_len: int) -> int:
+        """A chunk over a cached context of max_model_len: the context gathered out of
+        the cache (and cast), plus the bounded scores (CHUNK_SCORES_BYTES)."""
+        gathered = 2 * layer.num_kv_heads * max_model_len * layer.head_size * layer.dtype.itemsize * 2
+        return gathered + CHUNK_SCORES_BYTES
 
     def make_impl(self, layer: Attention) -> AttentionImpl:
         return TorchSDPAImpl(layer)
