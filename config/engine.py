@@ -60,6 +60,8 @@ class EngineConfig:
     ray_placement_strategy: str = "PACK"
     # config/parallel.py: TP_COMMUNICATORS. "gloo" on CUDA lets TP ranks share one GPU.
     tp_communicator: str = "auto"
+    # Mixture-of-experts models: whole experts per rank instead of sliced ones (vLLM's flag).
+    enable_expert_parallel: bool = False
     # config/attention.py: ATTENTION_BACKENDS, or None for the platform's default.
     attention_backend: str | None = None
     # CUDA graphs for decode steps (config/compilation.py), as vLLM's flags: off with

@@ -39,6 +39,13 @@ def torch_dtype(name: str) -> torch.dtype:
 # Fields every supported architecture reads, and optional ones checked when present.
 _REQUIRED_INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 _OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+# Architectures whose models give their attention layers the config's `sliding_window`
+# (every layer, or those `layer_types` marks as sliding). Any other architecture with a
+# window shorter than max_model_len is refused rather than run without its window
+# (Qwen2/Qwen3's `use_sliding_window: true` among them, until their models read it).
+SLIDING_WINDOW_ARCHITECTURES = frozenset({"MistralForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                                          "Phi3ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
+                                          "Qwen3MoeForCausalLM"})
 # Larger than any real model's dimension, small enough that no allocation sized by it is attempted.
 _MAX_DIM = (1 << 31) - 1
 
@@ -117,10 +124,13 @@ class ModelConfig:
                 f"max_model_len={max_len} exceeds the model's max_position_embeddings={max_positions}"
             )
         window = getattr(hf_config, "sliding_window", None)
-        if window is not None and getattr(hf_config, "use_sliding_window", True) and window < max_len:
+        archs = getattr(hf_config, "architectures", None) or []
+        if (window is not None and getattr(hf_config, "use_sliding_window", True) and window < max_len
+                and not set(archs) <= SLIDING_WINDOW_ARCHITECTURES):
             raise ConfigError(
                 f"sliding_window={window} in {source} is shorter than max_model_len={max_len}; "
-                "sliding-window attention is not supported, set max_model_len <= the window"
+                f"sliding-window attention is implemented for {sorted(SLIDING_WINDOW_ARCHITECTURES)}, "
+                f"not architectures={archs}: set max_model_len <= the window"
             )
         return cls(model, resolved_dtype, hf_config, max_len, seed, revision, quantization)
 

@@ -23,6 +23,9 @@ class ParallelConfig:
     ray_placement_strategy: str = "PACK"
     # One of TP_COMMUNICATORS, resolved: "nccl" or "gloo".
     tp_communicator: str = "gloo"
+    # Mixture-of-experts layers: whole experts per rank (EP size = TP size) instead of
+    # every expert's intermediate dimension split across the ranks (vLLM's flag).
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:

@@ -115,7 +115,7 @@ def create_engine_config(config: EngineConfig | None = None, /, **kwargs: Any) -
 
     resolved.model_config = model_config
     resolved.parallel_config = ParallelConfig(config.tensor_parallel_size, backend, config.ray_placement_strategy,
-                                              tp_communicator)
+                                              tp_communicator, bool(config.enable_expert_parallel))
     resolved.load_config = load_config
     resolved.cache_config = CacheConfig(
         config.block_size, 0.9 if config.gpu_memory_utilization is None else config.gpu_memory_utilization,
@@ -257,3 +257,16 @@ def _check_parallel_fits_model(config: EngineConfig, model_config: ModelConfig) 
             f"tensor_parallel_size={tp} and num_key_value_heads={kv_heads} of {config.model} are incompatible: "
             "one must be a multiple of the other"
         ) from None
+    hf = model_config.hf_config
+    num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
+    if not num_experts:  # a dense model: enable_expert_parallel changes nothing (as in vLLM)
+        return
+    if config.enable_expert_parallel:
+        if num_experts % tp:
+            raise ConfigError(f"enable_expert_parallel: num_experts={num_experts} of {config.model} is not divisible "
+                              f"by tensor_parallel_size={tp}")
+        return
+    expert_inter = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
+    if expert_inter % tp:
+        raise ConfigError(f"tensor_parallel_size={tp} does not divide the experts' intermediate size {expert_inter} "
+                          f"of {config.model}; enable_expert_parallel=True places whole experts instead")

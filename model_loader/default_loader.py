@@ -10,6 +10,9 @@ safetensors and pt files are read by N parallel threads (multithread.py).
 With `EngineConfig(check_weights_finite=True)` every floating-point tensor is scanned
 for NaN and Inf, and each one that has any is logged as a warning naming the tensor and
 its file (off by default: it reads every byte of the checkpoint once more).
+A model with `is_local_checkpoint_tensor(name)` (the MoE architectures under expert
+parallelism) never receives the names it rejects: the safetensors reader drops them
+from the headers, so the default lazy reader never touches another rank's experts.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import nn
@@ -61,9 +64,12 @@ class DefaultModelLoader(BaseModelLoader):
             load_config.model_loader_extra_config, load_config.load_format
         )
 
-    def _weights_iterator(self, model_config: ModelConfig) -> tuple[Iterator[tuple[str, torch.Tensor]], bool]:
+    def _weights_iterator(
+        self, model_config: ModelConfig, name_filter: Callable[[str], bool] | None = None
+    ) -> tuple[Iterator[tuple[str, torch.Tensor]], bool]:
         """The (name, tensor) stream, and whether its tensors are views of read-only file
-        mappings that parameters may alias (the lazy and prefetch safetensors reader)."""
+        mappings that parameters may alias (the lazy and prefetch safetensors reader).
+        Names `name_filter` rejects are left out (see the module docstring)."""
         model_dir = Path(model_config.model)
         load_format = self.load_config.load_format
         files, use_safetensors = prepare_weight_files(model_dir, load_format, self.load_config.ignore_patterns)
@@ -82,6 +88,7 @@ class DefaultModelLoader(BaseModelLoader):
                     prefetch_num_threads=self.load_config.safetensors_prefetch_num_threads,
                     prefetch_block_size=self.load_config.safetensors_prefetch_block_size,
                     use_tqdm=use_tqdm,
+                    name_filter=name_filter,
                 )
         elif self.multithread:
             weights = multi_thread_pt_weights_iterator(files, self.num_threads, use_tqdm)
@@ -93,6 +100,9 @@ class DefaultModelLoader(BaseModelLoader):
             and not self.multithread
             and self.load_config.safetensors_load_strategy != "eager"
         )
+        if name_filter is not None:
+            # The other readers load or map whole files; a rejected name still reaches no layer.
+            weights = ((name, tensor) for name, tensor in weights if name_filter(name))
         weights = check_float_weights(weights, model_dir)
         if self.load_config.check_weights_finite:
             weights = warn_non_finite_weights(weights, files, use_safetensors and load_format != "npcache")
@@ -102,7 +112,7 @@ class DefaultModelLoader(BaseModelLoader):
         """Whole, unsliced weights become views of the mapped file rather than copies
         (`alias_checkpoint_tensors`): no second copy, no anonymous memory, and on CPU at
         TP=1 about half the bytes of a Llama are never copied at all."""
-        weights, file_mapped = self._weights_iterator(model_config)
+        weights, file_mapped = self._weights_iterator(model_config, getattr(model, "is_local_checkpoint_tensor", None))
         with alias_checkpoint_tensors() if file_mapped else contextlib.nullcontext():
             loaded = model.load_weights(weights)
         check_all_weights_loaded(model, loaded, model_config.model)

@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -225,8 +225,13 @@ def safetensors_weights_iterator(
     prefetch_num_threads: int = 8,
     prefetch_block_size: int = 16 << 20,
     use_tqdm: bool = False,
+    name_filter: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor of every file, file by file.
+
+    `name_filter` (a MoE model's expert-parallel filter): names it rejects are dropped
+    from the headers, before anything is mapped; on the "lazy" strategy none of their
+    bytes is ever read ("eager" and "prefetch" read whole files by design).
 
     `strategy`: "lazy" (mmap views), "eager" (whole file read up front) or "prefetch"
     (page cache warmed one file ahead by `prefetch_num_threads` threads); None picks
@@ -235,7 +240,8 @@ def safetensors_weights_iterator(
     """
     if strategy is None:
         strategy = "prefetch" if files and is_network_filesystem(files[0]) else "lazy"
-    headers = [(path, read_safetensors_header(path)[0]) for path in files]
+    headers = [(path, [e for e in read_safetensors_header(path)[0] if name_filter is None or name_filter(e.name)])
+               for path in files]
     prefetcher: ThreadPoolExecutor | None = None
     pending = None
     if strategy == "prefetch":

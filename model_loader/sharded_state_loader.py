@@ -20,7 +20,10 @@ file is absent reports "missing rank file" with the ranks that are present; a mi
 part is named too.
 
 Memory: parameters plus about one tensor (mmap views, like the "lazy" strategy).
-Saving holds no extra copy: tensors are streamed to the file one at a time.
+Saving holds no extra copy: tensors are streamed to the file one at a time (a weight
+held in the CPU's packed layout is written as its plain values, unpacked one at a time).
+Loading into a model whose weights are packed (`update_weights`) packs each again as it
+is copied in.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from model_loader.multithread import check_extra_config_keys
 from model_loader.safetensors_reader import SAFETENSORS_DTYPES, read_safetensors_header, safetensors_weights_iterator
 from model_loader.weight_files import CONFIG_PATTERNS, WEIGHT_FILE_PATTERNS
 from models.errors import WeightLoadError
+from models.layers.packed_tensor import PackedTensor
 from models.utils import format_names
 
 if TYPE_CHECKING:
@@ -60,7 +64,7 @@ def shardable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     storage kept once, under their first name. Saving and loading use the same rule, so
     the keys line up."""
     out: dict[str, torch.Tensor] = {}
-    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
+    seen: dict[tuple[object, ...], str] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if tensor is None:
             continue
@@ -68,12 +72,20 @@ def shardable_state(model: nn.Module) -> dict[str, torch.Tensor]:
         if t.numel() == 0:
             out[name] = t
             continue
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        key = _storage_key(t)
         if key in seen:
             continue
         seen[key] = name
         out[name] = t
     return out
+
+
+def _storage_key(t: torch.Tensor) -> tuple[object, ...]:
+    """What two tensors that share their data have in common: the storage and the view,
+    or, for a weight held in a packed layout (`PackedTensor`), the packed data."""
+    if isinstance(t, PackedTensor):
+        return ("packed", id(t.packed_weight))
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
 # ----------------------------------------------------------------------------- saving
@@ -98,6 +110,7 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]], meta
             f.write(raw)
             for _, t in tensors:
                 if t.numel():
+                    t = t.plain() if isinstance(t, PackedTensor) else t  # one weight unpacked at a time
                     data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
                     f.write(memoryview(data.numpy()))
         os.replace(tmp, path)

@@ -11,6 +11,7 @@ from torch import nn
 from models.layers.build_config import LayerBuildConfig, set_layer_build_config
 from models.layers.cpu_gemm import default_packed_gemm, reusing_upcast_buffer
 from models.layers.quantization import get_quantization_config
+from models.layers.unquantized import tracking_shared_weights
 from models.registry import ModelRegistry
 
 if TYPE_CHECKING:
@@ -51,8 +52,10 @@ def initialize_model(config: EngineConfig, prefix: str = "") -> nn.Module:
 def process_weights_after_loading(model: nn.Module) -> None:
     """Give every module's method, then every module, its chance to repack weights once
     all of them are in place (quantisation, CPU packing, derived buffers). Runs after
-    the strict all-loaded check, on every rank."""
-    with reusing_upcast_buffer():
+    the strict all-loaded check, on every rank, and again after `update_weights`
+    (methods skip what they processed already). A weight several modules share (a tied
+    LM head's) is replaced in all of them when the CPU packs it."""
+    with reusing_upcast_buffer(), tracking_shared_weights(model):
         for module in model.modules():
             quant_method = getattr(module, "quant_method", None)
             if quant_method is not None:

@@ -9,7 +9,7 @@ rank the module holds that rank's shard.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch import nn
@@ -18,20 +18,12 @@ from models.layers.activation import SiluAndMul
 from models.layers.attention import Attention, AttentionMetadata
 from models.layers.layernorm import RMSNorm
 from models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from models.layers.rotary_embedding import RotaryEmbedding
+from models.layers.rotary_embedding import RotaryEmbedding, get_rope
 from models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from models.utils import AutoWeightsLoader
 
 if TYPE_CHECKING:
     from config import EngineConfig
-
-
-def rope_settings(hf_config: SimpleNamespace) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either the classic keys or transformers v5's `rope_parameters`."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    theta = getattr(hf_config, "rope_theta", None) or params.get("rope_theta", 10000.0)
-    scaling = getattr(hf_config, "rope_scaling", None) or (params if params.get("rope_type", "default") != "default" else None)
-    return float(theta), scaling
 
 
 def head_dim(hf_config: SimpleNamespace) -> int:
@@ -51,7 +43,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf_config: SimpleNamespace, qkv_bias: bool, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self, hf_config: SimpleNamespace, qkv_bias: bool, rotary_emb: RotaryEmbedding, sliding_window: int | None = None
+    ) -> None:
         super().__init__()
         hidden_size = hf_config.hidden_size
         total_heads = hf_config.num_attention_heads
@@ -62,12 +56,14 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        # transformers' Llama and Qwen3 give o_proj a bias with `attention_bias`.
+        out_bias = getattr(hf_config, "attention_out_bias", getattr(hf_config, "attention_bias", False))
         self.o_proj = RowParallelLinear(
-            total_heads * self.head_dim, hidden_size, bias=getattr(hf_config, "attention_out_bias", False),
+            total_heads * self.head_dim, hidden_size, bias=out_bias,
             reduce_results=False,
         )
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, sliding_window)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: AttentionMetadata | None
@@ -80,9 +76,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config: SimpleNamespace, qkv_bias: bool, rotary_emb: RotaryEmbedding) -> None:
+    attention_cls: type[LlamaAttention] = LlamaAttention  # a family's attention (Qwen3: q/k norms)
+
+    def __init__(
+        self, hf_config: SimpleNamespace, qkv_bias: bool, rotary_emb: RotaryEmbedding, sliding_window: int | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(hf_config, qkv_bias, rotary_emb)
+        self.self_attn = self.attention_cls(hf_config, qkv_bias, rotary_emb, sliding_window)
         self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, getattr(hf_config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -105,14 +105,25 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config: SimpleNamespace, qkv_bias: bool, max_positions: int) -> None:
+    def __init__(
+        self,
+        hf_config: SimpleNamespace,
+        qkv_bias: bool,
+        max_positions: int,
+        decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer,
+        sliding_windows: list[int | None] | None = None,
+    ) -> None:
+        """`sliding_windows`: per layer, the window or None (default: none). A window that
+        covers max_positions (max_model_len) is dropped: it masks nothing, and without
+        it backends that lack sliding-window support still run the model."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, reduce_results=False)
-        theta, scaling = rope_settings(hf_config)
         # One cos/sin table for all layers, sized to the positions the engine can reach.
-        rotary_emb = RotaryEmbedding(head_dim(hf_config), max_positions, theta, scaling)
+        rotary_emb = get_rope(hf_config, head_dim(hf_config), max_positions)
+        windows = sliding_windows or [None] * hf_config.num_hidden_layers
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, qkv_bias, rotary_emb) for _ in range(hf_config.num_hidden_layers)
+            decoder_layer_cls(hf_config, qkv_bias, rotary_emb, w if w is not None and w < max_positions else None)
+            for w in windows
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -147,13 +158,20 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         hf_config = config.model_config.hf_config
         self.config = hf_config
-        self.model = LlamaModel(hf_config, self.qkv_bias, config.model_config.max_model_len)
+        self.model = self.build_model(hf_config, config.model_config.max_model_len)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", self.default_tie_word_embeddings))
         self.lm_head = ParallelLMHead(
             hf_config.vocab_size,
             hf_config.hidden_size,
             tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+            # Gemma's final-logit soft cap; no other family's config carries the field.
+            logits_soft_cap=getattr(hf_config, "final_logit_softcapping", None),
         )
+
+    def build_model(self, hf_config: SimpleNamespace, max_positions: int) -> nn.Module:
+        """The decoder stack (`.embed_tokens` and `forward(input_ids, positions,
+        attn_metadata) -> hidden`); a family with another layer layout overrides it."""
+        return LlamaModel(hf_config, self.qkv_bias, max_positions)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata | None = None

@@ -24,9 +24,15 @@ class _LazyRegisteredModel:
 
 
 _TEXT_GENERATION_MODELS: dict[str, tuple[str, str]] = {
+    "Gemma2ForCausalLM": ("models.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("models.gemma3", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("models.mistral", "MistralForCausalLM"),
+    "MixtralForCausalLM": ("models.mixtral", "MixtralForCausalLM"),
+    "Phi3ForCausalLM": ("models.phi3", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -168,11 +168,23 @@ class Meter:
 
 
 def touch_all(tensors: Any) -> int:
-    """Read one byte of every page of every tensor, so that all of them are resident."""
+    """Read one byte of every page of every tensor, so that all of them are resident. A
+    CPU weight packed in place (models/layers/packed_tensor.py) is read in its packed
+    layout, which is what it holds: reading it as a tensor would unpack it."""
+    import ctypes
+
     import torch
 
     total = 0
     for t in tensors:
+        packed = getattr(t, "packed_weight", None)
+        if packed is not None:
+            t = packed.packed
+            if t.is_mkldnn:
+                nbytes = torch.ops.mkldnn._nbytes(t)
+                buffer = (ctypes.c_uint8 * nbytes).from_address(torch.ops.mkldnn.data_ptr(t))
+                total += int(torch.frombuffer(buffer, dtype=torch.uint8)[::PAGE].sum())
+                continue
         flat = t.detach().reshape(-1)
         if flat.numel() == 0:
             continue

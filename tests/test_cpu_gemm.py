@@ -5,8 +5,9 @@ it serves, with and without bias and for 3-D input: oneDNN's and the avx2 kernel
 row count, MKL's up to PACKED_MAX_ROWS, above which it must be F.linear itself. Loading
 packs every unquantised float32 linear layer and the LM head (tied or not) with the
 default kernel and nothing else, leaves `state_dict()` unchanged, gives the logits of an
-unpacked model, and is switched off by `cpu_prepack_weights=False`. Weights changed
-after loading take effect once `prepack_cpu_weights` runs again.
+unpacked model, and is switched off by `cpu_prepack_weights=False`.
+Weights changed after loading take effect (in place, or once `prepack_cpu_weights` runs
+again). Packing in place itself: tests/test_cpu_packing_in_place.py.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from models.layers.cpu_gemm import (
     upcast_gemm,
 )
 from models.layers.linear import LinearBase
+from models.layers.packed_tensor import PackedTensor
 from models.layers.quantization.fp8 import Fp8LinearMethod
 from models.layers.unquantized import CPUUnquantizedLinearMethod, prepack_cpu_weights
 from models.layers.vocab_parallel_embedding import ParallelLMHead
@@ -54,7 +56,7 @@ def linears(model: torch.nn.Module) -> list[LinearBase]:
 
 
 def is_packed(layer: torch.nn.Module) -> bool:
-    """Whether the layer's method holds a packed copy of its weight."""
+    """Whether the layer's weight is held packed (MKL: with a packed copy beside it)."""
     method = layer.quant_method
     return isinstance(method, CPUUnquantizedLinearMethod) and method.packed is not None
 
@@ -101,8 +103,9 @@ def test_loading_packs_linears_and_lm_head_and_keeps_logits(name, tiny_models):
     lm_head = packed.lm_head
     assert isinstance(lm_head, ParallelLMHead) and is_packed(lm_head)
     assert not is_packed(plain.lm_head)
-    if name == "qwen2_tied":  # the embedding still reads the shared weight
+    if name == "qwen2_tied":  # the embedding still reads the shared weight, packed in place for both
         assert lm_head.weight is packed.model.embed_tokens.weight
+        assert isinstance(lm_head.weight, PackedTensor)
     # Packing adds no parameter or buffer: checkpoints saved from the model are unchanged.
     assert packed.state_dict().keys() == plain.state_dict().keys()
     for key, value in packed.state_dict().items():
@@ -124,7 +127,7 @@ def test_bf16_weights_are_packed_natively_or_as_float32_where_the_cpu_has_no_bf1
             assert packed.kernel == "onednn" and packed.dtype == torch.bfloat16
         else:
             assert packed.kernel == upcast_gemm(default_packed_gemm()) and packed.dtype == torch.float32
-        assert m.weight.dtype == torch.bfloat16  # the checkpoint's copy stays as it was
+        assert m.weight.dtype == torch.bfloat16  # the packed weight reads as the checkpoint's dtype
     assert not any(is_packed(m) for m in [*linears(plain), plain.lm_head])
     for length in (5, PACKED_MAX_ROWS + 20):
         ids = torch.randint(0, 320, (length,), generator=torch.Generator().manual_seed(length))

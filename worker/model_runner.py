@@ -75,9 +75,13 @@ class ModelRunner:
         """Load new values into the model in place: every weight from the checkpoint
         directory `source` (the config's load format; WeightLoadError naming what is
         missing), or the named, unsharded checkpoint tensors in `source` (any subset;
-        each weight_loader takes this rank's slice). Derived copies (the CPU's packed
-        weights) are rebuilt. Raises ValueError under quantisation, whose processed
-        weights cannot take checkpoint values again."""
+        each weight_loader takes this rank's slice). A weight the CPU holds packed is
+        unpacked by its weight_loader when its first new values arrive and packed again
+        at the end (`process_weights_after_loading` packs what is plain and leaves the
+        rest): each layer holds one form of its weight at any time, plus, for one layer
+        at a time, the copy being converted; layers `source` does not name stay packed
+        as they were. Raises ValueError under quantisation, whose processed weights
+        cannot take checkpoint values again."""
         model = self._require_model()
         quantization = self.config.model_config.quantization
         if quantization is not None:
@@ -147,10 +151,6 @@ class ModelRunner:
         """Attach the allocated caches to the model's layers (again, after the model
         was rebuilt by a wake-up), each with a fresh impl of the backend."""
         assert self.attn_backend is not None
-        backend = self.attn_backend
-        if not backend.supports_sliding_window and any(layer.sliding_window for layer in self._attention_layers()):
-            raise ValueError(f"this model has sliding-window attention layers, which attention_backend="
-                             f"{backend.name!r} does not support; use TRITON_ATTN")
         for layer, cache in zip(self._attention_layers(), self.kv_caches, strict=True):
             layer.bind_kv_cache(cache, self.attn_backend.make_impl(layer))
 

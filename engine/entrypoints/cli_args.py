@@ -83,12 +83,15 @@ def build_parser(prog: str = "python -m engine.serve", description: str | None =
     p.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
                    help="default: TRITON_ATTN on CUDA, CPU_ATTN on the CPU (TRITON_ATTN on the CPU needs "
                         "TRITON_INTERPRET=1)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts models: whole experts per rank (EP size = TP size) instead of each "
+                        "expert sliced across the ranks")
     p.add_argument("--tp-communicator", default="auto", choices=TP_COMMUNICATORS,
                    help="how TP ranks exchange tensors (default auto: NCCL on CUDA, gloo with shared memory "
                         "on the CPU); gloo on CUDA lets the ranks share one GPU")
     p.add_argument("--no-cpu-prepack-weights", dest="cpu_prepack_weights", action="store_false",
-                   help="on CPU, do not keep a packed copy of the linear weights (saves their size in "
-                        "memory, slower decode)")
+                   help="on CPU, keep the checkpoint's layout instead of packing the linear weights (packing "
+                        "replaces the weight; without it decode is slower)")
     p.add_argument("--distributed-executor-backend", default=None, choices=get_supported_executor_backends(),
                    help="how ranks run: mp (one process per rank, the default at every TP: the model "
                         "step then never waits for the HTTP server's interpreter lock), uni (in the "

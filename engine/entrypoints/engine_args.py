@@ -56,4 +56,5 @@ def engine_config_kwargs(args: argparse.Namespace, model: str) -> dict[str, Any]
         "enforce_eager": args.enforce_eager, "cudagraph_capture_sizes": args.cudagraph_capture_sizes,
         "max_cudagraph_capture_size": args.max_cudagraph_capture_size,
         "attention_backend": args.attention_backend, "tp_communicator": args.tp_communicator,
+        "enable_expert_parallel": args.enable_expert_parallel,
     }

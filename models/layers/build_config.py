@@ -24,10 +24,10 @@ from models.layers.quantization.base import LinearMethodBase, QuantizationConfig
 class LayerBuildConfig:
     quant_config: QuantizationConfig | None = None
     device_type: str = "cpu"  # where the weights will live: "cpu" | "cuda"
-    # float32 weights on the CPU get a packed copy (models/layers/unquantized.py): faster
-    # GEMMs (decode above all), twice the linear weights' memory.
+    # Linear weights on the CPU are packed in place (models/layers/unquantized.py): faster
+    # GEMMs (decode above all), no extra memory (MKL, when chosen, keeps a copy beside).
     cpu_prepack_weights: bool = False
-    cpu_packed_gemm: str = "mkl"  # which kernel packs: cpu_gemm.PACKED_GEMMS (cpu_gemm.default_packed_gemm)
+    cpu_packed_gemm: str = "onednn"  # which kernel packs: cpu_gemm.PACKED_GEMMS (cpu_gemm.default_packed_gemm)
 
     def linear_method(self, layer: nn.Module) -> LinearMethodBase:
         """The quantisation config's method for `layer`, else the unquantised one."""

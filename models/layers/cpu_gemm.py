@@ -4,18 +4,20 @@ For a decode step a linear layer multiplies a few rows (one per running sequence
 its whole weight. An ordinary GEMM re-packs the weight into its kernel layout on every
 call, and for a handful of rows that packing costs as much as the product; a weight
 packed once, after loading, removes it (1.4-2x faster per layer at 8-64 rows on the
-2-core development VMs). Three kernels can pack float32: MKL, oneDNN and our AVX2 kernel
-(`cpu_sgemm.py`); which is fastest depends on the CPU (`default_packed_gemm`). MKL's
-packed product only pays for few rows, so `PackedWeight.linear` sends MKL's larger
-batches (prefill) to the plain sgemm; oneDNN's and ours are also the faster ones for
-prefill batches, so they serve every row count. bfloat16/float16 weights are packed by
-oneDNN in their own dtype where the CPU has a GEMM for it (AVX-512 BF16/FP16, AMX:
+2-core development VMs). Three kernels can pack float32: oneDNN, our AVX2 kernel
+(`cpu_sgemm.py`) and MKL; `default_packed_gemm` picks by CPU. oneDNN's and ours serve
+every row count and can give the plain weight back exactly (`PackedWeight.unpack`), so
+their packed layout replaces the weight (`models/layers/packed_tensor.py`). MKL's packed
+product only pays for few rows and needs the plain weight beside it (its large batches
+run the plain sgemm), so it is never the default: `TP_CPU_PACKED_GEMM=mkl` chooses it,
+at twice the linear weights' memory. bfloat16/float16 weights are packed by oneDNN in
+their own dtype where the CPU has a GEMM for it (AVX-512 BF16/FP16, AMX:
 `native_half_gemm`): 1.4x F.linear's bf16 product at 32 rows on the AVX-512 BF16 dev
 VM, 1.07x at 2048. This is the CPU counterpart of what vLLM's CPU backend does with
 oneDNN in `process_weights_after_loading`.
 
 The kernel only: `CPUUnquantizedLinearMethod` (models/layers/unquantized.py) decides
-which weights get a packed copy and when.
+which weights are packed and when.
 """
 
 from __future__ import annotations
@@ -48,9 +50,18 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 # steps of a server, and prefill chunks), so it serves every row count.
 PACKED_MAX_ROWS = 96
 # The row count the library is told when packing. The packed layout of the weight does not
-# depend on it (checked at pack time, see PackedWeight.verify), only the op's
+# depend on it (checked once per shape class, see PackedWeight.verify), only the op's
 # bookkeeping does, so every call passes its own row count.
 _PACK_HINT_ROWS = 32
+# What a packed layout can depend on besides the library, the dtype and the CPU: each
+# dimension below _SHAPE_CLASS_LIMIT, and above it its residue modulo the kernels' block
+# sizes. Every block size the libraries use (oneDNN's 16/32/48/64-wide output and 2-4
+# deep input blocks, AMX's 16x32 tiles, our 16-column panels) divides
+# _SHAPE_CLASS_PERIOD. On the Zen 5 VM oneDNN's bf16 layout was AB16b64a2b and its
+# float32 one AB16b64a for every shape from 2 to 32000 rows and columns (float32: plain
+# for one output row), so this is conservative.
+_SHAPE_CLASS_PERIOD = 384
+_SHAPE_CLASS_LIMIT = 2 * _SHAPE_CLASS_PERIOD
 
 
 def onednn_rows(rows: int) -> int:
@@ -109,30 +120,20 @@ def onednn_packing_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def default_packed_gemm() -> str:
-    """Which kernel packs, by CPU: MKL on Intel (the fastest at decode sizes there); our
-    AVX2 kernel on other CPUs without AVX-512 (1.2-1.5x oneDNN at 1-48 rows on the AMD
-    dev VM, on par above), where it builds; oneDNN elsewhere (MKL takes slow generic
-    paths on AMD: 1.3-1.6x slower whole decode runs here). `TP_CPU_PACKED_GEMM=mkl|
-    onednn|avx2` overrides (an avx2 kernel that cannot be built falls back to oneDNN)."""
+    """Which kernel packs float32, by CPU: our AVX2 kernel on CPUs without AVX-512 (1.2-1.5x
+    oneDNN at 1-48 rows on the AMD dev VM, on par above), where it builds; oneDNN
+    elsewhere. MKL was the Intel default until packing came to replace the weight: its
+    packed copy cannot serve large batches nor give the weight back, so it must sit
+    beside the plain weight, and its decode-size edge over oneDNN on Intel was never
+    worth holding the weights twice; it is now an explicit choice (on AMD it takes slow
+    generic paths: 1.3-1.6x slower whole decode runs). `TP_CPU_PACKED_GEMM=mkl|onednn|
+    avx2` overrides (an avx2 kernel that cannot be built falls back to oneDNN)."""
     choice = os.environ.get("TP_CPU_PACKED_GEMM")
     if choice == "avx2" and not packing_available("avx2"):
         choice = None
     if choice in PACKED_GEMMS:
         return choice
-    if _cpu_vendor() == "GenuineIntel" and mkl_packing_available():
-        return "mkl"
     if cpu_sgemm.cpu_has_avx2() and not cpu_sgemm.cpu_has_avx512() and packing_available("avx2"):
         return "avx2"
     return "onednn" if onednn_packing_available() else "mkl"
@@ -178,29 +179,97 @@ def upcast_float32(weight: torch.Tensor) -> torch.Tensor:
     return held[0][: weight.numel()].view(weight.shape).copy_(weight)
 
 
-# A memo of PackedWeight.verify's answer per (kernel, shape, dtype): a property of the
+def shape_class(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The smallest shape whose packed layout is that of `shape` (see _SHAPE_CLASS_PERIOD):
+    each dimension up to _SHAPE_CLASS_LIMIT + _SHAPE_CLASS_PERIOD as it is, a larger one
+    replaced by the number in [_SHAPE_CLASS_LIMIT, +_SHAPE_CLASS_PERIOD) with its residue."""
+    return tuple(d if d < _SHAPE_CLASS_LIMIT + _SHAPE_CLASS_PERIOD
+                 else _SHAPE_CLASS_LIMIT + (d - _SHAPE_CLASS_LIMIT) % _SHAPE_CLASS_PERIOD for d in shape)
+
+
+# A memo of PackedWeight.verify's answer per (kernel, dtype, shape class): a property of the
 # packing library on this CPU, so it stays valid for the process's lifetime.
-_VERIFIED: dict[tuple[str, tuple[int, ...], torch.dtype], bool] = {}
+_VERIFIED: dict[tuple[str, torch.dtype, tuple[int, ...]], bool] = {}
 
 
 class PackedWeight:
-    """A packed copy of one [out, in] weight; `linear` computes x W^T (+ b) for x of the
-    weight's dtype (float32; bfloat16/float16 with oneDNN only, `native_half_gemm`)."""
+    """One [out, in] weight in a kernel's packed layout (`packed`); `linear` computes
+    x W^T (+ b) for x of the weight's dtype (float32; bfloat16/float16 with oneDNN only,
+    `native_half_gemm`). oneDNN's and the avx2 kernel's layouts give the weight back
+    exactly (`unpack`), so they can stand in for it (`holds_whole_weight`); MKL's cannot.
+    `repack` packs new values in the same layout, in place of the old ones.
+
+    Memory: `packed` only: the weight's bytes, padded to the kernel's blocks (oneDNN pads
+    out to 64 and in to 16-32 on AVX-512; the avx2 kernel out to 16)."""
 
     def __init__(self, weight: torch.Tensor, kernel: str) -> None:
         """`kernel`: one of PACKED_GEMMS (`default_packed_gemm()`), available here."""
         assert weight.dtype == torch.float32 or kernel == "onednn", "only oneDNN packs bf16/fp16 weights"
         self.kernel = kernel
         self.dtype = weight.dtype
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         if kernel == "avx2":
             self.sgemm = cpu_sgemm.load()
             assert self.sgemm is not None, "the avx2 kernel is not available (packing_available)"
-            self.packed = self.sgemm.pack(weight)
-        elif kernel == "onednn":
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
-        else:
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
+        self.packed: torch.Tensor | None = self._pack(weight)
+        # Where each row and column lies in `packed` (models/layers/packed_rows.py's cache).
+        self.row_index: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "avx2":
+            return self.sgemm.pack(weight)
+        if self.kernel == "onednn":
+            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
+
+    @property
+    def holds_whole_weight(self) -> bool:
+        """Whether `packed` serves every row count and gives the weight back (`unpack`):
+        oneDNN's and the avx2 kernel's layouts, not MKL's."""
+        return self.kernel != "mkl"
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes `packed` holds, padding included (0 once released)."""
+        if self.packed is None:
+            return 0
+        if self.kernel == "onednn":
+            return int(torch.ops.mkldnn._nbytes(self.packed))
+        return self.packed.numel() * self.packed.element_size()
+
+    def unpack(self) -> torch.Tensor:
+        """The plain [out, in] weight, exactly the values packed, as a new tensor (the one
+        extra weight a caller holds while it needs the plain form). oneDNN reorders its
+        layout back to the plain one (a copy of every value, no arithmetic); the avx2
+        layout is 16-column panels, [out/16][in][16]. ValueError for MKL's layout, which
+        has no inverse."""
+        if self.kernel == "onednn":
+            return self.require_packed().to_dense()
+        if self.kernel == "avx2":
+            panel = cpu_sgemm.PANEL
+            panels = self.require_packed().view(-1, self.in_features, panel).transpose(1, 2)
+            return panels.reshape(-1, self.in_features)[: self.out_features].contiguous()
+        raise ValueError("MKL's packed layout cannot be unpacked: its layer keeps the plain weight")
+
+    def release(self) -> None:
+        """Drop the packed data now, whoever still holds this object (a loader's table of
+        parameters holds the replaced ones until it ends): its weight was unpacked into a
+        new tensor, and this copy must not stay alive beside it. Using it then raises."""
+        self.packed = None
+
+    def require_packed(self) -> torch.Tensor:
+        if self.packed is None:
+            raise RuntimeError("this packed weight was released: its layer holds the weight unpacked now "
+                               "(read layer.weight again)")
+        return self.packed
+
+    def repack(self, weight: torch.Tensor) -> None:
+        """Pack new values of the same shape in place of the old ones (converted to this
+        layout's dtype); the old packed tensor is dropped once nobody holds it."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"cannot repack a {tuple(weight.shape)} weight into a "
+                             f"{(self.out_features, self.in_features)} packed layout")
+        self.packed = self._pack(weight.detach().to(self.dtype).contiguous())
 
     def _onednn_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """oneDNN's packed product, prefill rows padded to a bucket (`onednn_rows`):
@@ -214,53 +283,70 @@ class PackedWeight:
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return out[:rows].reshape(*shape[:-1], self.out_features)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`weight` must be the tensor this was packed from (MKL's bookkeeping and its
-        large-batch path use it). oneDNN's and the avx2 packed products serve every row
-        count, MKL's up to PACKED_MAX_ROWS (above, F.linear)."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight`: the plain tensor this was packed from, which MKL needs (its bookkeeping
+        and its large batches, above PACKED_MAX_ROWS, run F.linear on it); None for the
+        other kernels, which serve every row count. An input of another dtype, or with no
+        rows, gets F.linear's result on the plain weight (unpacked for it if not given)."""
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows == 0 or x.dtype != self.dtype:
-            return F.linear(x, weight, bias)
+            return F.linear(x, self.unpack() if weight is None else weight, bias)
         if self.kernel == "avx2":
             return self.sgemm.linear(x, self.packed, self.out_features, bias)
         if self.kernel == "onednn":
             return self._onednn_linear(x, bias)
+        assert weight is not None, "MKL's packed product needs the plain weight beside it"
         if rows > PACKED_MAX_ROWS:
             return F.linear(x, weight, bias)
         return torch.ops.mkl._mkl_linear(x, self.packed, weight, bias, rows)
 
     def linear_any_rows(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The packed product for every row count, with no unpacked weight needed (oneDNN
-        and avx2 only, `upcast_gemm`; for the float32 copies of bf16/fp16 weights)."""
-        assert self.kernel in ("onednn", "avx2")
+        and avx2 only, `holds_whole_weight`)."""
+        assert self.holds_whole_weight
         if x.numel() == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
         if self.kernel == "avx2":
             return self.sgemm.linear(x, self.packed, self.out_features, bias)
         return self._onednn_linear(x, bias)
 
-    def verify(self, weight: torch.Tensor) -> bool:
-        """Whether the packed product matches F.linear for a few row counts: the
-        packed layout being independent of the row count is library behaviour, not an
-        API promise, so it is checked rather than assumed, once per kernel, weight
-        shape and dtype in a process (it depends on nothing else, and checking every
-        layer of a large model reads its weights six more times: 9 s of a 16 s load
-        of a 1.3 GB bfloat16 llama here)."""
-        key = (self.kernel, tuple(weight.shape), weight.dtype)
-        if key not in _VERIFIED:
-            _VERIFIED[key] = self._verify(weight)
-        return _VERIFIED[key]
+    def verify(self, weight: torch.Tensor | None = None) -> bool:
+        """`layout_verified` for this kernel and weights of this one's shape and dtype
+        (`weight`, if given, names them instead)."""
+        shape = (self.out_features, self.in_features) if weight is None else tuple(weight.shape)
+        return layout_verified(self.kernel, self.dtype if weight is None else weight.dtype, shape)
 
-    def _verify(self, weight: torch.Tensor) -> bool:
-        generator = torch.Generator().manual_seed(0)
-        # float32 kernels differ from F.linear only by reassociation; a half-precision one
-        # also rounds its output, so it may be a unit in the last place off.
-        rel = 1e-4 if weight.dtype == torch.float32 else 2 * torch.finfo(weight.dtype).eps
-        for rows in (1, 7, _PACK_HINT_ROWS + 1):
-            x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.dtype)
-            expected = F.linear(x.float(), weight.float())
-            got = self.linear(x, weight)  # at most PACKED_MAX_ROWS rows: packed, for either kernel
-            tolerance = rel * (1.0 + expected.abs().max().item())
-            if got.shape != expected.shape or not torch.allclose(got.float(), expected, rtol=rel, atol=tolerance):
-                return False
-        return True
+
+def layout_verified(kernel: str, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether `kernel`'s packed product matches F.linear for a few row counts on `dtype`
+    weights of `shape`'s class: the packed layout being independent of the row count is
+    library behaviour, not an API promise, so it is checked rather than assumed. The
+    layout depends on the library, the CPU, the dtype and the shape class
+    (`shape_class`) alone, so the check runs on a small random weight of that class,
+    once per process: milliseconds, where checking each real weight took 1.5 s of a
+    3.5 s load of a 1.34 GB bf16 llama here. Raises what packing raises (RuntimeError
+    from a library that cannot pack `dtype`)."""
+    key = (kernel, dtype, shape_class(shape))
+    if key not in _VERIFIED:
+        _VERIFIED[key] = _verify_layout(kernel, dtype, key[2])
+    return _VERIFIED[key]
+
+
+def _verify_layout(kernel: str, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Pack a random `shape` weight of `dtype` with `kernel` and compare its product with
+    F.linear's in float32 at 1, 7 and _PACK_HINT_ROWS + 1 rows."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=generator).to(dtype)
+    packed = PackedWeight(weight, kernel)
+    # float32 kernels differ from F.linear only by reassociation; a half-precision one
+    # also rounds its output, so it may be a unit in the last place off.
+    rel = 1e-4 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    for rows in (1, 7, _PACK_HINT_ROWS + 1):
+        x = torch.randn(rows, shape[1], generator=generator).to(dtype)
+        expected = F.linear(x.float(), weight.float())
+        got = packed.linear(x, weight)  # at most PACKED_MAX_ROWS rows: packed, for every kernel
+        tolerance = rel * (1.0 + expected.abs().max().item())
+        if got.shape != expected.shape or not torch.allclose(got.float(), expected, rtol=rel, atol=tolerance):
+            return False
+    return True

@@ -4,11 +4,11 @@ On the AMD dev VM (Zen 3, AVX2) oneDNN's packed product reaches 64-74 GFLOP/s on
 two cores at 32 rows (a decode step's batch) over a 100M llama's 12 layers (weights
 streamed from memory, as in a step); the 6x16 register tiles of `cpu_sgemm.c`, over the
 weight packed into 16-column panels, reach 82-96 GFLOP/s there: 1.5x oneDNN at 1-16
-rows, 1.2-1.3x at 32-48, on par (0.93-1.07x) from 64 to 1536 rows. So one packed copy
-serves every row count, in the memory oneDNN's copy took. MKL and oneDNN pick AVX-512
-kernels where the CPU has them, which an AVX2 kernel cannot match, so
-`cpu_gemm.default_packed_gemm` only picks this one on CPUs without AVX-512 (and not on
-Intel, where MKL's packed product is the measured default).
+rows, 1.2-1.3x at 32-48, on par (0.93-1.07x) from 64 to 1536 rows. So one packed layout
+serves every row count, and it replaces the weight (it unpacks exactly:
+`cpu_gemm.PackedWeight.unpack`). MKL and oneDNN pick AVX-512 kernels where the CPU has
+them, which an AVX2 kernel cannot match, so `cpu_gemm.default_packed_gemm` only picks
+this one on CPUs without AVX-512.
 
 Built on first use like the other CPU kernels (distributed/native_build.py). With no
 AVX2/FMA, no compiler or a failed build (logged), `load()` returns None and the linear

@@ -15,7 +15,7 @@ from torch import nn
 from distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 from distributed.communication_op import tensor_model_parallel_all_reduce_rms_norm
 from models.layers import cpu_ops
-from models.layers.weight_utils import default_weight_loader, set_weight_attrs
+from models.layers.weight_utils import copy_checked, default_weight_loader, set_weight_attrs
 
 
 class RMSNorm(nn.Module):
@@ -69,3 +69,23 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.forward(x), x
         return self.forward(x, residual)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, `rms_norm(x) * (1 + w)` with the checkpoint's `w`.
+
+    The weight loader stores `1 + w` (added in float32, then cast to the model dtype),
+    so the forward, the fused CPU kernels and the fused all-reduce + norm are the plain
+    RMSNorm's, unchanged. In float32 the scale equals transformers' `1 + w` exactly; in
+    a half dtype it is rounded once to that dtype (transformers keeps it in float32), an
+    error of the order of the output's own rounding. Whoever reads this parameter back
+    (a sharded-state save) gets `1 + w`; reloading it through `load_weights` expects the
+    checkpoint's `w`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight.weight_loader = self._offset_weight_loader
+
+    @staticmethod
+    def _offset_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        copy_checked(param.data, (loaded_weight.to(torch.float32) + 1.0).to(param.dtype), "Gemma RMSNorm weight")

@@ -83,18 +83,31 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     The product goes through the platform's unquantised linear method (never a
     quantised one: quantisation leaves the LM head alone), so on the CPU it gets the
-    same packed small-batch path as the linear layers."""
+    same packed small-batch path as the linear layers.
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tie_to: VocabParallelEmbedding | None = None) -> None:
+    `logits_soft_cap` c (Gemma's `final_logit_softcapping`) turns each logit z into
+    c * tanh(z / c), in both `compute_logits` and `compute_greedy_tokens`: tanh is
+    monotonic, but it can round two logits to one value, and the logprobs change."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tie_to: VocabParallelEmbedding | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim)
         if tie_to is not None:
             self.weight = tie_to.weight
+        self.logits_soft_cap = logits_soft_cap
         self.quant_method: LinearMethodBase = get_layer_build_config().unquantized_linear_method()
+
+    def _apply_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """This rank's [tokens, vocab / tp_size] slice of the (soft-capped) logits."""
+        logits = self.quant_method.apply(self, hidden_states)
+        if self.logits_soft_cap:
+            # transformers' order of operations: divide, tanh, multiply.
+            logits = torch.tanh(logits / self.logits_soft_cap).mul_(self.logits_soft_cap)
+        return logits
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[tokens, vocab] logits, identical on every rank (all-gathered)."""
-        logits = self.quant_method.apply(self, hidden_states)
-        logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        logits = tensor_model_parallel_all_gather(self._apply_logits(hidden_states), dim=-1)
         return logits[..., : self.num_embeddings]
 
     def compute_greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -107,7 +120,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         one. A collective: every rank calls it with the same number of rows."""
         if self.tp_size > 1 and self.num_embeddings_padded > _FLOAT32_EXACT_IDS:
             return self.compute_logits(hidden_states).float().max(dim=-1).indices
-        logits = self.quant_method.apply(self, hidden_states)
+        logits = self._apply_logits(hidden_states)
         valid = min(self.num_embeddings - self.vocab_start_index, logits.shape[-1])  # the rest is padding
         if valid > 0:
             values, ids = _first_max(logits, valid)

@@ -1,6 +1,8 @@
 """Attention: the layer models call, and the backends that run it per platform.
 
     layer.py               Attention (the nn.Module), AttentionSpec, causal_sdpa
+    masked_attention.py    causal_attention, capped_attention: sliding window and soft cap
+                           with explicit, memory-bounded masks
     backends/abstract.py   AttentionBackend, AttentionImpl, AttentionMetadata, gather_paged_kv
     backends/triton_attn.py TritonAttentionBackend: TRITON_ATTN, Triton paged attention
                            (CUDA; the CPU under Triton's interpreter)

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.layers.attention.masked_attention import causal_attention
+
 if TYPE_CHECKING:
     from models.layers.attention.backends.abstract import AttentionImpl, AttentionMetadata
 
@@ -30,13 +32,21 @@ class AttentionSpec:
     dtype: torch.dtype
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
     """Causal attention of one sequence: q [T, H, D], k and v [T, Hkv, D] -> [T, H, D].
+
+    A window shorter than the sequence, or a soft cap, takes `causal_attention`'s
+    explicit masks, in query blocks whose scores stay under CHUNK_SCORES_BYTES; without
+    either, one causal SDPA call (its flash kernel, no mask).
 
     On CUDA the kv heads are repeated for GQA instead of asking SDPA for `enable_gqa`,
     which only its flash kernel takes: a float32 model would otherwise fall to the
     math kernel, whose [H, T, T] scores grow with the square of the prompt (the
     profile run at max_num_batched_tokens among them). The copies are O(T)."""
+    if soft_cap is not None or (sliding_window is not None and sliding_window < q.shape[0]):
+        return causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), scale, sliding_window=sliding_window,
+                                soft_cap=soft_cap)
     gqa = q.shape[1] != k.shape[1]
     if gqa and q.is_cuda:
         repeats = q.shape[1] // k.shape[1]
@@ -55,7 +65,7 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_size = head_size
@@ -64,6 +74,8 @@ class Attention(nn.Module):
         # A query at position p sees keys at positions > p - sliding_window (itself
         # included), as transformers' sliding-window mask; None: the whole context.
         self.sliding_window = sliding_window
+        # Gemma 2: scores become soft_cap * tanh(scores / soft_cap) before the softmax.
+        self.logits_soft_cap = logits_soft_cap
         # The model's dtype: the loader builds layers under it as the default dtype.
         self.dtype = torch.get_default_dtype()
         # Attached together by bind_kv_cache, once the cache is allocated.
@@ -87,7 +99,7 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
         if attn_metadata is None:
-            out = causal_sdpa(q, k, v, self.scale)
+            out = causal_sdpa(q, k, v, self.scale, self.sliding_window, self.logits_soft_cap)
         else:
             if self.impl is None or self.kv_cache is None:
                 raise RuntimeError("attention metadata was given but no KV cache is attached to this layer")

@@ -100,9 +100,6 @@ class AttentionBackend(ABC):
     """One per rank (ModelRunner). Subclasses name themselves and their impl."""
 
     name: str = ""
-    # Whether the impls honour `Attention.sliding_window` (the runner refuses a model
-    # with sliding-window layers on a backend that does not).
-    supports_sliding_window: bool = False
     # Whether a decode step can be captured in a CUDA graph: the impls read every length
     # from device tensors and `make_decode_metadata` builds metadata over persistent
     # buffers (worker/cuda_graph.py).

@@ -19,6 +19,12 @@ attention itself; the cascade keeps what follows the prefix in a second decode c
 any other step falls back to the SDPA backend's grouped gather. The paged cache stays
 the source of truth.
 
+A layer with a sliding window or a logit soft cap (Gemma 2) takes the kernel, which
+knows both, for decode and prefill alike. Without the kernel it is attended as the
+SDPA backend does, with explicit masks: the decode contexts and the cascade know
+neither. A window longer than every context of the step changes nothing, so such a
+step keeps all the paths above.
+
 To know that a batch "continues the previous step", the backend gives each live
 request a serial key: a finished, aborted or preempted request loses it (the runner
 passes the scheduler's finished ids to `requests_finished`), so a reused request id or
@@ -198,7 +204,17 @@ class CPUAttentionImpl(TorchSDPAImpl):
             return super().forward(q, k, v, kv_cache, md)
         self.write_kv(k, v, kv_cache, md)
         tables, lens = md.token_tables_and_lens
-        return kernel(q, kv_cache, tables, lens, self.scale)[0]
+        return kernel(q, kv_cache, tables, lens, self.scale, sliding_window=self.sliding_window,
+                      soft_cap=self.logits_soft_cap)[0]
+
+    def needs_masks(self, seq_lens: Iterable[int]) -> bool:
+        """Whether this layer's step, with contexts of `seq_lens` tokens, needs a path that
+        knows windows and soft caps (the kernel's, or the SDPA backend's masks): a soft
+        cap, or a window some query sees past. A layer with neither answers without
+        looking at the lengths."""
+        if self.logits_soft_cap is not None:
+            return True
+        return self.sliding_window is not None and max(seq_lens) > self.sliding_window
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata) -> None:
         """The step's new keys and values into their slots: by the kernel's one pass where
@@ -216,6 +232,15 @@ class CPUAttentionImpl(TorchSDPAImpl):
         if not isinstance(md, CPUAttentionMetadata):
             return super().decode_attention(q, k, v, kv_cache, md)
         kernel = self.kernel if self.kernel is not None and self.kernel.supports(q, kv_cache) else None
+        if self.needs_masks(md.decode_lens):
+            # Nothing kept across steps is of use on these paths; later steps regather.
+            self.decode_context.release()
+            self.suffix_context.release()
+            if kernel is None:
+                return super().decode_attention(q, k, v, kv_cache, md)
+            tables, lens = md.decode_tables_and_lens
+            return kernel(q, kv_cache, tables, lens, self.scale, sliding_window=self.sliding_window,
+                          soft_cap=self.logits_soft_cap)[0]
         if kernel is None:
             context = self.decode_context.get(kv_cache, md, k, v)
             if context is not None:

@@ -17,6 +17,11 @@
  * 128 take attend_avx512(), written with intrinsics; other head sizes and other CPUs
  * take attend(). Both compute in float32; their results differ only by the order of
  * the additions.
+ *
+ * A sliding window (window > 0) starts each sequence at max(start, seq_len - window):
+ * its query, at position seq_len - 1, sees the window's last positions only. A soft
+ * cap (soft_cap > 0) turns each scaled score s into cap * tanh(s / cap) before the
+ * softmax (Gemma 2).
  */
 
 #include <stdint.h>
@@ -76,7 +81,27 @@ typedef struct {
     float *lse;
     int64_t num_seqs, num_kv_heads, group, block_size;
     float scale;
+    int64_t window;  /* <= 0: none */
+    float soft_cap;  /* <= 0: none */
 } Args;
+
+/* The first position sequence g's query sees. */
+INLINE int64_t seq_start(const Args *a, int64_t g) {
+    const int64_t from = a->seq_lens[g] - a->window;
+    return a->window > 0 && from > a->start ? from : a->start;
+}
+
+/* cap * tanh(s / cap) for n scores, as cap - 2 cap / (exp(2 s / cap) + 1), which the
+ * compiler vectorises with the vector expf; s / cap is clamped to +-9 (tanh(9) is 1 in
+ * float32) so that exp stays finite, as -ffast-math assumes. */
+INLINE void soft_cap_in_place(float *s, int64_t n, float cap) {
+    const float inv = 1.f / cap;
+    for (int64_t j = 0; j < n; ++j) {
+        float x = s[j] * inv;
+        x = x > 9.f ? 9.f : (x < -9.f ? -9.f : x);
+        s[j] = cap - 2.f * cap / (expf(2.f * x) + 1.f);
+    }
+}
 
 /* Sequence g, kv heads [h0, h1). `D` is a constant in the specialised copies. */
 INLINE void attend(const Args *a, int bf16, const int64_t D, int64_t g, int64_t h0, int64_t h1,
@@ -90,7 +115,7 @@ INLINE void attend(const Args *a, int bf16, const int64_t D, int64_t g, int64_t 
     float *row = qf + rows * D;           /* one token's K or V of the task's heads */
     float *row_max = row + (h1 - h0) * D, *row_sum = row_max + rows;
 
-    const int64_t n = a->seq_lens[g] - a->start;
+    const int64_t start = seq_start(a, g), n = a->seq_lens[g] - start;
     const int64_t *table = a->tables + g * a->table_stride;
     const char *qg = (const char *)a->q + (g * a->q_seq_stride + h0 * R * D) * esize;
     const float *qs = as_float(qg, bf16, qf, rows * D);
@@ -100,12 +125,14 @@ INLINE void attend(const Args *a, int bf16, const int64_t D, int64_t g, int64_t 
     const char *cache = (const char *)a->cache;
     for (int pass = 0; pass < 2; ++pass) { /* 0: scores from K, 1: weighted sum of V */
         if (pass == 1) {
-            for (int64_t r = 0; r < rows; ++r)
+            for (int64_t r = 0; r < rows; ++r) {
+                if (a->soft_cap > 0) soft_cap_in_place(scores + r * max_len, n, a->soft_cap);
                 row_sum[r] = exp_in_place(scores + r * max_len, n, &row_max[r]);
+            }
             memset(acc, 0, sizeof(float) * rows * D);
         }
         for (int64_t j = 0; j < n;) { /* a block at a time */
-            const int64_t pos = a->start + j;
+            const int64_t pos = start + j;
             const int64_t block = table[pos / bs], first = pos % bs;
             const int64_t count = (bs - first < n - j) ? bs - first : n - j;
             const char *base = cache + ((block * 2 + pass) * kv_elems + first * slot_elems + h0 * D) * esize;
@@ -114,7 +141,7 @@ INLINE void attend(const Args *a, int bf16, const int64_t D, int64_t g, int64_t 
              * only catches up within a block. */
             const char *next = NULL;
             if (j + count < n) {
-                const int64_t npos = a->start + j + count;
+                const int64_t npos = start + j + count;
                 next = cache + ((table[npos / bs] * 2 + pass) * kv_elems + h0 * D) * esize;
             }
             const int64_t row_bytes = (h1 - h0) * D * esize;
@@ -201,7 +228,7 @@ INLINE void attend_avx512(const Args *a, int bf16, const int64_t D, int64_t g, i
     const int64_t C = D / 16, group_rows = D == 64 ? 4 : 2;
     const int64_t R = a->group, Hkv = a->num_kv_heads, H = Hkv * R, bs = a->block_size;
     const int64_t esize = bf16 ? 2 : 4;
-    const int64_t n = a->seq_lens[g] - a->start;
+    const int64_t start = seq_start(a, g), n = a->seq_lens[g] - start;
     const int64_t *table = a->tables + g * a->table_stride;
     const int64_t slot_elems = Hkv * D, kv_elems = bs * slot_elems;
     const char *cache = (const char *)a->cache;
@@ -226,7 +253,7 @@ INLINE void attend_avx512(const Args *a, int bf16, const int64_t D, int64_t g, i
                 }
             int64_t pending = 0; /* tokens whose dot vectors wait in `partial` */
             for (int64_t j = 0; j < n;) { /* scores from K, a block at a time */
-                const int64_t pos = a->start + j;
+                const int64_t pos = start + j;
                 const int64_t first = pos % bs, count = (bs - first < n - j) ? bs - first : n - j;
                 const char *base = cache + ((table[pos / bs] * 2) * kv_elems + first * slot_elems + h * D) * esize;
                 const char *next = j + count < n ? cache + ((table[(pos + count) / bs] * 2) * kv_elems + h * D) * esize : NULL;
@@ -257,9 +284,12 @@ INLINE void attend_avx512(const Args *a, int bf16, const int64_t D, int64_t g, i
                     scores[(r0 + r) * max_len + n - pending + u] =
                         _mm512_reduce_add_ps(_mm512_loadu_ps(partial + (r * 16 + u) * 16));
             float top[RG], sum[RG];
-            for (int64_t r = 0; r < rg; ++r) sum[r] = exp_in_place(scores + (r0 + r) * max_len, n, &top[r]);
+            for (int64_t r = 0; r < rg; ++r) {
+                if (a->soft_cap > 0) soft_cap_in_place(scores + (r0 + r) * max_len, n, a->soft_cap);
+                sum[r] = exp_in_place(scores + (r0 + r) * max_len, n, &top[r]);
+            }
             for (int64_t j = 0; j < n;) { /* the weighted sum of V */
-                const int64_t pos = a->start + j;
+                const int64_t pos = start + j;
                 const int64_t first = pos % bs, count = (bs - first < n - j) ? bs - first : n - j;
                 const char *base = cache + ((table[pos / bs] * 2 + 1) * kv_elems + first * slot_elems + h * D) * esize;
                 const char *next = j + count < n ? cache + ((table[(pos + count) / bs] * 2 + 1) * kv_elems + h * D) * esize : NULL;
@@ -302,7 +332,7 @@ INLINE int check(const Args *a) {
         if (n <= a->start) return 2;
         const int64_t last = (n - 1) / a->block_size;
         if (last >= a->table_width) return 4;
-        for (int64_t b = a->start / a->block_size; b <= last; ++b) {
+        for (int64_t b = seq_start(a, g) / a->block_size; b <= last; ++b) {
             const int64_t block = a->tables[g * a->table_stride + b];
             if (block < 0 || block >= a->num_blocks) return 3;
         }
@@ -315,7 +345,7 @@ INLINE int run(const Args *a, int bf16, int64_t D, int num_threads) {
     if (bad) return bad;
     int64_t max_len = 1;
     for (int64_t g = 0; g < a->num_seqs; ++g)
-        if (a->seq_lens[g] - a->start > max_len) max_len = a->seq_lens[g] - a->start;
+        if (a->seq_lens[g] - seq_start(a, g) > max_len) max_len = a->seq_lens[g] - seq_start(a, g);
     /* Fewer sequences than threads: split each sequence's kv heads among tasks. */
     int64_t splits = 1;
     while (splits < a->num_kv_heads && a->num_seqs * splits < num_threads) ++splits;
@@ -363,10 +393,10 @@ INLINE int run(const Args *a, int bf16, int64_t D, int num_threads) {
              const int64_t *tables, int64_t table_stride, int64_t table_width,                 \
              const int64_t *seq_lens, int64_t start, void *out, float *lse, int64_t num_seqs,  \
              int64_t num_kv_heads, int64_t group, int64_t head_size, int64_t block_size,        \
-             float scale, int num_threads) {                                                    \
+             float scale, int64_t window, float soft_cap, int num_threads) {                    \
         const Args a = {q, q_seq_stride, cache, tables, table_stride, table_width, num_blocks, \
                         seq_lens, start, out, lse, num_seqs, num_kv_heads, group, block_size,   \
-                        scale};                                                                 \
+                        scale, window, soft_cap};                                               \
         return run(&a, BF16, head_size, num_threads);                                          \
     }
 

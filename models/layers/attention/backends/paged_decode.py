@@ -7,7 +7,8 @@ group's 1-8 query rows) spend about 2 ms per layer on 9 MFLOP here, ten times wh
 reading the K/V costs. vLLM has such kernels in its csrc/cpu, but they come only
 with vLLM. `paged_decode.c` reads each sequence's own blocks where they lie in the
 paged cache, with no gather, no padding and no mask, and returns the log-sum-exp too
-(the cascade merges with it).
+(the cascade merges with it). It knows a sliding window (each query reads only its
+window's blocks) and Gemma 2's logit soft cap, so windowed and capped layers keep it.
 
 A prefill chunk is attended by the same kernel, each of its query tokens as a query of
 its own against the positions up to it (the backend's `CPUAttentionImpl.forward`):
@@ -64,7 +65,8 @@ class PagedDecodeKernel:
             fn.restype = ctypes.c_int
             fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                             ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                            ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int])
+                            ctypes.c_void_p] + [ctypes.c_int64] * 5
+                           + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int])
             self._fns[dtype] = fn
         self._write_kv = lib.paged_write_kv
         self._write_kv.restype = ctypes.c_int
@@ -99,7 +101,8 @@ class PagedDecodeKernel:
 
     def __call__(
         self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-        scale: float, start: int = 0, with_lse: bool = False,
+        scale: float, start: int = 0, with_lse: bool = False, sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention of q [G, H, D] (sequence g's one query token; H a multiple of the
         cache's Hkv, query head h using kv head h // (H / Hkv)) to sequence g's cached
@@ -112,7 +115,11 @@ class PagedDecodeKernel:
         log-sum-exp of its scaled scores [G, H] float32 (else None). Runs on torch's
         intra-op thread count; the GIL is released during the call. Besides the
         outputs, each thread holds a scratch of about (query rows of a task) x (longest
-        context - start) floats during the call. Raises MemoryError if that fails."""
+        context - start) floats during the call. Raises MemoryError if that fails.
+
+        `sliding_window` w: sequence g's query (at position seq_lens[g] - 1) sees only
+        positions >= max(start, seq_lens[g] - w). `soft_cap` c: scores s become
+        c * tanh(s / c) before the softmax (and the log-sum-exp is of those)."""
         num_seqs, num_heads, head_size = q.shape
         num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
         if q.stride(2) != 1 or q.stride(1) != head_size:
@@ -128,7 +135,7 @@ class PagedDecodeKernel:
             q.data_ptr(), q.stride(0), kv_cache.data_ptr(), kv_cache.shape[0], tables.data_ptr(), tables.stride(0),
             tables.shape[1], lens.data_ptr(), start, out.data_ptr(), lse.data_ptr() if lse is not None else None,
             num_seqs, num_kv_heads, num_heads // num_kv_heads, head_size, block_size, scale,
-            torch.get_num_threads(),
+            sliding_window or 0, soft_cap or 0.0, torch.get_num_threads(),
         )
         if status == 1:
             raise MemoryError("paged decode attention could not allocate its scratch buffers")

@@ -4,7 +4,10 @@ The portable backend (CUDA uses it until a flash-attention backend plugs in besi
 the CPU backend extends it). Each layer writes the step's K/V into its paged cache, then
 attends: decode tokens (one query per sequence) in a few batched calls over padded,
 masked contexts gathered from the cache; longer chunks one call each, a whole prompt
-against itself with no gather at all.
+against itself with no gather at all. A layer with a sliding window or a logit soft cap
+attends with explicit masks (`masked_attention`): decode groups mask the keys below
+each sequence's window, chunks read only the blocks their window reaches, and a soft
+cap computes the scores in float32 where SDPA would hide them.
 """
 
 from __future__ import annotations
@@ -22,15 +25,14 @@ from models.layers.attention.backends.abstract import (
     gather_paged_kv,
 )
 from models.layers.attention.layer import Attention, causal_sdpa
+from models.layers.attention.masked_attention import CHUNK_SCORES_BYTES, capped_attention, causal_attention
 
 # Decode sequences are attended in groups whose padded K/V context (gathered from the
 # paged cache) stays under this many bytes; see TorchSDPAImpl.decode_attention.
 DECODE_GROUP_BYTES = 8 << 20
 # A chunk over cached context runs SDPA with a mask, which takes the math kernel: its
-# float32 scores, probabilities and mask are [H, queries, context]. The queries are split
-# so that those stay under this many bytes (2k queries at 32k context and 32 heads
-# would otherwise need about 8 GiB, which no profile run sees).
-CHUNK_SCORES_BYTES = 256 << 20
+# float32 scores, probabilities and mask are [H, queries, context], split by query rows
+# to stay under CHUNK_SCORES_BYTES (masked_attention.py).
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class DecodeGroup:
 
     rows: torch.Tensor | None  # positions in the decode batch; None = all of it, in order
     blocks: torch.Tensor  # [G * num_blocks] cache block ids to gather (padding clamped to 0)
-    mask: torch.Tensor  # [1, G, 1, ctx_len]: True where a key is real context
+    mask: torch.Tensor  # [1, G, 1, ctx_len]: True where a key is real context (in the window)
     ctx_len: int
 
 
@@ -52,13 +54,20 @@ class TorchSDPAMetadata(AttentionMetadata):
     def from_common(cls, common: AttentionMetadata, **extra: object) -> TorchSDPAMetadata:
         return cls(**{f.name: getattr(common, f.name) for f in fields(AttentionMetadata)}, **extra)
 
-    def decode_groups(self, bytes_per_token: int, device: torch.device) -> list[DecodeGroup]:
-        cache: dict[int, list[DecodeGroup]] = self.__dict__.setdefault("_decode_groups", {})
-        if bytes_per_token not in cache:
-            cache[bytes_per_token] = self._build_decode_groups(bytes_per_token, device)
-        return cache[bytes_per_token]
+    def decode_groups(self, bytes_per_token: int, device: torch.device,
+                      sliding_window: int | None = None) -> list[DecodeGroup]:
+        """The decode sequences in groups, with masks that also hide each sequence's keys
+        below its window (a layer's `sliding_window`; None: the whole context). One
+        grouping per (bytes_per_token, window), shared by the layers that ask for it."""
+        if sliding_window is not None and sliding_window >= max(self.seq_lens[i] for i in self.decode_seqs):
+            sliding_window = None  # no context reaches past the window: the same groups
+        cache: dict[tuple[int, int | None], list[DecodeGroup]] = self.__dict__.setdefault("_decode_groups", {})
+        if (bytes_per_token, sliding_window) not in cache:
+            cache[bytes_per_token, sliding_window] = self._build_decode_groups(bytes_per_token, device, sliding_window)
+        return cache[bytes_per_token, sliding_window]
 
-    def _build_decode_groups(self, bytes_per_token: int, device: torch.device) -> list[DecodeGroup]:
+    def _build_decode_groups(self, bytes_per_token: int, device: torch.device,
+                             sliding_window: int | None) -> list[DecodeGroup]:
         seqs, block_size = self.decode_seqs, self.block_size
         order = sorted(range(len(seqs)), key=lambda t: self.seq_lens[seqs[t]])
         members: list[list[int]] = [[]]
@@ -77,13 +86,21 @@ class TorchSDPAMetadata(AttentionMetadata):
             table_rows = torch.tensor(group_seqs, dtype=torch.long, device=self.block_tables.device)
             # Table padding is masked out below; clamp it so any fill value is a valid index.
             blocks = self.block_tables[table_rows, :num_blocks].clamp(min=0).reshape(-1).to(device)
-            mask = (torch.arange(ctx_len, device=device) < seq_lens.unsqueeze(1)).view(1, len(member), 1, ctx_len)
+            positions = torch.arange(ctx_len, device=device)
+            mask = positions < seq_lens.unsqueeze(1)
+            if sliding_window is not None:  # the query sits at seq_len - 1
+                mask &= positions >= (seq_lens - sliding_window).unsqueeze(1)
+            mask = mask.view(1, len(member), 1, ctx_len)
             rows = None if identity else torch.tensor(member, dtype=torch.long, device=device)
             groups.append(DecodeGroup(rows, blocks, mask, ctx_len))
         return groups
 
 
 class TorchSDPAImpl(AttentionImpl):
+    def __init__(self, layer: Attention) -> None:
+        super().__init__(layer)
+        self.logits_soft_cap = layer.logits_soft_cap
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
@@ -119,33 +136,21 @@ class TorchSDPAImpl(AttentionImpl):
         i: int,
     ) -> torch.Tensor:
         """Sequence i's query chunk q [n, H, D] (new keys and values k, v) against its
-        whole cached context."""
+        cached context: with a window, only the blocks from the first one the chunk's
+        first query sees."""
         seq_len, query_len = md.seq_lens[i], q.shape[0]
+        window, soft_cap = self.sliding_window, self.logits_soft_cap
         if seq_len == query_len and kv_cache.dtype == q.dtype:  # a whole prompt: the chunk is the context
-            return causal_sdpa(q, k, v, self.scale)
+            return causal_sdpa(q, k, v, self.scale, window, soft_cap)
+        q_start = seq_len - query_len  # query j sits at position q_start + j
+        first_block = 0 if window is None else max(0, q_start - window + 1) // md.block_size
         num_blocks = cdiv(seq_len, md.block_size)
-        ctx = gather_paged_kv(kv_cache, md.block_tables[i, :num_blocks], 1, num_blocks * md.block_size)
-        keys = ctx[0, :, 0, :seq_len].unsqueeze(0).to(q.dtype)
-        values = ctx[1, :, 0, :seq_len].unsqueeze(0).to(q.dtype)
-        rows = max(1, CHUNK_SCORES_BYTES // self.scores_bytes_per_query(seq_len))
-        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-        out = torch.empty_like(q)
-        for lo in range(0, query_len, rows):
-            hi = min(lo + rows, query_len)
-            # Query j sits at position seq_len - query_len + j and sees keys up to it.
-            q_pos = torch.arange(seq_len - query_len + lo, seq_len - query_len + hi, device=q.device).unsqueeze(1)
-            out[lo:hi] = F.scaled_dot_product_attention(
-                q[lo:hi].transpose(0, 1).unsqueeze(0), keys, values,
-                attn_mask=k_pos <= q_pos,
-                scale=self.scale,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            ).squeeze(0).transpose(0, 1)
-        return out
-
-    def scores_bytes_per_query(self, context_len: int) -> int:
-        """What the masked (math) SDPA holds per query row: float32 scores and
-        probabilities, and the boolean mask, over `context_len` keys and every head."""
-        return self.num_heads * context_len * (4 + 4 + 1)
+        k_start = first_block * md.block_size
+        ctx = gather_paged_kv(kv_cache, md.block_tables[i, first_block:num_blocks], 1,
+                              (num_blocks - first_block) * md.block_size)
+        keys = ctx[0, :, 0, :seq_len - k_start].to(q.dtype)
+        values = ctx[1, :, 0, :seq_len - k_start].to(q.dtype)
+        return causal_attention(q, keys, values, self.scale, q_start, k_start, window, soft_cap)
 
     def decode_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: TorchSDPAMetadata
@@ -159,7 +164,7 @@ class TorchSDPAImpl(AttentionImpl):
         index tensors depend only on the step, so every layer reuses the first one's.
         """
         bytes_per_token = 2 * self.num_kv_heads * self.head_size * kv_cache.element_size()
-        groups = md.decode_groups(bytes_per_token, kv_cache.device)
+        groups = md.decode_groups(bytes_per_token, kv_cache.device, self.sliding_window)
         if len(groups) == 1 and groups[0].rows is None:
             return self._decode_group(q, kv_cache, groups[0])
         out = torch.empty_like(q)
@@ -176,11 +181,16 @@ class TorchSDPAImpl(AttentionImpl):
         self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """q [G, H, D], one query per sequence; k_ctx, v_ctx [Hkv, G, ctx_len, D] padded
-        contexts; mask [1, G, 1, ctx_len] (bool: True = attend, or additive)."""
+        contexts; mask [1, G, 1, ctx_len] (bool: True = attend, or additive). A soft-capped
+        layer's scores are computed in float32 (`capped_attention`): [Hkv, G, H/Hkv,
+        ctx_len], next to the contexts' float32 copies."""
         num_seqs, num_kv_heads, head_size = q.shape[0], self.num_kv_heads, self.head_size
         # Query heads sharing a kv head become that head's query rows: q [Hkv, G, H/Hkv, D].
         heads_per_kv = self.num_heads // num_kv_heads
         q = q.view(num_seqs, num_kv_heads, heads_per_kv, head_size).transpose(0, 1)
+        if self.logits_soft_cap is not None:
+            out = capped_attention(q, k_ctx, v_ctx, mask, self.scale, self.logits_soft_cap)
+            return out.transpose(0, 1).reshape(num_seqs, self.num_heads, head_size)
         out = F.scaled_dot_product_attention(
             q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), attn_mask=mask, scale=self.scale
         )
@@ -192,9 +202,15 @@ class TorchSDPABackend(AttentionBackend):
 
     def workspace_bytes(self, layer: Attention, max_model_len: int) -> int:
         """A chunk over a cached context of max_model_len: the context gathered out of
-        the cache (and cast), plus the bounded scores (CHUNK_SCORES_BYTES)."""
-        gathered = 2 * layer.num_kv_heads * max_model_len * layer.head_size * layer.dtype.itemsize * 2
-        return gathered + CHUNK_SCORES_BYTES
+        the cache (and cast), plus the bounded scores (CHUNK_SCORES_BYTES). A soft-capped
+        layer computes its scores in float32 from float32 copies of the keys and values
+        (`capped_attention`), at most a chunk's whole context or a decode group's
+        (DECODE_GROUP_BYTES of the model's dtype); a float32 model copies nothing."""
+        context = 2 * layer.num_kv_heads * max_model_len * layer.head_size
+        workspace = context * layer.dtype.itemsize * 2 + CHUNK_SCORES_BYTES
+        if layer.logits_soft_cap is not None and layer.dtype.itemsize < 4:
+            workspace += max(context * 4, DECODE_GROUP_BYTES * 4 // layer.dtype.itemsize)
+        return workspace
 
     def make_impl(self, layer: Attention) -> AttentionImpl:
         return TorchSDPAImpl(layer)

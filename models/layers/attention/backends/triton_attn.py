@@ -105,7 +105,6 @@ class TritonAttentionImpl(AttentionImpl):
 
 class TritonAttentionBackend(AttentionBackend):
     name = "TRITON_ATTN"
-    supports_sliding_window = True
     supports_cuda_graphs = True
 
     def make_impl(self, layer: Attention) -> AttentionImpl:

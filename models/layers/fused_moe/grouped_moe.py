@@ -1,0 +1,77 @@
+"""The CPU experts kernel: the batch's tokens grouped by expert, one GEMM pair per expert.
+
+Called by `FusedMoE.forward` on every rank (CPU tensors; also CUDA where Triton is
+missing) with this rank's stacked expert weights and the routing every rank computed
+alike. Instead of a loop over tokens, the (token, expert) pairs of the whole batch are
+sorted by expert once; each active expert then gathers its tokens with one
+`index_select`, runs its gate/up GEMM and its down GEMM once over all of them, and the
+routed-weighted rows are scatter-added back into their tokens. The Python loop runs
+over the active experts only (at most E per step, usually all of them for a prefill),
+so a step costs 2 GEMMs per active expert whatever its token count.
+
+Memory: the gathered rows [T*k, H], their gate/up products [T*k, 2I] and outputs
+[T*k, H], plus the result [T, H]; nothing is kept between calls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def sort_by_expert(
+    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pair order, local expert of each sorted pair, pairs per local expert [E_local]).
+
+    A pair is one (token, k) slot of `topk_ids` [T, k], numbered t*k + j; pairs routed to
+    another rank's expert (-1 in `expert_map`) are dropped. The order is stable, so the
+    pairs of one expert keep their token order."""
+    local_ids = topk_ids.reshape(-1)
+    if expert_map is not None:
+        local_ids = expert_map[local_ids]
+    pairs = torch.arange(local_ids.numel(), device=local_ids.device)
+    if expert_map is not None:
+        kept = local_ids >= 0
+        pairs, local_ids = pairs[kept], local_ids[kept]
+    sorted_ids, order = torch.sort(local_ids, stable=True)
+    counts = torch.bincount(sorted_ids, minlength=num_local_experts)
+    return pairs[order], sorted_ids, counts
+
+
+def grouped_fused_experts(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j],
+    over the pairs whose expert this rank holds: [T, H] in the input's dtype.
+
+    `w13` [E_local, 2I, H] holds each expert's gate rows then its up rows, `w2`
+    [E_local, H, I]; `expert_map` [E] maps global ids to local ones (-1: elsewhere),
+    None when every expert is local. Under TP (sliced I) or EP the result is this
+    rank's partial sum; the caller all-reduces it."""
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros_like(hidden_states)
+    if num_tokens == 0:
+        return out
+    pairs, _, counts = sort_by_expert(topk_ids, expert_map, w13.shape[0])
+    tokens = torch.div(pairs, top_k, rounding_mode="floor")
+    rows = hidden_states.index_select(0, tokens)
+    weights = topk_weights.reshape(-1).index_select(0, pairs)
+    expert_out = torch.empty_like(rows)
+    intermediate = w2.shape[2]
+    start = 0
+    for expert, count in enumerate(counts.tolist()):  # one host read of the counts
+        if count == 0:
+            continue
+        seg = slice(start, start + count)
+        gate_up = F.linear(rows[seg], w13[expert])
+        act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        expert_out[seg] = F.linear(act, w2[expert])
+        start += count
+    expert_out = (expert_out * weights.unsqueeze(1)).to(hidden_states.dtype)
+    return out.index_add_(0, tokens, expert_out)

@@ -1,0 +1,137 @@
+"""FusedMoE: a mixture-of-experts block's experts as two stacked parameters.
+
+Built by the MoE architectures (models/mixtral.py, models/qwen3_moe.py) on every rank,
+inside the model loader's build; the router (`gate`, a replicated linear layer) stays in
+the model, which passes its logits to `forward`.
+
+Parameters (vLLM's names): `w13_weight` [num_local_experts, 2*intermediate_per_rank,
+hidden] holds each expert's gate rows (w1) then its up rows (w3); `w2_weight`
+[num_local_experts, hidden, intermediate_per_rank] its down projection.
+  - tensor parallelism (default): every rank holds every expert, its intermediate
+    dimension sliced like a column-parallel w1/w3 and a row-parallel w2;
+  - expert parallelism (`enable_expert_parallel`, EP size = TP size): rank r holds
+    whole experts [r*E/ep, (r+1)*E/ep) (`expert_map.ExpertPlacement`).
+Either way each rank's output is a partial sum over the ranks: one all-reduce follows
+(here with `reduce_results=True`, else in the next norm, as the dense MLPs do).
+
+The kernel: grouped torch GEMMs on the CPU (`grouped_moe.py`), the Triton fused-MoE
+kernel on CUDA (`fused_moe_triton.py`). Memory: the rank's experts, nothing cached.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distributed import (
+    divide,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
+from models.errors import WeightLoadError
+from models.layers.fused_moe.expert_map import determine_expert_placement
+from models.layers.fused_moe.grouped_moe import grouped_fused_experts
+from models.layers.fused_moe.router import fused_topk
+from models.layers.weight_utils import copy_checked, narrow_for_rank, set_weight_attrs
+
+EXPERT_SHARD_IDS = ("w1", "w2", "w3")  # gate, down, up: the names of Mixtral's checkpoint
+
+
+class FusedMoE(nn.Module):
+    """`forward(hidden_states [T, H], router_logits [T, E]) -> [T, H]`: every rank calls
+    it alike with the same logits. Raises `ExpertParallelConfigError` at construction
+    when expert parallelism cannot split E over the ranks."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        enable_expert_parallel: bool = False,
+        reduce_results: bool = False,
+    ) -> None:
+        super().__init__()
+        self.placement = determine_expert_placement(num_experts, enable_expert_parallel)
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.reduce_results = reduce_results
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        # Under EP the experts are whole; otherwise TP slices each expert's intermediate dim.
+        self.intermediate_size = intermediate_size
+        self.slice_intermediate = self.placement.ep_size == 1 and self.tp_size > 1
+        self.intermediate_per_rank = (
+            divide(intermediate_size, self.tp_size, "moe intermediate_size") if self.slice_intermediate
+            else intermediate_size
+        )
+        self.hidden_size = hidden_size
+        num_local = self.placement.num_local_experts
+        self.w13_weight = nn.Parameter(torch.empty(num_local, 2 * self.intermediate_per_rank, hidden_size),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_local, hidden_size, self.intermediate_per_rank),
+                                      requires_grad=False)
+        for param in (self.w13_weight, self.w2_weight):
+            set_weight_attrs(param, {"weight_loader": self.weight_loader})
+        self.expert_map: torch.Tensor | None
+        if self.placement.ep_size > 1:
+            self.register_buffer("expert_map", self.placement.expert_map(), persistent=False)
+        else:
+            self.expert_map = None
+        # (local expert, shard id) pairs filled so far: the strict check names the rest.
+        self._loaded_shards: set[tuple[int, str]] = set()
+
+    @property
+    def num_experts(self) -> int:
+        return self.placement.num_experts
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str,
+                      shard_id: str, expert_id: int) -> None:
+        """Load one expert's w1 / w3 ([I, H], into its half of w13) or w2 ([H, I]) from
+        the full checkpoint tensor `weight_name`, narrowed to this rank's slice. A tensor
+        of another rank's expert is ignored (the loader normally never reads it)."""
+        if shard_id not in EXPERT_SHARD_IDS:
+            raise WeightLoadError(f"{weight_name!r}: expert shard id {shard_id!r} is not one of {EXPERT_SHARD_IDS}")
+        local = self.placement.local_expert_id(expert_id)
+        if local is None:
+            return
+        size = self.intermediate_per_rank
+        rank = self.tp_rank if self.slice_intermediate else 0
+        if shard_id == "w2":
+            expected = (self.hidden_size, self.intermediate_size)
+            dst = param.data[local]
+        else:
+            expected = (self.intermediate_size, self.hidden_size)
+            dst = param.data[local].narrow(0, 0 if shard_id == "w1" else size, size)
+        if tuple(loaded_weight.shape) != expected:
+            raise WeightLoadError(
+                f"{weight_name!r}: expert {expert_id} {shard_id} has shape {tuple(loaded_weight.shape)}, "
+                f"the model expects {expected}"
+            )
+        shard = narrow_for_rank(loaded_weight, 1 if shard_id == "w2" else 0, size, rank, f"expert {shard_id}")
+        copy_checked(dst, shard, f"{weight_name} -> expert {expert_id} {shard_id}")
+        self._loaded_shards.add((local, shard_id))
+
+    def missing_expert_shards(self) -> list[tuple[int, str]]:
+        """(global expert id, shard id) of every local expert part not loaded yet."""
+        first = self.placement.first_local_expert
+        return [(first + local, shard) for local in range(self.placement.num_local_experts)
+                for shard in EXPERT_SHARD_IDS if (local, shard) not in self._loaded_shards]
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the experts' weighted outputs ([T, H]), all-reduced
+        when `reduce_results`. A collective then: every rank calls it alike."""
+        topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)
+        if hidden_states.device.type == "cuda":
+            from models.layers.fused_moe.fused_moe_triton import triton_fused_experts
+
+            out = triton_fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                       self.expert_map)
+        else:
+            out = grouped_fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                        self.expert_map)
+        if self.reduce_results and self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out

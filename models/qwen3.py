@@ -1,0 +1,74 @@
+"""Qwen3: the Qwen2 layout with per-head RMSNorm on q and k (before RoPE), q/k/v and o
+biases only with `attention_bias` (default off), a `head_dim` that may differ from
+hidden_size / num_attention_heads, and optional sliding-window layers (`layer_types`).
+
+Built by the model loader like Llama (models/llama.py), whose blocks it reuses; on each
+rank the module holds that rank's shard. The q/k norm weights ([head_dim]) are
+replicated: every rank normalises its own heads with the same weights.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from config.utils import ConfigError
+from models.layers.attention import AttentionMetadata
+from models.layers.layernorm import RMSNorm
+from models.layers.rotary_embedding import RotaryEmbedding
+from models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def qwen_sliding_windows(hf_config: SimpleNamespace) -> list[int | None]:
+    """Each layer's sliding window, as transformers' Qwen3Config derives it: none unless
+    `use_sliding_window`; then `layer_types` if given, else the layers from
+    `max_window_layers` on. Raises ConfigError naming a `layer_types` entry we do not know
+    or a list of the wrong length."""
+    num_layers = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", False) else None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is None:
+        first_windowed = getattr(hf_config, "max_window_layers", None) or num_layers
+        layer_types = ["sliding_attention" if i >= first_windowed else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers:
+        raise ConfigError(f"layer_types has {len(layer_types)} entries; num_hidden_layers={num_layers}")
+    for i, layer_type in enumerate(layer_types):
+        if layer_type not in LAYER_TYPES:
+            raise ConfigError(f"layer_types[{i}]={layer_type!r} is not supported; supported: {list(LAYER_TYPES)}")
+    return [window if layer_type == "sliding_attention" else None for layer_type in layer_types]
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(
+        self, hf_config: SimpleNamespace, qkv_bias: bool, rotary_emb: RotaryEmbedding, sliding_window: int | None = None
+    ) -> None:
+        super().__init__(hf_config, qkv_bias, rotary_emb, sliding_window)
+        self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: AttentionMetadata | None
+    ) -> torch.Tensor:
+        """This rank's partial sum of the attention output (the next norm all-reduces it)."""
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # One row per head (a copy of the strided q/k views), normalised over head_dim.
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, attn_metadata))
+
+
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen3Attention
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3's causal LM; tied embeddings when the config says so (small Qwen3 models)."""
+
+    def build_model(self, hf_config: SimpleNamespace, max_positions: int) -> nn.Module:
+        qkv_bias = bool(getattr(hf_config, "attention_bias", False))
+        return LlamaModel(hf_config, qkv_bias, max_positions, Qwen3DecoderLayer, qwen_sliding_windows(hf_config))
