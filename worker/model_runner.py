@@ -24,15 +24,14 @@ import torch
 from torch import nn
 
 from config import SamplingParams
-
 from distributed import device_sync_point
 from distributed.utils import cdiv
 from model_loader import get_model, get_model_loader
 from model_loader.utils import process_weights_after_loading
 from models.layers.attention import Attention, AttentionBackend, AttentionMetadata, get_attn_backend
+from worker.cuda_graph import CudaGraphRunner
 from worker.kv_cache import KVCacheConfig, KVCacheMemory, KVCacheSpec, allocate_kv_cache
 from worker.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from worker.cuda_graph import CudaGraphRunner
 from worker.sampler import Sampler, prompt_logprobs
 from worker.step_inputs import StepInputs
 
