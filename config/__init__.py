@@ -16,6 +16,7 @@ from config.model import DTYPES, ModelConfig, check_hf_config
 from config.parallel import PLACEMENT_STRATEGIES, ParallelConfig
 from config.sampling_params import RequestOutputKind, SamplingParams
 from config.scheduler import SchedulerConfig
+from config.structured_outputs import STRUCTURED_OUTPUT_BACKENDS, StructuredOutputsConfig, StructuredOutputsParams
 from config.utils import ConfigError
 
 __all__ = [
@@ -36,5 +37,8 @@ __all__ = [
     "RequestOutputKind",
     "SamplingParams",
     "SchedulerConfig",
+    "STRUCTURED_OUTPUT_BACKENDS",
+    "StructuredOutputsConfig",
+    "StructuredOutputsParams",
     "check_hf_config",
 ]

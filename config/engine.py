@@ -30,6 +30,7 @@ from config.load import SAFETENSORS_LOAD_STRATEGIES, LoadConfig, MiB
 from config.model import DTYPES, ModelConfig
 from config.parallel import PLACEMENT_STRATEGIES, TP_COMMUNICATORS, ParallelConfig
 from config.scheduler import SchedulerConfig
+from config.structured_outputs import StructuredOutputsConfig
 from config.utils import ConfigError, check_choice, check_positive
 
 # How long a busy rank may show no sign of progress, or any rank no heartbeat, before
@@ -120,6 +121,9 @@ class EngineConfig:
     cpu_threads_bind: str = "auto"
     # Warn, naming each tensor and its file, about checkpoint weights that hold NaN or Inf.
     check_weights_finite: bool = False
+    # vLLM's --structured-outputs-config: the grammar backend ("auto" | "xgrammar") and the
+    # default of every request's disable_any_whitespace; a dict converts.
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     model_config: ModelConfig = _resolved_field()
     parallel_config: ParallelConfig = _resolved_field()
@@ -176,6 +180,15 @@ class EngineConfig:
         if isinstance(self.num_scheduler_steps, bool) or not isinstance(self.num_scheduler_steps, int) \
                 or self.num_scheduler_steps < 1:
             raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps!r} must be an integer >= 1")
+        if isinstance(self.structured_outputs_config, dict):
+            known = set(StructuredOutputsConfig.__dataclass_fields__)
+            unknown = sorted(set(self.structured_outputs_config) - known)
+            if unknown:
+                raise ConfigError(f"structured_outputs_config has unknown key(s) {unknown}; known: {sorted(known)}")
+            self.structured_outputs_config = StructuredOutputsConfig(**self.structured_outputs_config)
+        if not isinstance(self.structured_outputs_config, StructuredOutputsConfig):
+            raise ConfigError(f"structured_outputs_config={self.structured_outputs_config!r} must be a "
+                              "StructuredOutputsConfig or its dict")
 
     @property
     def is_resolved(self) -> bool:

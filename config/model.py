@@ -41,9 +41,9 @@ _REQUIRED_INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers",
 _OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
 # Architectures whose models give their attention layers the config's `sliding_window`
 # (every layer, or those `layer_types` marks as sliding). Any other architecture with a
-# window shorter than max_model_len is refused rather than run without its window
-# (Qwen2/Qwen3's `use_sliding_window: true` among them, until their models read it).
-SLIDING_WINDOW_ARCHITECTURES = frozenset({"MistralForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+# window shorter than max_model_len is refused rather than run without its window.
+SLIDING_WINDOW_ARCHITECTURES = frozenset({"MistralForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM",
+                                          "Gemma3ForCausalLM",
                                           "Phi3ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
                                           "Qwen3MoeForCausalLM"})
 # Larger than any real model's dimension, small enough that no allocation sized by it is attempted.

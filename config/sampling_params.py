@@ -7,6 +7,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from config.structured_outputs import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
 
 _MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
@@ -61,6 +63,9 @@ class SamplingParams:
       * ``max_tokens=0`` is allowed only with ``prompt_logprobs`` (scoring a prompt).
       * ``truncate_prompt_tokens=K`` keeps the last K prompt tokens (the first K with
         ``truncation_side="right"``); ``-1`` keeps up to max_model_len - 1.
+      * ``structured_outputs`` (a `StructuredOutputsParams`, or its dict) constrains the
+        output to a JSON schema, regex, choice list or grammar: tokens that cannot
+        continue a match are masked before any other processor.
       * Every field is checked in ``__post_init__``; a bad value raises
         ``ValueError`` naming the field, the value and the allowed range.
     """
@@ -91,6 +96,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     truncation_side: str = "left"
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     #: Token ids of each bad word, filled by the engine from ``bad_words`` (with its tokenizer).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     #: What ``min_tokens`` holds back: ``stop_token_ids`` plus the model's EOS ids (the engine adds those).
@@ -167,6 +173,11 @@ class SamplingParams:
                 raise ValueError("truncate_prompt_tokens must be -1 or >= 1, got 0")
         if self.truncation_side not in ("left", "right"):
             raise ValueError(f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, "
+                             f"got {self.structured_outputs!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind "
                              f"({', '.join(k.name for k in RequestOutputKind)}), got {self.output_kind!r}")

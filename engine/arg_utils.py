@@ -52,9 +52,11 @@ from config.utils import check_choice, check_positive
 from distributed.utils import divide, kv_heads_per_rank
 from engine.hub import resolve_model
 from executor.registry import get_supported_executor_backends
+from model_loader.gguf_quant import check_gguf_tensor_parallel
 from model_loader.gguf_utils import find_gguf_file, gguf_hf_config
 from model_loader.registry import get_supported_load_formats
-from models.layers.quantization import QUANTIZATION_METHODS
+from models.layers.quantization import (ONLINE_QUANTIZATION_METHODS, QUANTIZATION_METHODS,
+                                       get_quantization_config)
 from worker.cpu_affinity import CpuBindError, allowed_cpus, cpu_binds
 
 _MAX_CONFIG_BYTES = 64 << 20  # config.json is a few KiB; a larger file is not a config
@@ -232,10 +234,64 @@ def _model_config(config: EngineConfig) -> ModelConfig:
     else:
         hf_config = read_hf_config(Path(config.model))
         source = Path(config.model) / "config.json"
+    quantization = _quantization(config, hf_config, source)
+    if quantization == "gguf":
+        try:
+            check_gguf_tensor_parallel(hf_config, config.tensor_parallel_size)
+        except ValueError as e:
+            raise ConfigError(f"{source}: {e}") from None
     return ModelConfig.from_hf_config(
         config.model, hf_config, source, dtype=config.dtype, max_model_len=config.max_model_len, seed=config.seed,
-        revision=config.revision, quantization=config.quantization,
+        revision=config.revision, quantization=quantization,
     )
+
+
+# Files older quantisers write beside config.json, and the method each implies.
+_QUANT_CONFIG_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+
+
+def _quantization(config: EngineConfig, hf_config: SimpleNamespace, source: Path) -> str | None:
+    """The quantisation method: the checkpoint's (config.json's `quantization_config`,
+    else AutoGPTQ's quantize_config.json or AutoAWQ's quant_config.json beside it, copied
+    into `hf_config.quantization_config` so that every worker sees it), else
+    `config.quantization` (online). Checked here, once, by building the method's config:
+    a ConfigError names the file and the field and value no method serves, or a
+    `quantization` that contradicts the checkpoint's."""
+    hf_quant = getattr(hf_config, "quantization_config", None)
+    if hf_quant is None and source.name == "config.json":
+        for file_name, method in _QUANT_CONFIG_FILES:
+            path = source.parent / file_name
+            if path.is_file():
+                try:
+                    hf_quant = {"quant_method": method, **json.loads(path.read_text(encoding="utf-8"))}
+                except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                    raise ConfigError(f"cannot parse {path}: {e}") from None
+                source = path
+                break
+    if hf_quant is None:
+        if config.quantization not in (None, *ONLINE_QUANTIZATION_METHODS):
+            raise ConfigError(f"quantization={config.quantization!r} reads a checkpoint quantised with it, but "
+                              f"{source} has no quantization_config; online quantisation supports "
+                              f"{list(ONLINE_QUANTIZATION_METHODS)}")
+        return config.quantization
+    if not isinstance(hf_quant, dict):
+        raise ConfigError(f"{source}: quantization_config must be a JSON object, got {hf_quant!r}")
+    method = hf_quant.get("quant_method")
+    if method not in QUANTIZATION_METHODS:
+        raise ConfigError(f"{source}: quantization_config.quant_method={method!r} is not supported; "
+                          f"supported: {list(QUANTIZATION_METHODS)}")
+    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
+        raise ConfigError(f"{source}: quantised mixture-of-experts checkpoints are not supported "
+                          f"(quantization_config.quant_method={method!r}): FusedMoE holds full-precision experts only")
+    if config.quantization is not None and config.quantization != method:
+        raise ConfigError(f"quantization={config.quantization!r} contradicts the checkpoint, which {source} says is "
+                          f"quantised with quant_method={method!r}; leave quantization unset")
+    try:
+        get_quantization_config(method, hf_quant)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    hf_config.quantization_config = hf_quant
+    return method
 
 
 def _check_parallel_fits_model(config: EngineConfig, model_config: ModelConfig) -> None:

@@ -69,6 +69,8 @@ class EngineCore(SleepModeMixin, LLMMixin):
             self.tokenizer = (load_tokenizer(config.tokenizer) if config.tokenizer
                               else load_tokenizer(config.model, config.load_format))
             self.processor = Processor(config, self.tokenizer)
+            # The engine's grammars (engine/structured_output/): compiled by the processor, matched here.
+            self.structured_output_manager = self.processor.structured_output_manager
             self.scheduler = make_scheduler(config, self.kv_cache_config, self.processor.eos_token_ids)
         except BaseException:
             self.shutdown()
@@ -187,6 +189,9 @@ class EngineCore(SleepModeMixin, LLMMixin):
             for child_id, child_params in children:
                 child = Request(child_id, request.prompt_token_ids, child_params)
                 child.cache_salt = request.cache_salt
+                if request.structured_output_grammar is not None:  # each sample matches on its own
+                    child.structured_output_request = self.structured_output_manager.new_request(
+                        request.structured_output_grammar, child_params.structured_outputs.reasoning_end_token_ids)
                 child.sibling_group = request.request_id if len(children) > 1 else None
                 self.scheduler.add_request(child)
                 added.append(child_id)

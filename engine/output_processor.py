@@ -52,6 +52,7 @@ class ParentRequest:
     samples: list[CompletionOutput | None] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
+    num_cached_tokens: int = 0  # the first sample's prefix-cache hit at its first schedule
     # DELTA: per sample, how many tokens and text characters were given, and whether
     # its finish was; whether the prompt's logprobs were.
     _given: list[tuple[int, int, bool]] = field(init=False, repr=False)
@@ -117,6 +118,7 @@ class ParentRequest:
             finished=finished,
             prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
             prompt_logprob_ranks=list(prompt_logprob_ranks) if prompt_logprob_ranks is not None else None,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
     def _deltas(self, samples: list[CompletionOutput]) -> list[CompletionOutput]:
@@ -187,6 +189,8 @@ class OutputProcessor:
             finish_reason=("stop" if stopped else request.finish_reason) if finished else None,
             stop_reason=request.stop_reason,
         )
+        if sample.index == 0 and request.num_cached_tokens > 0:
+            parent.num_cached_tokens = request.num_cached_tokens
         if request.prompt_logprobs is not None:
             parent.prompt_logprobs = request.prompt_logprobs
             parent.prompt_logprob_ranks = request.prompt_logprob_ranks

@@ -33,7 +33,9 @@ class RequestOutput:
     """What the client sees for a request: its ``n`` samples (``outputs``, by index) and,
     when asked, its prompt's logprobs (index 0, the first token, has none; ranks give
     each prompt token's rank, 1 = likeliest). ``text``, ``token_ids``, ``logprobs`` and
-    ``finish_reason`` are the first sample's, for the common n=1 caller."""
+    ``finish_reason`` are the first sample's, for the common n=1 caller.
+    ``num_cached_tokens`` is how many prompt tokens the prefix cache supplied when the
+    request was first scheduled (vLLM's name; 0 until then, and with the cache off)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -41,6 +43,7 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = field(default=None, repr=False)
+    num_cached_tokens: int = 0
 
     @property
     def text(self) -> str:

@@ -12,7 +12,9 @@ samples; the prompt, tokenized (a string) and truncated (`truncate_prompt_tokens
 the caller's own check of the prompt as it will run (the server's context length);
 its token ids against the vocabulary (ids given by the caller); then what needs the
 model: bad words and stop strings need a tokenizer, stop / allowed / biased token ids
-must lie in the vocabulary, and the EOS ids join the stops.
+must lie in the vocabulary, and the EOS ids join the stops; last, a structured-output
+constraint is compiled (engine/structured_output/, cached by its text): one that does
+not compile is a ValueError naming its field (``structured_outputs.json``, ...).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from config import EngineConfig, SamplingParams
+from config import EngineConfig, SamplingParams, StructuredOutputsParams
+from engine.structured_output import StructuredOutputManager, normalize
 
 Prompt = str | Sequence[int]
 
@@ -33,13 +36,16 @@ class EngineCoreRequest:
     """A request the processor validated (vLLM's name): its prompt as it runs and its
     parameters with the model's stops resolved. Built only by `Processor.process_inputs`;
     `EngineCore.add_request` queues it without checking it again. `arrival_time`
-    (time.monotonic()) is when processing began, for the request's latency metrics."""
+    (time.monotonic()) is when processing began, for the request's latency metrics.
+    `structured_output_grammar` is the compiled grammar of `sampling_params.structured_outputs`
+    (the manager's, opaque), or None."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     cache_salt: str | None = None
     arrival_time: float = 0.0
+    structured_output_grammar: Any = None
 
 
 def eos_token_ids(tokenizer: Any, hf_config: Any) -> list[int]:
@@ -52,12 +58,16 @@ def eos_token_ids(tokenizer: Any, hf_config: Any) -> list[int]:
 
 class Processor:
     """Validates requests for one EngineCore. Reads only immutable state (the config,
-    the tokenizer, the EOS ids), so any thread may call it; it holds no request."""
+    the tokenizer, the EOS ids) and the structured-output manager, whose `compile` is
+    thread-safe, so any thread may call it; it holds no request."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(tokenizer, config.model_config.hf_config)
+        self.structured_output_manager = structured_output_manager or StructuredOutputManager(
+            config, tokenizer, self.eos_token_ids)
 
     def process_inputs(
         self,
@@ -79,7 +89,20 @@ class Processor:
             check_prompt(ids)
         if not isinstance(prompt, str):
             ids = self._check_token_ids(ids)
-        return EngineCoreRequest(request_id, ids, self._with_model_stops(params), cache_salt, arrival_time)
+        params = self._with_model_stops(params)
+        grammar = None
+        if params.structured_outputs is not None:
+            params = dataclasses.replace(params, structured_outputs=normalize(params.structured_outputs))
+            grammar = self.check_structured_outputs(params.structured_outputs)
+        return EngineCoreRequest(request_id, ids, params, cache_salt, arrival_time, grammar)
+
+    def check_structured_outputs(self, constraint: StructuredOutputsParams | None) -> Any:
+        """The compiled grammar of ``constraint`` (None for None), compiled once per engine
+        and text. Raises ValueError naming the field for one that does not compile (an
+        invalid schema, regex or grammar, or a schema feature the backend cannot enforce)."""
+        if constraint is None:
+            return None
+        return self.structured_output_manager.compile(constraint)
 
     def check_num_samples(self, params: SamplingParams) -> None:
         """A request runs at most max_num_seqs samples (n, or best_of): more could never

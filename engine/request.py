@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from config import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +51,8 @@ class Request:
     memoises the hashes of its full blocks (tokens never change, so they stay
     valid across preemption). ``arrival_index`` orders
     requests for FCFS and preemption priority (higher = later = lower priority).
+    ``structured_output_request`` is this sample's grammar matcher when its params
+    carry ``structured_outputs`` (set by `EngineCore.add_request`), else None.
     """
 
     def __init__(
@@ -69,6 +75,7 @@ class Request:
         self.num_cached_blocks: int = 0
         self.block_hashes: list[bytes] = []
         self.num_preemptions: int = 0
+        self.num_cached_tokens: int = -1  # prompt tokens the prefix cache gave at first schedule (-1: not yet)
         self.cumulative_logprob: float = 0.0  # of the sampled tokens, when logprobs are computed
         # Per prompt position (index 0 has none), filled as prefill chunks come back.
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
@@ -80,6 +87,7 @@ class Request:
         # cache is off.
         self.cache_salt: str | None = None
         self.sibling_group: str | None = None
+        self.structured_output_request: StructuredOutputRequest | None = None
 
     def append_output(self, token: int, logprobs: dict[int, float] | None) -> None:
         """Record one sampled token (and its logprobs, if the request asked)."""

@@ -17,13 +17,17 @@ rank replaces with the token it sampled itself.
 from __future__ import annotations
 
 import bisect
+import logging
 from collections import deque
 from collections.abc import Collection
 
 from engine.block_manager import KVBlockManager
 from engine.request import Request, RequestStatus
 from engine.sched_utils import check_stop, ends_in_flight, num_decode_steps
+from engine.structured_output import step_grammar
 from worker.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -52,6 +56,13 @@ class Scheduler:
     Capacity: a request finishes with ``"length"`` when it reaches ``max_model_len``
     tokens, or when it outgrows the whole KV cache (``num_blocks * block_size``
     tokens): ``engine.sched_utils.check_stop``.
+
+    Structured outputs: each output carries the bitmask of the constrained requests
+    that sample in it, filled from their matchers when it is planned. A mask needs every
+    earlier token, so such a request is not planned while a step of it is in flight
+    (async scheduling), and a batch with one runs one step per output (logged once).
+    Each token is taken into its matcher; a terminated (or refusing) grammar ends the
+    request with "stop". A re-admitted request's matcher is `sync`ed to its kept tokens.
     """
 
     def __init__(
@@ -99,6 +110,7 @@ class Scheduler:
         self._outstanding: deque[tuple[SchedulerOutput, list[Request]]] = deque()
         self._next_arrival = 0
         self._capacity_tokens = block_manager.num_blocks * block_manager.block_size
+        self._logged_single_step = False  # the multi-step-off-for-grammars line, once
 
     # ------------------------------------------------------------------ intake
 
@@ -174,6 +186,12 @@ class Scheduler:
             self.num_scheduler_steps, self.running, self.waiting, block_manager=self.block_manager,
             max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
             capacity_tokens=self._capacity_tokens)
+        if num_steps > 1 and any(r.structured_output_request is not None for r in self.running):
+            num_steps = 1  # every token of a constrained request needs a mask made after the one before
+            if not self._logged_single_step:
+                self._logged_single_step = True
+                logger.info("num_scheduler_steps=%d: batches with structured-output requests run one step "
+                            "per scheduler output (each step needs a grammar mask)", self.num_scheduler_steps)
         scheduled: list[ScheduledRequest] = []
         scheduled_requests: list[Request] = []
         preempted: list[Request] = []
@@ -184,8 +202,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_new_tokens(request, budget)
-            if num_new <= 0 or ends_in_flight(request, self.max_model_len, self._capacity_tokens):
-                i += 1  # its outstanding step samples its last token
+            if num_new <= 0 or ends_in_flight(request, self.max_model_len, self._capacity_tokens) or (
+                    request.structured_output_request is not None and request.num_output_placeholders):
+                i += 1  # its outstanding step samples its last token, or the token its next mask needs
                 continue
             while not self.block_manager.allocate_slots(request, num_new + num_steps - 1):
                 victim = self.running.pop()
@@ -213,7 +232,11 @@ class Scheduler:
                 if not self.block_manager.allocate_slots(request, num_new, cached):
                     break  # strict FCFS: nobody overtakes the head of the queue
                 self.block_manager.record_lookup(request.num_tokens, num_cached_tokens)
+                if request.num_cached_tokens < 0:  # the first admission's hit, as vLLM reports it
+                    request.num_cached_tokens = num_cached_tokens
                 self.waiting.popleft()
+                if request.structured_output_request is not None:
+                    request.structured_output_request.sync(request.output_token_ids)
                 request.status = RequestStatus.RUNNING
                 bisect.insort(self.running, request, key=_arrival)
                 scheduled.append(self._schedule_chunk(request, num_new, admitted=True))
@@ -227,11 +250,16 @@ class Scheduler:
         # An output with nothing scheduled never reaches the workers (EngineCore.step
         # skips it), so its ids are reported again with the next one.
         self._finished_ids = [] if scheduled else list(finished_ids)
+        grammar_req_ids, grammar_bitmask = step_grammar(
+            [(sched.req_id, request.structured_output_request)
+             for sched, request in zip(scheduled, scheduled_requests) if sched.sample])
         output = SchedulerOutput(
             scheduled=scheduled,
             finished_req_ids=finished_ids,
             num_batched_tokens=self.max_num_batched_tokens - budget,
             num_steps=num_steps if scheduled else 1,
+            structured_output_req_ids=grammar_req_ids,
+            grammar_bitmask=grammar_bitmask,
         )
         if scheduled:
             self._outstanding.append((output, scheduled_requests))
@@ -348,6 +376,9 @@ class Scheduler:
                 else:
                     request.append_output(token, logprobs)
                     status = check_stop(request, self.eos_token_ids, self.max_model_len, self._capacity_tokens)
+                    grammar = request.structured_output_request
+                    if grammar is not None and (not grammar.accept_token(token) or grammar.is_terminated()):
+                        status = status or RequestStatus.FINISHED_STOPPED  # "length" stays "length"
                 if status is not None:  # the later steps' tokens are dropped
                     self.running.remove(request)
                     self._finish(request, status)

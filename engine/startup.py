@@ -100,7 +100,7 @@ def gather_startup_timings(executor: Executor, config: EngineConfig, kv: KVCache
     for phase in STARTUP_PHASES[1:]:
         timings[phase] = max(rank.get(phase, 0.0) for rank in per_rank)
     timings["per_rank"] = per_rank
-    # Each rank's parameter bytes, as it measured them after loading.
+    # Each rank's weight bytes (parameters and buffers), as it measured them after loading.
     weights = executor.collective_rpc(lambda worker: getattr(worker, "model_memory_usage", None))
     if len(weights) != len(per_rank):  # external_launcher: only this rank answers
         weights = [None] * len(per_rank)

@@ -165,6 +165,12 @@ class Tokenizer:
                    chat_template=template if isinstance(template, str) else None)
 
     @property
+    def backend_tokenizer(self) -> Any:
+        """The `tokenizers.Tokenizer` this wraps (transformers' name for it), for
+        libraries that read its vocabulary and model type (xgrammar)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer knows, added tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)
@@ -184,11 +190,14 @@ class Tokenizer:
         return [self._tok.id_to_token(int(i)) or "" for i in ids]
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **template_kwargs: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None, **template_kwargs: Any
     ) -> str:
         """Render ``messages`` with the model's Jinja chat template (HF conventions);
-        ``template_kwargs`` (a request's ``chat_template_kwargs``) are extra template
-        variables, which cannot replace ``messages`` or ``add_generation_prompt``.
+        ``tools`` (a request's OpenAI function tools) is the template's ``tools``
+        variable, as transformers passes it (None: no tools); ``template_kwargs`` (a
+        request's ``chat_template_kwargs``) are extra template variables, which cannot
+        replace ``messages``, ``add_generation_prompt`` or ``tools``.
 
         Raises ``ValueError`` if the model has no chat template or the template
         calls ``raise_exception``.
@@ -217,7 +226,7 @@ class Tokenizer:
         special.update(bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         variables = {**special, **template_kwargs}
         return env.from_string(self.chat_template).render(
-            variables, messages=messages, add_generation_prompt=add_generation_prompt
+            variables, messages=messages, add_generation_prompt=add_generation_prompt, tools=tools
         )
 
     def _resolve_ids(

@@ -103,7 +103,7 @@ class DefaultModelLoader(BaseModelLoader):
         if name_filter is not None:
             # The other readers load or map whole files; a rejected name still reaches no layer.
             weights = ((name, tensor) for name, tensor in weights if name_filter(name))
-        weights = check_float_weights(weights, model_dir)
+        weights = check_float_weights(weights, model_dir, allow_int8=model_config.quantization is not None)
         if self.load_config.check_weights_finite:
             weights = warn_non_finite_weights(weights, files, use_safetensors and load_format != "npcache")
         return weights, file_mapped
@@ -119,9 +119,10 @@ class DefaultModelLoader(BaseModelLoader):
 
 
 def check_float_weights(
-    weights: Iterator[tuple[str, torch.Tensor]], source: Path | str
+    weights: Iterator[tuple[str, torch.Tensor]], source: Path | str, allow_int8: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Refuse a `.weight` / `.bias` tensor that is not floating point.
+    """Refuse a `.weight` / `.bias` tensor that is not floating point (int8 allowed for a
+    quantised checkpoint, `allow_int8`: W8A8's weights are int8 `.weight` tensors).
 
     Parameters are floating point (float32/16, bfloat16, or float8 for fp8 checkpoints),
     and `copy_` would silently cast an integer or bool tensor into them, turning a
@@ -129,7 +130,8 @@ def check_float_weights(
     as `position_ids`, which models skip) pass through untouched.
     """
     for name, tensor in weights:
-        if name.endswith((".weight", ".bias")) and not tensor.is_floating_point():
+        if (name.endswith((".weight", ".bias")) and not tensor.is_floating_point()
+                and not (allow_int8 and tensor.dtype == torch.int8)):
             raise WeightLoadError(
                 f"checkpoint tensor {name!r} in {source} has dtype {tensor.dtype}, but weights must be floating "
                 "point: the checkpoint is corrupt or not for this model"

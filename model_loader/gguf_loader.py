@@ -2,9 +2,11 @@
 
 `model` is a .gguf file or a directory holding exactly one. The architecture and sizes
 come from the GGUF metadata (the engine's resolution step builds `hf_config` with
-`model_loader.gguf_utils.gguf_hf_config`); tensors are renamed to their HF names,
-dequantised (F32/F16/BF16, Q8_0, Q4_0, …) and un-permuted (llama q/k), then fed through
-the model's normal `load_weights`, so each rank keeps only its TP slice.
+`model_loader.gguf_utils.gguf_hf_config`, with the `quantization_config` that keeps
+Q4_0/Q8_0/Q4_K/Q5_K/Q6_K tensors in their blocks: models/layers/quantization/gguf.py);
+tensors are renamed to their HF names (`.qweight` for those held as blocks),
+un-permuted (llama q/k rows), dequantised only where no kernel reads their type, then
+fed through the model's normal `load_weights`, so each rank keeps only its TP slice.
 """
 
 from __future__ import annotations

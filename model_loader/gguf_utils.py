@@ -5,11 +5,14 @@ process) to build the `hf_config` namespace the models expect from the GGUF meta
 and by `GGUFModelLoader` on every rank to stream (HF name, tensor) pairs into the
 model's normal `load_weights`, so TP slicing works unchanged.
 
-Memory: `GGUFReader` memory-maps the file. F32/F16/BF16 tensors are yielded as zero-copy
-views of the mapping (the weight loader copies only this rank's slice); quantised
-tensors (Q8_0, Q4_0, and whatever else `gguf.quants` can dequantise) become one float32
-tensor at a time. Llama q/k weights are un-permuted (llama.cpp's convert script reorders
-their rows for its interleaved RoPE), which costs one copy of that tensor.
+Memory: `GGUFReader` memory-maps the file. Tensors the model holds as GGUF blocks
+(`hf_config.quantization_config`, decided by model_loader/gguf_quant.py) are yielded as
+`<module>.qweight`, zero-copy uint8 views of their [rows, row_bytes] bytes, and each
+rank's weight loader copies only its rows or blocks: resident weights are about the
+file's bytes (this rank's share of them). F32/F16/BF16 tensors are zero-copy views too;
+tensors of a type with no kernel become one float32 tensor at a time. Llama q/k rows are
+un-permuted (llama.cpp's convert script reorders them for its interleaved RoPE): a row
+permutation, so it moves whole rows of blocks, and costs one copy of that tensor.
 
 Only tensor bytes and typed metadata are read: nothing is unpickled or executed.
 """
@@ -17,13 +20,15 @@ Only tensor bytes and typed metadata are read: nothing is unpickled or executed.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
+from model_loader.gguf_quant import gguf_quantization_config, held_type
 from models.errors import UnsupportedArchitectureError, WeightLoadError
 
 # general.architecture -> (HF architectures entry, model_type). Mistral GGUFs say "llama".
@@ -194,6 +199,9 @@ def gguf_hf_config(path: Path) -> SimpleNamespace:
             config[hf_key] = int(meta[key])
     if model_type == "qwen2":
         config.update(use_sliding_window=False, sliding_window=None)
+    quantization_config = gguf_quantization_config(reader, gguf_to_hf_name)
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
     return SimpleNamespace(**config)
 
 
@@ -285,9 +293,23 @@ def tensor_to_torch(tensor: Any) -> torch.Tensor:
         ) from None
 
 
+def _held_blocks(tensor: Any) -> torch.Tensor:
+    """A tensor's bytes as [rows, row_bytes] uint8: a zero-copy view of the mapping."""
+    data = torch.from_numpy(tensor.data)
+    rows = int(np.prod(tensor.shape.tolist()[1:]))
+    return data.reshape(rows, -1).view(torch.uint8) if data.dtype != torch.uint8 else data.reshape(rows, -1)
+
+
 def gguf_weights_iterator(path: Path, hf_config: SimpleNamespace) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor of the file, in file order, q/k un-permuted for llama."""
+    """(HF name, tensor) for every tensor of the file, in file order, q/k un-permuted for
+    llama (a row permutation: for tensors held as blocks it moves whole rows of blocks).
+
+    A module that `hf_config.quantization_config` holds as blocks (model_loader/gguf_quant.py)
+    gets its tensor as `<module>.qweight`: the file's [rows, row_bytes] bytes, a view of
+    the mapping (the layer's weight loader copies this rank's rows or blocks), or, for
+    a type with no kernel, its dequantised float32 values."""
     reader = open_gguf(path)
+    held = (getattr(hf_config, "quantization_config", None) or {}).get("tensor_types", {})
     arch = getattr(hf_config, "gguf_metadata", {}).get("general.architecture")
     if arch is None:
         arch = next((k for k, (a, _) in GGUF_ARCHITECTURES.items() if a in hf_config.architectures), None)
@@ -296,9 +318,15 @@ def gguf_weights_iterator(path: Path, hf_config: SimpleNamespace) -> Iterator[tu
     n_kv = getattr(hf_config, "num_key_value_heads", None) or n_head
     for tensor in reader.tensors:
         name = gguf_to_hf_name(tensor.name)
-        weight = tensor_to_torch(tensor)
-        if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+        module = name.removesuffix(".weight")
+        if module in held and held_type(tensor.tensor_type.name) == tensor.tensor_type.name:
+            weight, name = _held_blocks(tensor), f"{module}.qweight"
+        else:
+            weight = tensor_to_torch(tensor)
+            name = f"{module}.qweight" if module in held else name
+        if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.qweight", "self_attn.q_proj.bias")):
             weight = unpermute_qk(weight, n_head, n_head)
-        elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+        elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.qweight",
+                                         "self_attn.k_proj.bias")):
             weight = unpermute_qk(weight, n_head, n_kv)
         yield name, weight

@@ -10,6 +10,7 @@ from torch import nn
 
 from models.layers.build_config import LayerBuildConfig, set_layer_build_config
 from models.layers.cpu_gemm import default_packed_gemm, reusing_upcast_buffer
+from models.layers.linear import LinearBase
 from models.layers.quantization import get_quantization_config
 from models.layers.unquantized import tracking_shared_weights
 from models.registry import ModelRegistry
@@ -40,13 +41,33 @@ def initialize_model(config: EngineConfig, prefix: str = "") -> nn.Module:
     their linear methods (quantisation, platform) from the LayerBuildConfig set here."""
     model_cls, _ = get_model_architecture(config)
     build_config = LayerBuildConfig(
-        quant_config=get_quantization_config(config.model_config.quantization),
+        quant_config=get_quantization_config(config.model_config.quantization,
+                                             getattr(config.model_config.hf_config, "quantization_config", None)),
         device_type=config.device_config.device_type,
         cpu_prepack_weights=config.device_config.cpu_prepack_weights,
         cpu_packed_gemm=default_packed_gemm(),
     )
     with set_layer_build_config(build_config):
-        return model_cls(config, prefix=prefix)
+        model = model_cls(config, prefix=prefix)
+        if build_config.quant_config is not None:
+            _select_linear_methods_by_name(model, build_config)
+        return model
+
+
+def _select_linear_methods_by_name(model: nn.Module, build_config: LayerBuildConfig) -> None:
+    """Ask the quantisation config again for every linear layer, now with its module
+    name (layers are built without one): a checkpoint may leave layers unquantised by
+    name (compressed-tensors' `ignore`, GPTQ's `modules_to_not_convert`) or quantise
+    them differently (compressed-tensors' config groups). A layer whose answer is not
+    its current method gets the new one and new, empty parameters (None: the platform's
+    unquantised method); nothing is loaded yet, so nothing is lost."""
+    quant_config = build_config.quant_config
+    packed = getattr(model, "packed_modules_mapping", {})
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            method = quant_config.get_linear_method(module, name, packed)
+            if method is not module.quant_method:
+                module.set_quant_method(method or build_config.unquantized_linear_method())
 
 
 def process_weights_after_loading(model: nn.Module) -> None:

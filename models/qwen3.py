@@ -14,32 +14,11 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from config.utils import ConfigError
 from models.layers.attention import AttentionMetadata
 from models.layers.layernorm import RMSNorm
 from models.layers.rotary_embedding import RotaryEmbedding
 from models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def qwen_sliding_windows(hf_config: SimpleNamespace) -> list[int | None]:
-    """Each layer's sliding window, as transformers' Qwen3Config derives it: none unless
-    `use_sliding_window`; then `layer_types` if given, else the layers from
-    `max_window_layers` on. Raises ConfigError naming a `layer_types` entry we do not know
-    or a list of the wrong length."""
-    num_layers = hf_config.num_hidden_layers
-    window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", False) else None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is None:
-        first_windowed = getattr(hf_config, "max_window_layers", None) or num_layers
-        layer_types = ["sliding_attention" if i >= first_windowed else "full_attention" for i in range(num_layers)]
-    if len(layer_types) != num_layers:
-        raise ConfigError(f"layer_types has {len(layer_types)} entries; num_hidden_layers={num_layers}")
-    for i, layer_type in enumerate(layer_types):
-        if layer_type not in LAYER_TYPES:
-            raise ConfigError(f"layer_types[{i}]={layer_type!r} is not supported; supported: {list(LAYER_TYPES)}")
-    return [window if layer_type == "sliding_attention" else None for layer_type in layer_types]
+from models.qwen2 import qwen_sliding_windows
 
 
 class Qwen3Attention(LlamaAttention):

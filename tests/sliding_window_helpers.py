@@ -1,5 +1,5 @@
-"""A tiny Mistral checkpoint with a sliding window, and transformers' model of it with
-any window, shared by the sliding-window tests (tests/test_sliding_window.py)."""
+"""Tiny Mistral and Qwen2 checkpoints with a sliding window, and transformers' model of
+them with any window, shared by the sliding-window tests (tests/test_sliding_window.py)."""
 
 from __future__ import annotations
 
@@ -16,29 +16,47 @@ WINDOW = 8
 _MODELS: dict[str, Path] = {}
 
 
-def tiny_mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Written once per session: hidden 64, 2 layers, 4 heads / 2 kv heads, vocab 320,
-    init_std 0.1 (attention far from uniform), and config.json's sliding_window = 8."""
-    if "mistral" not in _MODELS:
-        model_dir = make_tiny_model(tmp_path_factory.mktemp("mistral_window"), arch="mistral", hidden_size=64,
-                                    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, vocab_size=320, seed=11, init_std=0.1,
+def _windowed_model(tmp_path_factory: pytest.TempPathFactory, arch: str, num_layers: int, seed: int,
+                    **config_fields: object) -> Path:
+    """Written once per session: hidden 64, 4 heads / 2 kv heads, vocab 320, init_std 0.1
+    (attention far from uniform), with `config_fields` set in config.json."""
+    if arch not in _MODELS:
+        model_dir = make_tiny_model(tmp_path_factory.mktemp(f"{arch}_window"), arch=arch, hidden_size=64,
+                                    intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=320, seed=seed, init_std=0.1,
                                     with_tokenizer=False)
         config_path = model_dir / "config.json"
         config = json.loads(config_path.read_text())
-        config["sliding_window"] = WINDOW
+        config.pop("layer_types", None)
+        config.update(config_fields)
         config_path.write_text(json.dumps(config, indent=2) + "\n")
-        _MODELS["mistral"] = model_dir
-    return _MODELS["mistral"]
+        _MODELS[arch] = model_dir
+    return _MODELS[arch]
+
+
+def tiny_mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Mistral whose config.json's sliding_window is 8 (every layer)."""
+    return _windowed_model(tmp_path_factory, "mistral", 2, 11, sliding_window=WINDOW)
+
+
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 3-layer Qwen2 (q/k/v biases) with `use_sliding_window`, `sliding_window` = 8 and
+    `max_window_layers` = 1: layer 0 full, layers 1 and 2 windowed, as transformers
+    derives it (no `layer_types` written)."""
+    return _windowed_model(tmp_path_factory, "qwen2", 3, 12, use_sliding_window=True, sliding_window=WINDOW,
+                           max_window_layers=1)
 
 
 def hf_with_window(model_dir: Path, window: int | None) -> Any:
     """transformers' float32 model of `model_dir` with `sliding_window` set to `window`
-    (None: full attention), eos disabled (the engine runs with ignore_eos)."""
+    (None: full attention) on the layers its config makes sliding, eos disabled (the
+    engine runs with ignore_eos)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(model_dir))
     config.sliding_window = window
+    if window is None and getattr(config, "layer_types", None):
+        config.layer_types = ["full_attention"] * len(config.layer_types)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), config=config, dtype=torch.float32)
     hf.eval()
     hf.generation_config.eos_token_id = None

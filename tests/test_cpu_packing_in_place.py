@@ -403,3 +403,21 @@ def test_loading_a_bf16_model_grows_memory_by_about_its_weights(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     # Held twice it was 1.9x; held once, plus one layer converting: 1.04-1.07x.
     assert result["growth"] <= 1.15 * result["weights"], result
+
+
+@needs_onednn
+def test_worker_counts_packed_weights_at_their_packed_size(models):
+    """What the worker reports as its weights (`model_memory_usage`, in the start-up
+    report and sleep mode's figures) is the packed layout's bytes, buffers included."""
+    from worker.memory import model_weight_bytes
+
+    packed = load(models["a"])
+    params = list(packed.parameters())
+    expected = sum(getattr(p, "packed_nbytes", None) or p.numel() * p.element_size() for p in params)
+    expected += sum(b.numel() * b.element_size() for b in packed.buffers())
+    assert model_weight_bytes(packed) == expected
+    assert any(isinstance(p, PackedTensor) and p.packed_nbytes > 0 for p in params)
+    tied = load(models["tied"])  # the tied table counted once
+    assert model_weight_bytes(tied) == (
+        sum(getattr(p, "packed_nbytes", None) or p.numel() * p.element_size() for p in tied.parameters())
+        + sum(b.numel() * b.element_size() for b in tied.buffers()))

@@ -144,6 +144,7 @@ ENGINES = [
     pytest.param("gemma3", "gemma3", 2, "TRITON_ATTN", 4, marks=pytest.mark.slow),
     pytest.param("gemma2", "gemma2", 2, "CPU_ATTN", 4, marks=pytest.mark.slow),
     pytest.param("gemma3", "gemma3", 2, "CPU_ATTN", 16, marks=pytest.mark.slow),
+    pytest.param("gemma3", "gemma3", 4, "CPU_ATTN", 16, marks=pytest.mark.slow),  # KV heads replicated
 ]
 
 

@@ -40,7 +40,9 @@ from model_loader.gguf_utils import (
     gguf_hf_config,
 )
 from tests.conftest import run_tp, tiny_llama_with_tokenizer
-from tests.tp_helpers import compute_logits_on_rank, tp_load_cases
+from tests.gguf_kquants import quantize as quantize_blocks
+from tests.gguf_tp import gguf_tp_cases
+from tests.tp_helpers import compute_logits_on_rank
 
 Q = gguf.GGMLQuantizationType
 FILE_TYPES = {
@@ -48,6 +50,10 @@ FILE_TYPES = {
     "F16": gguf.LlamaFileType.MOSTLY_F16,
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S,
+    "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_S,
+    "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
 }
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
@@ -72,12 +78,13 @@ def read_hf_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def store(data: np.ndarray, qtype: str) -> tuple[np.ndarray, Any]:
-    """(array to write, raw_dtype) for one tensor; 1-D tensors stay F32 as in llama.cpp."""
+    """(array to write, raw_dtype) for one tensor; 1-D tensors stay F32 as in llama.cpp.
+    K-quants come from tests/gguf_kquants.py (gguf-py cannot write them)."""
     if data.ndim == 1 or qtype == "F32":
         return data.astype(np.float32), None
     if qtype == "F16":
         return data.astype(np.float16), None
-    return gguf.quants.quantize(data, Q[qtype]), Q[qtype]
+    return quantize_blocks(data, qtype), Q[qtype]
 
 
 def stored_value(data: np.ndarray, qtype: str) -> torch.Tensor:
@@ -89,7 +96,9 @@ def stored_value(data: np.ndarray, qtype: str) -> torch.Tensor:
 
 
 def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", arch: str | None = None,
-               add_tokenizer: bool = False) -> Path:
+               add_tokenizer: bool = False, tensor_types: dict[str, str] | None = None) -> Path:
+    """The HF checkpoint as a GGUF file, every 2-D tensor stored as `qtype` unless
+    `tensor_types` names its HF tensor (a Q4_K_M-style mix)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = arch or GGUF_ARCH[cfg["architectures"][0]]
     n_layers, n_head = cfg["num_hidden_layers"], cfg["num_attention_heads"]
@@ -119,7 +128,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", arch: str | None = N
             tensor = hf_permute(tensor, n_head, n_head)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = hf_permute(tensor, n_head, n_kv)
-        data, raw = store(tensor.float().numpy(), qtype)
+        data, raw = store(tensor.float().numpy(), (tensor_types or {}).get(name, qtype))
         writer.add_tensor(gguf_name, data, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -178,6 +187,15 @@ def load(model: Path | str, **kwargs: Any) -> torch.nn.Module:
     return get_model(create_engine_config(model=str(model), device="cpu", use_tqdm_on_load=False, **kwargs))
 
 
+def plain_weight(module: torch.nn.Module) -> torch.Tensor:
+    """A layer's weight as values: its plain `weight`, or the float32 values of the GGUF
+    blocks it holds (`dequantized_weight` of its method)."""
+    if module._parameters.get("weight") is not None:
+        return module.weight
+    method = getattr(module, "embedding_method", None) or module.quant_method
+    return method.dequantized_weight(module)
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm()).item()
 
@@ -187,11 +205,13 @@ QUANT_REL_TOL = {"F16": 0.005, "Q8_0": 0.05, "Q4_0": 0.5}
 QUANT_ATOL = {"F16": 1e-2, "Q8_0": 0.2}
 
 
-def dequantised_checkpoint(hf_dir: Path, qtype: str, out: Path) -> Path:
-    """A copy of the HF checkpoint whose 2-D tensors hold their GGUF-stored (dequantised) values."""
+def dequantised_checkpoint(hf_dir: Path, qtype: str, out: Path, tensor_types: dict[str, str] | None = None) -> Path:
+    """A copy of the HF checkpoint whose 2-D tensors hold their GGUF-stored (dequantised)
+    values (`qtype`, or the type `tensor_types` gives a tensor)."""
     out = out / f"{hf_dir.name}-{qtype}-dequantised"
     out.mkdir()
-    tensors = {name: stored_value(t.numpy(), qtype).contiguous() for name, t in read_hf_tensors(hf_dir).items()}
+    tensors = {name: stored_value(t.numpy(), (tensor_types or {}).get(name, qtype)).contiguous()
+               for name, t in read_hf_tensors(hf_dir).items()}
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text((hf_dir / "config.json").read_text())
     return out
@@ -244,7 +264,7 @@ def test_quantised_gguf_loads_exact_dequantised_values(name, qtype, gguf_files, 
     # Every loaded value is exactly the dequantised stored one: names, un-permute and dequant are right.
     attn = model.model.layers[1].self_attn
     q_size, kv_size = attn.q_size, attn.kv_size
-    qkv = attn.qkv_proj.weight
+    qkv = plain_weight(attn.qkv_proj)
     expect = {
         "q": stored_value(hf["model.layers.1.self_attn.q_proj.weight"].numpy(), qtype),
         "k": stored_value(hf["model.layers.1.self_attn.k_proj.weight"].numpy(), qtype),
@@ -253,9 +273,9 @@ def test_quantised_gguf_loads_exact_dequantised_values(name, qtype, gguf_files, 
     torch.testing.assert_close(qkv[:q_size], expect["q"], atol=0, rtol=0)
     torch.testing.assert_close(qkv[q_size:q_size + kv_size], expect["k"], atol=0, rtol=0)
     torch.testing.assert_close(qkv[q_size + kv_size:], expect["v"], atol=0, rtol=0)
-    torch.testing.assert_close(model.model.layers[0].mlp.down_proj.weight,
+    torch.testing.assert_close(plain_weight(model.model.layers[0].mlp.down_proj),
                                stored_value(hf["model.layers.0.mlp.down_proj.weight"].numpy(), qtype), atol=0, rtol=0)
-    torch.testing.assert_close(model.model.embed_tokens.weight[:320],
+    torch.testing.assert_close(plain_weight(model.model.embed_tokens)[:320],
                                stored_value(hf["model.embed_tokens.weight"].numpy(), qtype), atol=0, rtol=0)
     torch.testing.assert_close(model.model.norm.weight, hf["model.norm.weight"], atol=0, rtol=0)  # 1-D: F32
 
@@ -337,7 +357,7 @@ def test_gguf_tp2(gguf_files, hf_logits):
         ids, _ = hf_logits(name)
         cases.append({"name": f"{name}-{qtype}", "model": str(gguf_files(name, qtype)), "input_ids": ids,
                       "kwargs": {"load_format": "gguf"}})
-    results = run_tp(tp_load_cases, 2, cases)
+    results = run_tp(gguf_tp_cases, 2, cases)
     for case in cases:
         name = case["name"].split("-")[0]
         _, expected = hf_logits(name)

@@ -345,6 +345,7 @@ ENGINES = [
     ("mixtral", 2, True),
     ("qwen3_moe", 2, False),
     ("qwen3_moe", 2, True),
+    ("qwen3_moe", 4, True),  # one expert per rank
 ]
 
 

@@ -198,18 +198,19 @@ def test_phi3_sliding_window_shorter_than_the_prompts_on_triton(
     _check_greedy_and_logprobs(core, hf_reference("phi3_window8", lens), lens, "phi3 window 8 (triton)")
 
 
-# ---------------------------------------------------------------------- TP 2
+# ---------------------------------------------------------------------- TP 2 and 4
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,max_model_len,lens", [
-    ("qwen3", 128, SHORT_LENS + LONG_LENS),
-    ("phi3_longrope", 128, LONG_LENS),
+@pytest.mark.parametrize("name,max_model_len,lens,tp", [
+    ("qwen3", 128, SHORT_LENS + LONG_LENS, 2),
+    ("phi3_longrope", 128, LONG_LENS, 2),
+    ("qwen3", 128, SHORT_LENS, 4),  # 4 heads, 2 KV heads: each KV head on two ranks
 ])
-def test_greedy_matches_transformers_at_tp2(name: str, max_model_len: int, lens: tuple[int, ...],
-                                            checkpoints: dict[str, Path], hf_reference: Callable) -> None:
+def test_greedy_matches_transformers_at_tp2_and_4(name: str, max_model_len: int, lens: tuple[int, ...], tp: int,
+                                                  checkpoints: dict[str, Path], hf_reference: Callable) -> None:
     prompts = make_prompts(VOCAB, lens=lens)
-    with EngineCore(engine_config(checkpoints[name], 2, 4, max_model_len=max_model_len)) as core:
+    with EngineCore(engine_config(checkpoints[name], tp, 4, max_model_len=max_model_len)) as core:
         outs = core.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
     assert [out.token_ids for out in outs] == [ids for ids, _ in hf_reference(name, lens)]
 

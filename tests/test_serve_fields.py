@@ -47,20 +47,20 @@ repetition_detection stream_interval guided_json guided_regex guided_choice guid
 
 # Each refused field with a value that asks for what we cannot do.
 REFUSED: dict[str, Any] = {
-    "use_beam_search": True, "length_penalty": 0.5, "structured_outputs": {"json": {}}, "guided_json": {"type": "object"},
+    "use_beam_search": True, "length_penalty": 0.5, "guided_json": {"type": "object"},
     "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'", "guided_whitespace_pattern": " ",
     "guided_decoding_backend": "xgrammar", "logits_processors": ["x"], "prompt_embeds": "AAAA", "mm_payload": {"a": 1},
     "return_mm_kwargs": True, "kv_transfer_params": {"a": 1}, "ec_transfer_params": {"a": 1}, "session_id": "s",
     "watermarking": True, "logprob_token_ids": [1], "vllm_xargs": {"a": 1}, "repetition_detection": {"a": 1},
     "thinking_token_budget": 10, "routed_experts_prompt_start": 3, "return_token_offsets": True,
     "stream_interval": 4, "spaces_between_special_tokens": False, "priority": 1,
-    "response_format": {"type": "json_object"}, "stream_options": {"include_usage": True},
+    "stream_options": {"include_usage": True},
 }
 REFUSED_COMPLETION = {**REFUSED, "suffix": "the end"}
-REFUSED_CHAT = {**REFUSED, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-                "parallel_tool_calls": True, "reasoning_effort": "low", "documents": [{"a": 1}],
+# tool_choice "auto" without tools (and without --enable-auto-tool-choice) is a 400 naming it.
+REFUSED_CHAT = {**REFUSED, "tool_choice": "auto", "reasoning_effort": "low", "documents": [{"a": 1}],
                 "media_io_kwargs": {"a": 1}, "mm_processor_kwargs": {"a": 1}, "return_prompt_text": True,
-                "include_reasoning": False, "chat_template": "{{ messages }}"}
+                "chat_template": "{{ messages }}"}
 # Each honoured field, and the test that shows its effect.
 HONOURED = {
     "model": "test_unknown_fields_are_ignored_and_nulls_mean_default",
@@ -101,12 +101,15 @@ HONOURED = {
     "return_token_ids": "test_ids_token_ids_and_salts",
     "return_tokens_as_token_ids": "test_ids_token_ids_and_salts",
     "user": "test_unknown_fields_are_ignored_and_nulls_mean_default",  # the caller's own id, as in OpenAI
-    "response_format": "test_unknown_fields_are_ignored_and_nulls_mean_default",  # {"type": "text"} only
+    "response_format": "tests/test_structured_outputs_serve.py",
+    "structured_outputs": "tests/test_structured_outputs_serve.py",
     "add_generation_prompt": "test_chat_echo_continue_final_message_and_template_kwargs",
     "continue_final_message": "test_chat_echo_continue_final_message_and_template_kwargs",
     "chat_template_kwargs": "test_chat_echo_continue_final_message_and_template_kwargs",
-    "tool_choice": "test_unknown_fields_are_ignored_and_nulls_mean_default",  # "none" only
-    "include_reasoning": "test_unknown_fields_are_ignored_and_nulls_mean_default",  # true only
+    "tools": "tests/test_serve_tools.py::test_required_tool_choice_makes_calls_that_validate",
+    "tool_choice": "tests/test_serve_tools.py::test_a_named_function_is_called_with_valid_arguments",
+    "parallel_tool_calls": "tests/test_serve_tools.py::test_one_call_only_when_parallel_tool_calls_is_false",
+    "include_reasoning": "tests/test_serve_tools.py::test_thinking_goes_to_reasoning_streamed_and_whole",
     "priority": "test_unknown_fields_are_ignored_and_nulls_mean_default",  # 0 only
     "spaces_between_special_tokens": "test_unknown_fields_are_ignored_and_nulls_mean_default",  # true only
     "stream_interval": "test_unknown_fields_are_ignored_and_nulls_mean_default",  # 1 only

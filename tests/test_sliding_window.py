@@ -30,7 +30,7 @@ from engine.core import EngineCore
 from models.layers.attention import Attention, get_attn_backend
 from models.layers.attention import masked_attention
 from models.layers.attention.backends.cpu_attn import CPUAttentionBackend
-from tests.sliding_window_helpers import hf_with_window, tiny_mistral
+from tests.sliding_window_helpers import hf_with_window, tiny_mistral, tiny_qwen2
 from tests.test_generation import engine_config, hf_greedy, make_prompts
 from tests.test_triton_attn import needs_interpreter, paged_step, reference
 
@@ -226,13 +226,29 @@ def from_hf(hf_config: Any, tmp_path: Path) -> ModelConfig:
 def test_a_window_no_model_of_ours_reads_is_still_refused(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    qwen = SimpleNamespace(architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
-                           num_hidden_layers=2, num_attention_heads=4, vocab_size=320, use_sliding_window=True,
-                           sliding_window=8, max_position_embeddings=128)
+    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=320,
+                  sliding_window=8, max_position_embeddings=128)
+    llama = SimpleNamespace(architectures=["LlamaForCausalLM"], **fields)
     with pytest.raises(ConfigError, match="sliding_window=8"):
-        from_hf(qwen, tmp_path)
+        from_hf(llama, tmp_path)
+    qwen = SimpleNamespace(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, **fields)
+    assert from_hf(qwen, tmp_path).max_model_len == 64  # Qwen2 reads its window now
     qwen.use_sliding_window = False  # Qwen2's default: the field is there, the window is off
     assert from_hf(qwen, tmp_path).max_model_len == 64
+
+
+def test_qwen2_windows_follow_use_sliding_window_and_max_window_layers() -> None:
+    from types import SimpleNamespace
+
+    from models.qwen2 import qwen_sliding_windows
+
+    base = dict(num_hidden_layers=4, sliding_window=16)
+    assert qwen_sliding_windows(SimpleNamespace(**base, use_sliding_window=False, max_window_layers=0)) == [None] * 4
+    assert qwen_sliding_windows(SimpleNamespace(**base, use_sliding_window=True, max_window_layers=0)) == [16] * 4
+    assert qwen_sliding_windows(SimpleNamespace(**base, use_sliding_window=True, max_window_layers=3)) == [
+        None, None, None, 16]
+    # transformers' default max_window_layers is 28: none of 4 layers is windowed
+    assert qwen_sliding_windows(SimpleNamespace(**base, use_sliding_window=True)) == [None] * 4
 
 
 # ---------------------------------------------------------------------- end to end
@@ -268,7 +284,12 @@ def test_mistral_with_window_matches_transformers(mistral_reference: tuple[Path,
                                                   tp: int, block_size: int) -> None:
     model_dir, ref = mistral_reference
     prompts = make_prompts(320, lens=PROMPT_LENS)
-    with EngineCore(engine_config(model_dir, tp, block_size, attention_backend=backend)) as core:
+    check_engine_against(engine_config(model_dir, tp, block_size, attention_backend=backend), prompts, ref)
+
+
+def check_engine_against(config: Any, prompts: list[list[int]], ref: list[Any]) -> None:
+    """The engine's greedy tokens and top-5 logprobs equal transformers' (`ref`)."""
+    with EngineCore(config) as core:
         outs = core.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
                                                      logprobs=5))
     for prompt, out, (ref_ids, ref_lp) in zip(prompts, outs, ref):
@@ -276,3 +297,44 @@ def test_mistral_with_window_matches_transformers(mistral_reference: tuple[Path,
         for step, lp in enumerate(out.logprobs):
             for tok, value in lp.items():
                 assert value == pytest.approx(float(ref_lp[step, tok]), abs=1e-4), (len(prompt), step, tok)
+
+
+def test_transformers_applies_qwen2s_window_from_max_window_layers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The Qwen2 oracle is not vacuous either: its windowed layers change the logits."""
+    model_dir = tiny_qwen2(tmp_path_factory)
+    prompt = make_prompts(320, lens=(40,))[0]
+    with torch.no_grad():
+        windowed = hf_with_window(model_dir, 8)(torch.tensor([prompt])).logits
+        full = hf_with_window(model_dir, None)(torch.tensor([prompt])).logits
+    assert torch.allclose(windowed[0, :8], full[0, :8], atol=1e-5)
+    assert (windowed[0, 8:] - full[0, 8:]).abs().max() > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qwen2_with_window_matches_transformers(tmp_path_factory: pytest.TempPathFactory, tp: int) -> None:
+    """Qwen2's `use_sliding_window` with `max_window_layers`: full and windowed layers in
+    one model, prompts up to seven windows long, against transformers' tokens and logprobs."""
+    model_dir = tiny_qwen2(tmp_path_factory)
+    prompts = make_prompts(320, lens=PROMPT_LENS)
+    hf = hf_with_window(model_dir, 8)
+    ref = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    check_engine_against(engine_config(model_dir, tp, 16, attention_backend="CPU_ATTN"), prompts, ref)
+
+
+def test_torch_sdpa_decode_gathers_only_the_blocks_a_window_reaches() -> None:
+    """A windowed layer's decode groups read from the block holding the window's first
+    key, not the whole context; the outputs stay the reference's (the windowed decode
+    steps above check them too)."""
+    from models.layers.attention.backends.torch_sdpa import TorchSDPAMetadata
+
+    step = paged_step(STEPS["decode"], *LAYOUTS["gqa2-d32-bs16"], seed=5)
+    md = TorchSDPAMetadata.from_common(step.common)
+    bytes_per_token = 2 * 2 * 32 * 4
+    full = md.decode_groups(bytes_per_token, torch.device("cpu"), None)
+    windowed = md.decode_groups(bytes_per_token, torch.device("cpu"), 5)
+    assert max(g.ctx_len for g in full) == 80  # the 70-token context, in blocks of 16
+    # A window of 5 reaches back at most into the previous block: two blocks at most.
+    assert max(g.ctx_len for g in windowed) <= 2 * 16
+    for window in (1, 5, 16):
+        check_step("TORCH_SDPA", step, window, None)

@@ -90,7 +90,7 @@ def tp_load_cases(rank: int, world_size: int, port: int, cases: list[dict[str, A
                 "logits": logits,
                 "num_heads": attn.num_heads,
                 "num_kv_heads": attn.num_kv_heads,
-                "embed_rows": model.model.embed_tokens.weight.shape[0],
+                "embed_rows": model.model.embed_tokens.num_embeddings_per_partition,
             }
             del model
         return results

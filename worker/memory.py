@@ -17,10 +17,27 @@ from typing import Iterator
 
 import psutil
 import torch
+from torch import nn
 
 
 def process_rss() -> int:
     return psutil.Process().memory_info().rss
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """The bytes `model` holds on this rank: every parameter and buffer once (a tied
+    weight once), a weight held in a packed layout at that layout's size
+    (`packed_nbytes`: padding, or a float32 copy of a bfloat16 weight), quantised
+    tensors (int32-packed values, scales, zero points) at theirs."""
+    total = 0
+    seen: set[int] = set()
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        packed = getattr(tensor, "packed_nbytes", None)
+        total += packed if packed is not None else tensor.numel() * tensor.element_size()
+    return total
 
 
 @dataclass

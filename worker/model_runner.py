@@ -12,6 +12,9 @@ A pure-decode step that fits a captured size replays a CUDA graph instead
 (`worker/cuda_graph.py`). Logits are sampled where they are; only the sampled ids and
 the logprobs asked for come to the host, and that is where a rank waits for the step's
 NCCL collectives (`device_sync_point`, so liveness sees a rank waiting for its peers).
+A step with structured-output requests carries their grammar bitmask, which the sampler
+applies to their rows first (worker/grammar_bitmask.py); such a step never takes the
+argmax-only path, since the mask needs the whole row of logits.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from model_loader import get_model, get_model_loader
 from model_loader.utils import process_weights_after_loading
 from models.layers.attention import Attention, AttentionBackend, AttentionMetadata, get_attn_backend
 from worker.cuda_graph import CudaGraphRunner
+from worker.grammar_bitmask import GrammarBitmask
 from worker.kv_cache import KVCacheConfig, KVCacheMemory, KVCacheSpec, allocate_kv_cache
 from worker.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from worker.sampler import Sampler, prompt_logprobs
@@ -264,7 +268,13 @@ class ModelRunner:
         if not sampled_reqs:
             return ModelRunnerOutput([], [], [], prompt_logprobs)
         req_ids = [r.req_id for r in sampled_reqs]
-        if hasattr(model, "compute_greedy_tokens") and self.sampler.argmax_suffices(sampled_reqs):
+        grammar = None
+        if scheduler_output.grammar_bitmask is not None:  # structured outputs: these rows are masked
+            row_of = {req_id: row for row, req_id in enumerate(req_ids)}
+            grammar = GrammarBitmask([row_of[r] for r in scheduler_output.structured_output_req_ids],
+                                     scheduler_output.grammar_bitmask)
+        if (grammar is None and hasattr(model, "compute_greedy_tokens")
+                and self.sampler.argmax_suffices(sampled_reqs)):
             # The argmax alone: at TP > 1 the ranks exchange one (value, id) per row
             # instead of all-gathering [rows, vocab] logits.
             with device_sync_point():
@@ -275,7 +285,7 @@ class ModelRunner:
         # come to the host, where the step's collectives are waited for.
         logits = model.compute_logits(hidden[sample_rows]).float()
         with device_sync_point():
-            tokens, logprobs = self.sampler(logits, sampled_reqs, self.config.seed)
+            tokens, logprobs = self.sampler(logits, sampled_reqs, self.config.seed, grammar)
         self._last_sampled.update(zip(req_ids, tokens))
         return ModelRunnerOutput(req_ids, tokens, logprobs, prompt_logprobs)
 

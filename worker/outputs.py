@@ -70,12 +70,20 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     the runner runs that many steps back to back, each request's next step taking
     in the token its step before sampled, at the next position; the slots for all
     of them are in each request's ``block_ids``.
+
+    Structured outputs: ``grammar_bitmask`` holds one row per id in
+    ``structured_output_req_ids`` (requests that sample this step under a grammar;
+    never in a multi-step output), each ceil(vocab / 32) int32 words, bit ``t % 32`` of
+    word ``t // 32`` set when token ``t`` may come next (xgrammar's layout). The engine
+    fills it before the step is sent, so every rank masks the same tokens.
     """
 
     scheduled: list[ScheduledRequest]
     finished_req_ids: list[str]
     num_batched_tokens: int
     num_steps: int = 1
+    structured_output_req_ids: list[str] = []
+    grammar_bitmask: bytes | None = None
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):

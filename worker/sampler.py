@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from worker.grammar_bitmask import GrammarBitmask, apply_grammar_bitmask
 from worker.logits_processors import RequestHistory, apply_logits_processors
 from worker.sampling_metadata import SamplingMetadata, to_device
 from worker.sampling_ops import (
@@ -111,12 +112,15 @@ class Sampler:
         logits: torch.Tensor,
         requests: list[ScheduledRequest],
         engine_seed: int = 0,
+        grammar: GrammarBitmask | None = None,
     ) -> tuple[list[int], list[dict[int, float] | None]]:
         """Sample one token per row of ``logits`` (``[len(requests), vocab]``, float32
         or castable, on any device; left unchanged).
 
         Rows whose parameters process logits get processed first, all in one copy of
-        the logits. Greedy rows (temperature 0 or top_k 1) take the argmax, the first
+        the logits; before them, the rows ``grammar`` names (structured outputs) have
+        the tokens their grammar forbids masked (worker/grammar_bitmask.py). Greedy
+        rows (temperature 0 or top_k 1) take the argmax of what is left, the first
         maximum. The others apply temperature, then top-k, then top-p (always keeping
         the most likely token), then min-p, then draw with the request's own uniform.
         Logprobs come from ``log_softmax`` of the raw logits: the top ``logprobs`` ids
@@ -126,8 +130,9 @@ class Sampler:
 
         Device temporaries, in float32 [n, vocab] units, for R rows, of which S draw,
         P use top-p, G are greedy beside drawing rows, and L ask for logprobs:
-          * the processed copy, R, only when some row processes logits (plus a bool
-            [R, vocab] mask when a row has allowed_token_ids);
+          * the processed copy, R, only when some row processes logits or has a
+            grammar (plus a bool [R, vocab] mask when a row has allowed_token_ids, and
+            the grammar's mask: C for C constrained rows on the CPU, R/32 on CUDA);
           * the temperature-scaled rows, S, which softmax turns into the probabilities,
             S, kept until the transfer for the rare host fallback;
           * while top-p runs: sorted values, int64 order and cumsum, 4P, then two bool
@@ -154,9 +159,12 @@ class Sampler:
         meta = SamplingMetadata.build(requests, histories, seeds, logits.shape[1], logits.device)
         raw = logits.float()
         processed = raw
-        if meta.processors is not None:
+        if meta.processors is not None or grammar is not None:
             processed = raw.clone()
-            apply_logits_processors(processed, meta.tensors)
+            if grammar is not None:  # first: the grammar decides which tokens exist at all
+                apply_grammar_bitmask(processed, grammar)
+            if meta.processors is not None:
+                apply_logits_processors(processed, meta.tensors)
         tokens, fallback_rows, probs = self._sample(processed, meta)
         parts = [tokens] if fallback_rows is None else [tokens, fallback_rows]
         logprob_parts = self._logprob_parts(raw, tokens, meta)

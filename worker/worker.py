@@ -4,10 +4,10 @@ Created inside each WorkerProc (or in-process by UniProcExecutor). The executor 
 its methods by name through `collective_rpc`, on every rank, in this order:
 init_device(), load_model(), get_kv_cache_spec(), determine_available_memory() (unless
 `num_gpu_blocks_override` fixes the block count), initialize_from_config(), then
-execute_model() per step. Phase timings accumulate in
-`self.timings` (seconds). Everything that differs between CUDA and the CPU is asked of
-`self.platform`. Between steps the engine may also call sleep(level), wake_up(tags) and
-update_weights(source) (sleep mode; worker/sleep_mode.py), on every rank alike.
+execute_model() per step. Phase timings accumulate in `self.timings` (seconds).
+Everything that differs between CUDA and the CPU is asked of `self.platform`. Between
+steps the engine may also call sleep(level), wake_up(tags) and update_weights(source)
+(sleep mode; worker/sleep_mode.py), on every rank alike.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from distributed.parallel_state import get_tensor_model_parallel_world_size
 from distributed.shm_utils import host_id
 from model_loader.sharded_state_loader import save_sharded_model
 from worker.kv_cache import KVCacheConfig, KVCacheSpec
+from worker.memory import model_weight_bytes
 from worker.model_runner import ModelRunner
 from worker.platform import Platform, get_platform
 from worker.sleep_mode import TAGS, PoolState, ReleasedStorages, collect_garbage, unique_storages
@@ -50,8 +51,7 @@ def _maybe_inject_fault(rank: int, phase: str) -> None:
         raise ValueError(f"{FAULT_ENV}={spec!r} must be RANK:PHASE:ACTION") from None
     if int(fault_rank) != rank or fault_phase != phase:
         return
-    marker = os.environ.get("TP_FAULT_MARKER")
-    if marker:
+    if marker := os.environ.get("TP_FAULT_MARKER"):
         with open(marker, "w") as f:
             f.write(str(os.getpid()))
     if action == "hang":
@@ -154,7 +154,7 @@ class Worker:
         with self.platform.memory_pool("weights") as usage:
             runner.load_model()
         assert runner.model is not None
-        self.model_memory_usage = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        self.model_memory_usage = model_weight_bytes(runner.model)
         self.timings["load"] = usage.seconds
 
     @torch.inference_mode()
@@ -280,7 +280,7 @@ class Worker:
                 else:
                     runner.load_model(self._weights_checkpoint)
                     assert runner.model is not None
-                    self.model_memory_usage = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+                    self.model_memory_usage = model_weight_bytes(runner.model)
                     restored["weights"] = self.model_memory_usage
                     runner.bind_kv_caches()
             self._pools["weights"] = PoolState.AWAKE
@@ -318,16 +318,16 @@ class Worker:
         """Write this rank's shard of the loaded model as `load_format="sharded_state"`
         files in `path` (model_loader/sharded_state_loader.py); returns their names. Every
         rank is called with the same arguments (EngineCore.save_sharded_state). Raises
-        RuntimeError before a model is loaded, ValueError under online quantization (the
-        loader builds the unquantised module, so quantised tensors and their scales would
-        not load back)."""
+        RuntimeError before a model is loaded, ValueError under quantisation, online or
+        the checkpoint's (the loader builds the unquantised module, so quantised or
+        repacked tensors and their scales would not load back)."""
         runner = self.model_runner
         if runner is None or runner.model is None:
             raise RuntimeError(f"rank {self.rank}: no model is loaded, nothing to save")
-        if self.config.quantization is not None:
+        if (quantization := self.config.model_config.quantization) is not None:
             raise ValueError(
-                f"save_sharded_state does not support quantization={self.config.quantization!r}; "
-                "save from an engine without online quantization"
+                f"save_sharded_state does not support quantization={quantization!r}; "
+                "save from an engine on the unquantised checkpoint"
             )
         return save_sharded_model(runner.model, path, self.rank, self.world_size, max_size)
 

@@ -27,7 +27,7 @@ import signal
 import socket
 import sys
 
-from engine.entrypoints.cli_args import build_parser, parse_args
+from engine.entrypoints.cli_args import build_parser, parse_args, serving_options
 from engine.entrypoints.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from engine.entrypoints.engine_args import engine_config_kwargs
 from engine.entrypoints.launcher import ShutdownSignals, bind_socket, serve_http
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.serve") ->
     try:
         app = build_app(engine, names, api_key=args.api_key, generation_config=args.generation_config,
                         max_logprobs=args.max_logprobs, enable_log_requests=args.enable_log_requests,
-                        max_log_len=args.max_log_len)
+                        max_log_len=args.max_log_len, **serving_options(args))
         server = uvicorn.Server(uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=args.access_log,
             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off",

@@ -11,11 +11,12 @@ are in arg_types.py, the mapping to EngineConfig in engine_args.py.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 from typing import Any
 
-from config import ATTENTION_BACKENDS, DTYPES, PLACEMENT_STRATEGIES
+from config import ATTENTION_BACKENDS, DTYPES, PLACEMENT_STRATEGIES, ConfigError, StructuredOutputsConfig
 from config.parallel import TP_COMMUNICATORS
 from engine.entrypoints.arg_types import (
     load_chat_template,
@@ -28,6 +29,19 @@ from engine.entrypoints.engine_args import device_is_cpu
 from executor.registry import get_supported_executor_backends
 
 GiB = 1 << 30
+
+
+def structured_outputs_config_arg(text: str) -> dict[str, Any]:
+    """--structured-outputs-config: vLLM's JSON object ('{"backend": "xgrammar"}'), checked
+    here (an unknown key or backend is exit 2) and passed on as the dict EngineConfig takes."""
+    try:
+        value = json.loads(text)
+        if not isinstance(value, dict):
+            raise ValueError("not a JSON object")
+        StructuredOutputsConfig(**value)
+    except (ValueError, TypeError, ConfigError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e} (e.g. '{{\"backend\": \"xgrammar\"}}')") from None
+    return value
 
 
 class _RefuseRemoteCode(argparse.Action):
@@ -70,8 +84,9 @@ def build_parser(prog: str = "python -m engine.serve", description: str | None =
                         "float = float32")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default auto: cuda if available")
     p.add_argument("--load-format", default="auto", help="weight loader (default auto)")
-    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
-                   help="online weight quantisation (default none)")
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8", "gptq", "awq", "compressed-tensors"],
+                   help="fp8: quantise a full-precision checkpoint's weights online; the others name the method a "
+                        "pre-quantised checkpoint already says it uses (default: the checkpoint's, else none)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every decode step runs eagerly (CUDA graphs are used only on CUDA "
                         "with TRITON_ATTN)")
@@ -151,6 +166,22 @@ def build_parser(prog: str = "python -m engine.serve", description: str | None =
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|PATH",
                    help="sampling defaults: auto (the model's generation_config.json), vllm (none: the "
                         "server's defaults), or a directory holding a generation_config.json")
+    p.add_argument("--structured-outputs-config", type=structured_outputs_config_arg, default=None, metavar="JSON",
+                   help='structured outputs: {"backend": "auto"|"xgrammar", "disable_any_whitespace": bool} '
+                        "(default: xgrammar, any whitespace)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model call tools on its own (tool_choice "auto", the default when a request '
+                        "has tools); needs --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="how the model writes tool calls: hermes (Qwen2.5, Qwen3), llama3_json, mistral, pythonic, "
+                        "or one a --tool-parser-plugin registers")
+    p.add_argument("--tool-parser-plugin", default="", metavar="PATH",
+                   help="a Python file that registers tool parsers with ToolParserManager.register_module(name)")
+    p.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split the model's thinking into the reply's `reasoning`: deepseek_r1, qwen3, mistral")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix cache "
+                        "supplied)")
     p.add_argument("--max-logprobs", type=int, default=20, metavar="N",
                    help="most logprobs a request may ask for (default 20; -1: no limit)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -210,5 +241,44 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
             parser.error(
                 f"--kv-cache-memory-bytes {args.kv_cache_memory} ({args.kv_cache_memory / GiB:.1f} GiB per rank, "
                 f"x{ranks_here} rank(s) on this host) is more than this host's memory ({total / GiB:.1f} GiB)")
+    _check_parsers(parser, args)
     args.uvicorn_log_level = args.uvicorn_log_level or args.log_level
     return args
+
+
+def _check_parsers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--tool-parser-plugin is imported (its parsers register), then the parser names
+    are checked against the registries: an unknown one exits 2 listing the known."""
+    if args.tool_parser_plugin:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("tool_parser_plugin", args.tool_parser_plugin)
+        if spec is None or spec.loader is None or not Path(args.tool_parser_plugin).is_file():
+            parser.error(f"--tool-parser-plugin {args.tool_parser_plugin!r} is not a Python file")
+        try:
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        except Exception as e:  # noqa: BLE001 - any failure of the plugin is a bad flag
+            parser.error(f"--tool-parser-plugin {args.tool_parser_plugin!r} failed to load: {type(e).__name__}: {e}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.tool_call_parser is not None:
+        from engine.entrypoints.openai.tool_parsers import ToolParserManager
+
+        try:
+            ToolParserManager.get_tool_parser(args.tool_call_parser)
+        except KeyError as e:
+            parser.error(f"--tool-call-parser: {e.args[0]}")
+    if args.reasoning_parser is not None:
+        from engine.reasoning import ReasoningParserManager
+
+        try:
+            ReasoningParserManager.get_reasoning_parser(args.reasoning_parser)
+        except KeyError as e:
+            parser.error(f"--reasoning-parser: {e.args[0]}")
+
+
+def serving_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The `build_app` keywords of the tool, reasoning and usage flags."""
+    return {"enable_auto_tool_choice": args.enable_auto_tool_choice, "tool_call_parser": args.tool_call_parser,
+            "reasoning_parser": args.reasoning_parser,
+            "enable_prompt_tokens_details": args.enable_prompt_tokens_details}

@@ -57,4 +57,5 @@ def engine_config_kwargs(args: argparse.Namespace, model: str) -> dict[str, Any]
         "max_cudagraph_capture_size": args.max_cudagraph_capture_size,
         "attention_backend": args.attention_backend, "tp_communicator": args.tp_communicator,
         "enable_expert_parallel": args.enable_expert_parallel,
+        "structured_outputs_config": args.structured_outputs_config or {},
     }

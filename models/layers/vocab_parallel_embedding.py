@@ -3,6 +3,12 @@
 The vocabulary is padded to a multiple of 64 (and of tp_size) and split into equal
 contiguous ranges, one per rank. Padding rows are zero and never read: token ids fall
 in [0, vocab_size), and `compute_logits` drops the padded columns.
+
+A quantisation config whose `get_embedding_method(role)` answers (GGUF's; role "embed_tokens"
+or "lm_head") may hold the table in its own format: the method registers it (`qweight`
+instead of `weight`, this rank's rows, loaded by the same `weight_loader`), looks rows
+up (`embedding`) and computes the LM head's logits (`apply`) from it. Others leave the
+table plain.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class VocabParallelEmbedding(nn.Module):
     `reduce_results=False` the lookup returns this rank's part and the caller sums it
     (the first RMSNorm's `all_reduce_input`, as after a RowParallelLinear)."""
 
+    role = "embed_tokens"  # what a quantisation config's get_embedding_method is asked for
+
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
                  reduce_results: bool = True) -> None:
         super().__init__()
@@ -51,13 +59,23 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
-        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
-        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
+        self.params_dtype = torch.get_default_dtype()
+        quant_config = get_layer_build_config().quant_config
+        self.embedding_method = quant_config.get_embedding_method(self.role) if quant_config is not None else None
+        if self.embedding_method is not None:
+            self.embedding_method.create_weights(self, self.num_embeddings_per_partition, embedding_dim,
+                                                 self.weight_loader)
+        else:
+            self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim),
+                                       requires_grad=False)
+            set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        if tuple(loaded_weight.shape) != (self.num_embeddings, self.embedding_dim):
+        """This rank's rows of the table (the plain `weight`, or a method's row-major
+        table: its second dim is the method's row width), padding rows zeroed."""
+        if tuple(loaded_weight.shape) != (self.num_embeddings, param.shape[1]):
             raise WeightLoadError(
-                f"shape mismatch (vocab embedding): the model expects {(self.num_embeddings, self.embedding_dim)}, "
+                f"shape mismatch (vocab embedding): the model expects {(self.num_embeddings, param.shape[1])}, "
                 f"the checkpoint tensor has {tuple(loaded_weight.shape)}"
             )
         start = min(self.vocab_start_index, self.num_embeddings)
@@ -68,12 +86,18 @@ class VocabParallelEmbedding(nn.Module):
         param.data[: end - start].copy_(loaded_weight[start:end])
         param.data[end - start :].zero_()
 
+    def _lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        if self.embedding_method is None:
+            return F.embedding(local_ids, self.weight)
+        return self.embedding_method.embedding(self, local_ids).to(self.params_dtype)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         in_range = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index) * in_range
-        out = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1).to(self.weight.dtype)
+        out = self._lookup(local_ids)
+        out = out * in_range.unsqueeze(-1).to(out.dtype)
         return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
 
 
@@ -81,21 +105,29 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, sharded like the embedding. Tie it by passing the
     embedding: the two then share one Parameter, and one checkpoint tensor fills both.
 
-    The product goes through the platform's unquantised linear method (never a
-    quantised one: quantisation leaves the LM head alone), so on the CPU it gets the
-    same packed small-batch path as the linear layers.
+    The product goes through the platform's unquantised linear method (quantised linear
+    methods leave the LM head alone), so on the CPU it gets the same packed small-batch
+    path as the linear layers; a table held by an embedding method (GGUF's blocks, its
+    own or the tied embedding's) is multiplied by that method's `apply`.
 
     `logits_soft_cap` c (Gemma's `final_logit_softcapping`) turns each logit z into
     c * tanh(z / c), in both `compute_logits` and `compute_greedy_tokens`: tanh is
     monotonic, but it can round two logits to one value, and the logprobs change."""
 
+    role = "lm_head"
+
     def __init__(self, num_embeddings: int, embedding_dim: int, tie_to: VocabParallelEmbedding | None = None,
                  logits_soft_cap: float | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim)
-        if tie_to is not None:
-            self.weight = tie_to.weight
+        if tie_to is not None:  # one table, the embedding's, in whatever form it holds it
+            for name in [n for n, _ in self.named_parameters(recurse=False)]:
+                delattr(self, name)
+            self.embedding_method = tie_to.embedding_method
+            for name, param in tie_to.named_parameters(recurse=False):
+                setattr(self, name, param)
         self.logits_soft_cap = logits_soft_cap
-        self.quant_method: LinearMethodBase = get_layer_build_config().unquantized_linear_method()
+        self.quant_method: LinearMethodBase = (self.embedding_method if self.embedding_method is not None
+                                               else get_layer_build_config().unquantized_linear_method())
 
     def _apply_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """This rank's [tokens, vocab / tp_size] slice of the (soft-capped) logits."""

@@ -55,20 +55,29 @@ def build_app(
     max_logprobs: int = 20,
     enable_log_requests: bool = False,
     max_log_len: int | None = None,
+    enable_prompt_tokens_details: bool = False,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `async_engine` under `served_model_name` (one name or a
     list; `served_model_names` is the same as a keyword); with `api_key`, every
     route but /health and /ping needs `Authorization: Bearer api_key` (auth.py).
     `generation_config` ("auto", "vllm" or a directory) and `max_logprobs` (-1: no
     limit) are vLLM's flags of those names, kept in `app.state`; so are
-    `enable_log_requests` and `max_log_len` (one INFO line per request received)."""
+    `enable_log_requests` and `max_log_len` (one INFO line per request received).
+    `enable_prompt_tokens_details` reports prefix-cache hits in usage; the chat route
+    parses tool calls with `tool_call_parser` (tool_choice "auto" also needs
+    `enable_auto_tool_choice`) and thinking with `reasoning_parser` (vLLM's flags)."""
     names = _model_names(served_model_name, served_model_names)
     main_name, aliases = names[0], set(names[1:])
     app = FastAPI(title="tp-runtime", summary="OpenAI-compatible tensor-parallel inference server")
     serving_options = dict(generation_config=generation_config, max_logprobs=max_logprobs,
-                           enable_log_requests=enable_log_requests, max_log_len=max_log_len)
+                           enable_log_requests=enable_log_requests, max_log_len=max_log_len,
+                           enable_prompt_tokens_details=enable_prompt_tokens_details)
     completions = OpenAIServingCompletion(async_engine, main_name, **serving_options)
-    chat = OpenAIServingChat(async_engine, main_name, **serving_options)
+    chat = OpenAIServingChat(async_engine, main_name, **serving_options, enable_auto_tools=enable_auto_tool_choice,
+                             tool_parser=tool_call_parser, reasoning_parser=reasoning_parser)
     tokenization = OpenAIServingTokenization(async_engine, names)
     metrics = async_engine.metrics
     app.state.serving_completion, app.state.serving_chat = completions, chat

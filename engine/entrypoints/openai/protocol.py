@@ -15,6 +15,8 @@ from typing import Any, Generic, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
+from engine.entrypoints.openai.protocol_tools import DeltaToolCall, ToolCall
+
 # ---------------------------------------------------------------------------- errors
 
 
@@ -62,9 +64,7 @@ def _refused(problems: list[tuple[str, str]], request: BaseModel, defaults: dict
 # Fields that need what this server does not have, by what they need. Set to anything
 # but the value on the right, each is a 400 that names it.
 _NO_BEAM_SEARCH = {"use_beam_search": False, "length_penalty": 1.0}
-_NO_STRUCTURED_OUTPUT = {"structured_outputs": None, "guided_json": None, "guided_regex": None,
-                         "guided_choice": None, "guided_grammar": None, "guided_whitespace_pattern": None,
-                         "guided_decoding_backend": None, "logits_processors": None}
+_NO_LOGITS_PROCESSORS = {"logits_processors": None}
 _NO_MULTIMODAL = {"prompt_embeds": None, "mm_payload": None, "return_mm_kwargs": None}
 _NO_DISAGGREGATION = {"kv_transfer_params": None, "ec_transfer_params": None, "session_id": None}
 _NO_EXTENSIONS = {"watermarking": None, "logprob_token_ids": None, "vllm_xargs": None, "repetition_detection": None,
@@ -106,11 +106,12 @@ class _SamplingFields(_Request):
     cache_salt: Optional[StrictStr] = None
     return_token_ids: StrictBool = False
     return_tokens_as_token_ids: StrictBool = False
+    # Honoured (structured_outputs_request.py); the guided_* fields are refused there.
     response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[Any] = None
     # Refused unless at their defaults (see unsupported_fields):
     use_beam_search: StrictBool = False
     length_penalty: float = 1.0
-    structured_outputs: Optional[Any] = None
     guided_json: Optional[Any] = None
     guided_regex: Optional[Any] = None
     guided_choice: Optional[Any] = None
@@ -135,11 +136,10 @@ class _SamplingFields(_Request):
 
     def unsupported_fields(self) -> list[tuple[str, str]]:
         """(param, message) for each field set to something this server cannot do."""
-        problems: list[tuple[str, str]] = []
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            problems.append(("response_format", f"response_format={self.response_format!r} is not supported: "
-                                                "structured output is not implemented; only {'type': 'text'}"))
-        _refused(problems, self, _NO_STRUCTURED_OUTPUT, "structured output is not implemented")
+        from engine.entrypoints.openai.structured_outputs_request import structured_output_problems
+
+        problems = structured_output_problems(self)  # guided_*, and a constraint of the wrong shape
+        _refused(problems, self, _NO_LOGITS_PROCESSORS, "logits processors by name are not implemented")
         _refused(problems, self, _NO_BEAM_SEARCH, "beam search is not implemented")
         _refused(problems, self, _NO_MULTIMODAL, "this server serves text-only models")
         _refused(problems, self, _NO_DISAGGREGATION, "disaggregated serving is not implemented")
@@ -181,8 +181,10 @@ class ChatMessage(_Request):
     role: StrictStr
     content: Optional[Union[StrictStr, list[dict[str, Any]]]] = None
     name: Optional[StrictStr] = None
-    tool_calls: Optional[list[Any]] = None
-    tool_call_id: Optional[StrictStr] = None
+    tool_calls: Optional[list[Any]] = None  # an assistant's calls (checked by chat_messages.py)
+    tool_call_id: Optional[StrictStr] = None  # a tool result's call
+    reasoning: Optional[StrictStr] = None  # an assistant's thinking, for templates that render it
+    reasoning_content: Optional[StrictStr] = None  # the same, under its older name
 
     def text(self) -> str:
         """The message's text; raises ValueError for a part that is not text."""
@@ -199,8 +201,8 @@ class ChatMessage(_Request):
         return "".join(texts)
 
 
-_NO_TOOLS = {"tools": None, "parallel_tool_calls": None, "reasoning_effort": None, "documents": None,
-             "media_io_kwargs": None, "mm_processor_kwargs": None, "return_prompt_text": None}
+_NO_TOOLS = {"reasoning_effort": None, "documents": None, "media_io_kwargs": None, "mm_processor_kwargs": None,
+             "return_prompt_text": None}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -215,11 +217,12 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: StrictBool = False  # the chat template renders the specials itself
     chat_template: Optional[StrictStr] = None
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    tool_choice: Optional[Any] = None
-    include_reasoning: StrictBool = True
-    # Refused unless at their defaults:
+    # Tool calling: checked by protocol_tools.resolve_tools (a 400 naming tools[i]... or tool_choice).
     tools: Optional[list[Any]] = None
-    parallel_tool_calls: Optional[Any] = None
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: StrictBool = True
+    include_reasoning: StrictBool = True  # false: no `reasoning` in the reply (with --reasoning-parser)
+    # Refused unless at their defaults:
     reasoning_effort: Optional[Any] = None
     documents: Optional[Any] = None
     media_io_kwargs: Optional[Any] = None
@@ -228,22 +231,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     def unsupported_fields(self) -> list[tuple[str, str]]:
         problems = super().unsupported_fields()
-        _refused(problems, self, _NO_TOOLS, "tool calling, reasoning and multimodal input are not implemented")
-        if self.tool_choice not in (None, "none"):
-            problems.append(("tool_choice", f"tool_choice={self.tool_choice!r} is not supported: tool calling is "
-                                            "not implemented (only 'none')"))
-        if not self.include_reasoning:
-            problems.append(("include_reasoning", "include_reasoning=false is not supported: no reasoning parser "
-                                                  "is configured, so there is no reasoning to leave out"))
+        _refused(problems, self, _NO_TOOLS, "reasoning effort, documents and multimodal input are not implemented")
         if self.chat_template is not None:
             problems.append(("chat_template", "a chat template in the request is not accepted (running "
                                               "client-sent templates needs vLLM's --trust-request-chat-template); "
                                               "start the server with --chat-template instead"))
-        for i, message in enumerate(self.messages):
-            if message.tool_calls:
-                problems.append((f"messages[{i}].tool_calls", "tool calls are not supported"))
-            if message.tool_call_id is not None:
-                problems.append((f"messages[{i}].tool_call_id", "tool messages are not supported"))
         if self.continue_final_message and self.add_generation_prompt:
             problems.append(("continue_final_message", "continue_final_message and add_generation_prompt cannot "
                                                        "both be true; set add_generation_prompt to false"))
@@ -257,10 +249,15 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokenUsageInfo(BaseModel):
+    cached_tokens: Optional[int] = None  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokenUsageInfo] = None  # with --enable-prompt-tokens-details
 
 
 class ModelCard(BaseModel):
@@ -350,6 +347,8 @@ class CompletionResponse(_Response[CompletionChoice]):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning: Optional[str] = None  # with --reasoning-parser (vLLM 0.32's name)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(_Choice[ChatChoiceLogprobs]):
@@ -367,6 +366,8 @@ class ChatCompletionResponse(_Response[ChatCompletionChoice]):
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatCompletionStreamChoice(_Choice[ChatChoiceLogprobs]):

@@ -29,7 +29,15 @@ from pydantic import BaseModel
 from config import SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.entrypoints.openai.errors import APIError
-from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions, UsageInfo, dump
+from engine.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptTokenUsageInfo,
+    StreamOptions,
+    UsageInfo,
+    dump,
+)
+from engine.entrypoints.openai.structured_outputs_request import structured_outputs_params
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestAbortedError, RequestStream
 from executor.errors import EngineDeadError
@@ -91,11 +99,17 @@ def _wait_for_disconnect(request: Request) -> Any:
     return wait()
 
 
-def usage(prompt_lens: list[int], outputs: list[RequestOutput]) -> UsageInfo:
-    """Token counts: every prompt once, every sample's tokens."""
+def usage(prompt_lens: list[int], outputs: list[RequestOutput], cached_tokens: bool = False) -> UsageInfo:
+    """Token counts: every prompt once, every sample's tokens; with ``cached_tokens``
+    (--enable-prompt-tokens-details) also the prompt tokens the prefix cache supplied,
+    when there are any (vLLM leaves the details out at 0)."""
     prompt = sum(prompt_lens)
     completion = sum(len(o.token_ids) for output in outputs for o in output.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    info = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(output.num_cached_tokens for output in outputs) if cached_tokens else 0
+    if cached:
+        info.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached)
+    return info
 
 
 def text_delta(text: str, finished: bool, sent: str) -> str:
@@ -148,12 +162,14 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
 
 
 class OpenAIServing:
-    """The handlers' shared logic, bound to one engine and one served model name."""
+    """The handlers' shared logic, bound to one engine and one served model name.
+    ``enable_prompt_tokens_details`` (vLLM's flag) adds the prefix-cache hits to usage."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, *, generation_config: str = "auto",
                  max_logprobs: int = DEFAULT_MAX_LOGPROBS, enable_log_requests: bool = False,
-                 max_log_len: int | None = None) -> None:
+                 max_log_len: int | None = None, enable_prompt_tokens_details: bool = False) -> None:
         self.engine = engine
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.model_name = served_model_name
         self.tokenizer = engine.tokenizer
         self.max_logprobs = max_logprobs
@@ -225,6 +241,7 @@ class OpenAIServing:
                 skip_special_tokens=body.skip_special_tokens,
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
                 truncation_side=body.truncation_side or "left",
+                structured_outputs=structured_outputs_params(body, self.engine.processor.check_structured_outputs),
             )
         except ValueError as e:
             # SamplingParams says "<field> must ...": name that field as the error's param.

@@ -111,7 +111,8 @@ class OpenAIServingCompletion(OpenAIServing):
         def response(choices: list[CompletionChoice], with_usage: bool = False) -> CompletionResponse:
             finals = [p.last for p in prompts if p.last is not None]
             return CompletionResponse(id=base_id, created=created, model=self.model_name, choices=choices,
-                                      usage=usage([len(p.ids) for p in prompts], finals) if with_usage else None)
+                                      usage=usage([len(p.ids) for p in prompts], finals,
+                                                  self.enable_prompt_tokens_details) if with_usage else None)
 
         def logprobs_of(prompt: PromptState, output: RequestOutput, sample: CompletionOutput, start: int, end: int,
                         offsets: TextOffsets) -> Any:

@@ -1,18 +1,27 @@
 """The quantisation interfaces the parallel linear layers dispatch through.
 
-A `QuantizationConfig` (one per model, chosen by `EngineConfig(quantization=...)`)
-hands each linear layer a `LinearMethodBase` (through `LayerBuildConfig.linear_method`;
-layers it leaves alone get the platform's unquantised method). The layer creates and
-loads its weights as usual; once every weight is in place,
-`model_loader.utils.process_weights_after_loading` calls
-`layer.quant_method.process_weights_after_loading(layer)`, which may replace the
-layer's parameters (e.g. by fp8 ones) or add derived copies (CPU packing), and every
-forward goes through `layer.quant_method.apply(layer, x, bias)`.
+A `QuantizationConfig` (one per model: `EngineConfig(quantization=...)`, or the
+checkpoint's own `quantization_config`) hands each linear layer a `LinearMethodBase`
+(through `LayerBuildConfig.linear_method`; layers it leaves alone get the platform's
+unquantised method). vLLM's shape, in three steps, on every rank:
+
+1. `create_weights` registers the layer's parameters in the checkpoint's layout, for
+   this rank's shard, tagging each with the dims the layer shards (`output_dim`,
+   `input_dim`, and `packed_dim`/`packed_factor` where several values share one stored
+   element) so that the layer's `weight_loader` slices it (models/layers/linear.py), or
+   giving it a `weight_loader` of its own.
+2. Once every weight is in place, `model_loader.utils.process_weights_after_loading`
+   calls `process_weights_after_loading(layer)`, which may replace the parameters by
+   the platform's layout (fp8 values, CPU packing, a kernel's tiles): replace, never
+   keep a second copy, and keep every tensor the layer holds a registered parameter or
+   buffer so that `state_dict()`, sleep mode and memory accounting see it.
+3. Every forward goes through `apply(layer, x, bias)`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -20,6 +29,20 @@ from torch import nn
 
 class LinearMethodBase(ABC):
     """How one linear layer stores and applies its weight."""
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       weight_loader: Callable[..., None]) -> None:
+        """Register this rank's parameters on `layer` (called once, from the layer's
+        constructor, on the loader's default device). `output_partition_sizes` are this
+        rank's widths of the sub-projections the layer fuses (q, k, v; gate, up);
+        `input_size`/`output_size` are the full, unsharded sizes. The default: the plain
+        `weight` [sum(output_partition_sizes), input_size_per_partition] in `params_dtype`."""
+        weight = nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+                              requires_grad=False)
+        weight.weight_loader = weight_loader
+        weight.output_dim, weight.input_dim = 0, 1
+        layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 - optional hook
         """Repack `layer`'s loaded weights; called once, after the strict all-loaded check."""
@@ -34,9 +57,31 @@ class QuantizationConfig(ABC):
 
     name: str = ""
 
+    @classmethod
+    def from_config(cls, hf_quant_config: dict[str, Any] | None) -> QuantizationConfig:
+        """The config for the checkpoint's `quantization_config` (None: quantise online,
+        for methods that can). Raises ValueError naming the field and value it cannot
+        serve."""
+        if hf_quant_config is not None:
+            raise ValueError(f"quantization {cls.name!r} takes no checkpoint quantization_config")
+        return cls()
+
     @abstractmethod
-    def get_linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase | None:
-        """The method for `layer`, or None to leave it unquantised."""
+    def get_linear_method(self, layer: nn.Module, prefix: str = "",
+                          packed_modules_mapping: dict[str, tuple[str, str | int]] | None = None
+                          ) -> LinearMethodBase | None:
+        """The method for `layer`, or None to leave it unquantised. Called twice per
+        layer: while it is built, with no `prefix` (the layer's name is not known yet),
+        then by the model loader with its module name ("model.layers.0.self_attn.qkv_proj")
+        and the model's `packed_modules_mapping` (checkpoint sub-module -> (fused module,
+        shard id)), from which a config that names checkpoint modules (an ignore list)
+        finds the names a fused layer stands for."""
+
+    def get_embedding_method(self, role: str) -> Any:
+        """The method holding a vocabulary table (`role`: "embed_tokens" or "lm_head"),
+        or None to leave it plain (every format but GGUF, which keeps its tables in
+        blocks: models/layers/vocab_parallel_embedding.py)."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -19,11 +19,17 @@ layer falls back to the dequantising path for good.
 Tensor parallelism needs nothing special: a column-parallel shard holds whole output
 rows, so its scales are just its rows' scales; a row-parallel shard computes scales of
 its own slice, and each rank scales its partial sum before the all-reduce.
+
+A checkpoint that is already fp8 (config.json's `quantization_config` with
+`quant_method: "fp8"`: per-tensor or 128x128-block scales, as DeepSeek-V3 and
+Qwen3-FP8 ship) is not quantised here: `Fp8Config.from_config` hands its settings to
+fp8_checkpoint.py.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -116,9 +122,26 @@ class Fp8LinearMethod(LinearMethodBase):
 
 
 class Fp8Config(QuantizationConfig):
-    """`quantization="fp8"`: every parallel linear layer gets `Fp8LinearMethod`."""
+    """`quantization="fp8"` on a full-precision checkpoint: every parallel linear layer
+    gets `Fp8LinearMethod`. A checkpoint already in fp8 (config.json's
+    quantization_config with `quant_method: "fp8"`) is served by
+    fp8_checkpoint.Fp8CheckpointConfig instead, which `from_config` returns for it."""
 
     name = "fp8"
 
-    def get_linear_method(self, layer: nn.Module, prefix: str = "") -> LinearMethodBase | None:
-        return Fp8LinearMethod()
+    @classmethod
+    def from_config(cls, hf_quant_config: dict[str, Any] | None) -> QuantizationConfig:
+        """None: online quantisation; the checkpoint's quantization_config: its serialized
+        fp8 weights. Raises ValueError naming the field and value it cannot serve."""
+        if hf_quant_config is None:
+            return cls()
+        # Imported here: its kernels load only when a checkpoint is in fp8.
+        from models.layers.quantization.fp8_checkpoint import Fp8CheckpointConfig
+
+        return Fp8CheckpointConfig.from_config(hf_quant_config)
+
+    def get_linear_method(self, layer: nn.Module, prefix: str = "",
+                          packed_modules_mapping: dict[str, tuple[str, str | int]] | None = None
+                          ) -> LinearMethodBase | None:
+        current = getattr(layer, "quant_method", None)  # named now: keep what it was built with
+        return current if isinstance(current, Fp8LinearMethod) else Fp8LinearMethod()

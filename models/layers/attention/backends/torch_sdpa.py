@@ -5,8 +5,8 @@ the CPU backend extends it). Each layer writes the step's K/V into its paged cac
 attends: decode tokens (one query per sequence) in a few batched calls over padded,
 masked contexts gathered from the cache; longer chunks one call each, a whole prompt
 against itself with no gather at all. A layer with a sliding window or a logit soft cap
-attends with explicit masks (`masked_attention`): decode groups mask the keys below
-each sequence's window, chunks read only the blocks their window reaches, and a soft
+attends with explicit masks (`masked_attention`): decode groups and chunks read only
+the blocks their window reaches and mask the keys below it, and a soft
 cap computes the scores in float32 where SDPA would hide them.
 """
 
@@ -42,6 +42,8 @@ class DecodeGroup:
     rows: torch.Tensor | None  # positions in the decode batch; None = all of it, in order
     blocks: torch.Tensor  # [G * num_blocks] cache block ids to gather (padding clamped to 0)
     mask: torch.Tensor  # [1, G, 1, ctx_len]: True where a key is real context (in the window)
+    # Row g's context starts at its first block in its window (0 without one), so column j
+    # of the mask is position first_block[g] * block_size + j.
     ctx_len: int
 
 
@@ -68,25 +70,34 @@ class TorchSDPAMetadata(AttentionMetadata):
 
     def _build_decode_groups(self, bytes_per_token: int, device: torch.device,
                              sliding_window: int | None) -> list[DecodeGroup]:
+        """Groups of decode sequences by the length of context they read: all of it, or
+        with a window only the blocks from the one holding the window's first key (a
+        sequence 5 windows long gathers about one window, not five)."""
         seqs, block_size = self.decode_seqs, self.block_size
-        order = sorted(range(len(seqs)), key=lambda t: self.seq_lens[seqs[t]])
+        first_block = [0 if sliding_window is None else max(0, self.seq_lens[i] - sliding_window) // block_size
+                       for i in seqs]
+        spans = [cdiv(self.seq_lens[i], block_size) - first for i, first in zip(seqs, first_block)]
+        order = sorted(range(len(seqs)), key=lambda t: spans[t])
         members: list[list[int]] = [[]]
         for t in order:
-            padded_len = cdiv(self.seq_lens[seqs[t]], block_size) * block_size
-            if members[-1] and (len(members[-1]) + 1) * padded_len * bytes_per_token > DECODE_GROUP_BYTES:
+            if members[-1] and (len(members[-1]) + 1) * spans[t] * block_size * bytes_per_token > DECODE_GROUP_BYTES:
                 members.append([])
             members[-1].append(t)
         identity = len(members) == 1 and order == list(range(len(seqs)))
+        table_device, table_width = self.block_tables.device, self.block_tables.shape[1]
         groups = []
         for member in members:
-            group_seqs = [seqs[t] for t in member]
-            seq_lens = torch.tensor([self.seq_lens[i] for i in group_seqs], dtype=torch.long, device=device)
-            num_blocks = cdiv(max(self.seq_lens[i] for i in group_seqs), block_size)
+            num_blocks = max(spans[t] for t in member)
             ctx_len = num_blocks * block_size
-            table_rows = torch.tensor(group_seqs, dtype=torch.long, device=self.block_tables.device)
-            # Table padding is masked out below; clamp it so any fill value is a valid index.
-            blocks = self.block_tables[table_rows, :num_blocks].clamp(min=0).reshape(-1).to(device)
-            positions = torch.arange(ctx_len, device=device)
+            firsts = torch.tensor([first_block[t] for t in member], dtype=torch.long, device=table_device)
+            table_rows = torch.tensor([seqs[t] for t in member], dtype=torch.long, device=table_device)
+            cols = (firsts.unsqueeze(1) + torch.arange(num_blocks, device=table_device)).clamp(max=table_width - 1)
+            # Table padding and columns past a shorter sequence's end are masked out below;
+            # clamp them so any fill value is a valid index.
+            blocks = self.block_tables[table_rows.unsqueeze(1), cols].clamp(min=0).reshape(-1).to(device)
+            seq_lens = torch.tensor([self.seq_lens[seqs[t]] for t in member], dtype=torch.long, device=device)
+            # Key j of row g sits at position firsts[g] * block_size + j.
+            positions = firsts.to(device).unsqueeze(1) * block_size + torch.arange(ctx_len, device=device)
             mask = positions < seq_lens.unsqueeze(1)
             if sliding_window is not None:  # the query sits at seq_len - 1
                 mask &= positions >= (seq_lens - sliding_window).unsqueeze(1)

@@ -1,0 +1,153 @@
+"""The products and lookups GGUF layers compute from their blocks (`gguf_kernels.c`).
+
+`gguf_linear(qtype, blocks, k, x, out)`: out = x W^T for W held as [rows, row_bytes]
+blocks of `qtype`. On the CPU, with the C kernels built:
+- up to `SMALL_BATCH_TOKENS` tokens (decode), OpenMP threads over output rows (the
+  process's torch threads), each block read once per 8 tokens:
+  - activations in bfloat16/float16 (`INT8_ACTIVATION_DTYPES`; GGUF files load as
+    float16 by default) are quantised to int8 per 32 values, as llama.cpp does, and
+    multiplied with the blocks' integers by AVX-512 VNNI (`gguf_gemm_q8`), scales
+    applied in float per 16 values. Error against float activations: at most
+    sum_i |w_i| * dx_i / 2 per output (dx = the 32-group's max |x| / 127), of the order
+    of the activations' own 16-bit rounding. Where the build has no VNNI, the float path;
+  - float32 activations: each block dequantised into L1 (AVX-512, or portable C the
+    compiler vectorises) and multiplied in float32 (`gguf_gemm`): F.linear on the
+    dequantised weight up to float32 rounding (16 running sums per token, fused
+    multiply-adds).
+- more tokens (prefill): row tiles of `TILE_ROWS` rows are dequantised into one float32
+  scratch tile (never the whole weight) and multiplied by torch's GEMM, in the
+  activations' dtype (a 16-bit copy of the tile for bf16/fp16 activations).
+Elsewhere (CUDA, no C compiler, `TP_CPU_GGUF_KERNELS=0`), `gguf_dequant.dequantize`
+per call then a matmul: plain torch, on the tensor's device. The choice is made once per
+process, and logged when the C kernels are unavailable.
+
+`gguf_dequantize_rows(qtype, blocks, k, ids)`: the rows `ids` as float32 (an
+embedding's lookups), the same two paths.
+
+Dequantised values equal gguf-py's bit for bit on every path. Called by the layers on
+every rank; the GIL is released during each C call; `gguf_gemm_q8` holds the quantised
+activations (about 1.3 bytes per input value per token) for the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from distributed.native_build import load_kernel
+from models.layers.quantization.gguf_dequant import (
+    FLOAT_TYPES,
+    GGUF_FORMATS,
+    dequantize,
+)
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("gguf_kernels.c")
+COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC")
+LINK_FLAGS = ("-shared", "-fopenmp")
+LINK_LIBS = ("-lm",)
+SMALL_BATCH_TOKENS = 16
+TILE_ROWS = 1024  # a float32 tile of 1024 x 5632 is 23 MiB: scratch, reused per layer call
+#: Activation dtypes whose small-batch products quantise x to int8 per 32 values, as
+#: llama.cpp does (where the CPU has AVX-512 VNNI): their own rounding (bfloat16's 8
+#: bits) is of the order of int8's, so it costs them little accuracy and buys the
+#: integer dot products. float32 activations keep the float path (exact products).
+INT8_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class GGUFKernels:
+    """The loaded library."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._gemm, self._gemm_q8, self._rows = lib.gguf_gemm, lib.gguf_gemm_q8, lib.gguf_dequantize_rows
+        self._gemm.restype = self._gemm_q8.restype = self._rows.restype = ctypes.c_int
+        self._gemm.argtypes = self._gemm_q8.argtypes = [i32, p, i64, i64, i64, p, i64, i64, p, i64, i32]
+        self._rows.argtypes = [i32, p, i64, i64, p, i64, p, i64, i32]
+
+    def gemm(self, qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
+             int8_activations: bool = False) -> bool:
+        """out [m, rows] (rows contiguous, any row stride) = x [m, k] float32 (rows
+        contiguous) times the blocks' rows [rows, row_bytes] (contiguous). With
+        `int8_activations`, x is quantised to int8 per 32 values first (VNNI); False,
+        with nothing written, where this build has no VNNI."""
+        fn = self._gemm_q8 if int8_activations else self._gemm
+        status = fn(GGUF_FORMATS[qtype].type_id, blocks.data_ptr(), blocks.shape[0], k, blocks.stride(0),
+                    x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), out.stride(0), torch.get_num_threads())
+        if status == -2:
+            return False
+        if status == -3:
+            raise MemoryError("GGUF kernel: no memory for the quantised activations")
+        if status:
+            raise ValueError(f"GGUF kernel: unknown type {qtype}")
+        return True
+
+    def dequantize_rows(self, qtype: str, blocks: torch.Tensor, k: int, ids: torch.Tensor | None,
+                        out: torch.Tensor) -> None:
+        """out [n, k] float32 (rows contiguous) = rows `ids` (int64, contiguous; None: all)."""
+        n = blocks.shape[0] if ids is None else ids.numel()
+        status = self._rows(GGUF_FORMATS[qtype].type_id, blocks.data_ptr(), blocks.stride(0), k,
+                            None if ids is None else ids.data_ptr(), n, out.data_ptr(), out.stride(0),
+                            torch.get_num_threads())
+        if status:
+            raise ValueError(f"GGUF kernel: unknown type {qtype}")
+
+
+@functools.cache
+def load() -> GGUFKernels | None:
+    """The kernels, built if this machine has none cached; None where they cannot be (the
+    reason is logged once) or `TP_CPU_GGUF_KERNELS=0`: then the torch path computes."""
+    return load_kernel(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBS, GGUFKernels,
+                       "GGUF CPU kernels unavailable (%s); GGUF layers dequantise per call in torch",
+                       switch="TP_CPU_GGUF_KERNELS")
+
+
+def _kernel_for(blocks: torch.Tensor, qtype: str) -> GGUFKernels | None:
+    if blocks.device.type != "cpu" or qtype in FLOAT_TYPES or not blocks.is_contiguous():
+        return None
+    return load()
+
+
+def gguf_linear(qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor) -> None:
+    """out [m, rows] (a float32 view whose rows are contiguous: a shard's columns of the
+    layer's output) = x [m, k] W^T, W the `qtype` rows `blocks` [rows, row_bytes].
+    Activations in a 16-bit dtype go through int8 (`INT8_ACTIVATION_DTYPES`)."""
+    kernel = _kernel_for(blocks, qtype)
+    if kernel is None:
+        weight = dequantize(qtype, blocks, k)
+        out.copy_(x.float() @ weight.t())
+        return
+    half = x.dtype in INT8_ACTIVATION_DTYPES
+    m, rows = x.shape[0], blocks.shape[0]
+    if m <= SMALL_BATCH_TOKENS:
+        if out.stride(1) != 1:
+            raise ValueError("gguf_linear: the output's rows must be contiguous")
+        x = x.float().contiguous()
+        if not (half and kernel.gemm(qtype, blocks, k, x, out, int8_activations=True)):
+            kernel.gemm(qtype, blocks, k, x, out)
+        return
+    # 16-bit activations multiply a 16-bit copy of each tile (the CPU's bf16/fp16 GEMM:
+    # 2.4x the float32 one at 128 tokens, 2026-12-05); float32 ones stay exact.
+    x = x.contiguous() if half else x.float().contiguous()
+    tile = torch.empty(min(TILE_ROWS, rows), k, dtype=torch.float32)
+    for r0 in range(0, rows, TILE_ROWS):
+        n = min(TILE_ROWS, rows - r0)
+        kernel.dequantize_rows(qtype, blocks[r0:r0 + n], k, None, tile[:n])
+        out[:, r0:r0 + n].copy_(x @ (tile[:n].to(x.dtype) if half else tile[:n]).t())
+
+
+def gguf_dequantize_rows(qtype: str, blocks: torch.Tensor, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """[len(ids), k] float32: the rows `ids` (int64) of the `qtype` rows `blocks`."""
+    kernel = _kernel_for(blocks, qtype)
+    if kernel is None:
+        return dequantize(qtype, blocks[ids], k)
+    ids = ids.contiguous()
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    kernel.dequantize_rows(qtype, blocks, k, ids, out)
+    return out

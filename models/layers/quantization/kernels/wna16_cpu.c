@@ -1,0 +1,434 @@
+/* Weight-only int4/int8 linear layers on the CPU, from the WNA16 layout (wna16_layout.py):
+ *
+ *   qweight  uint8 [N, Kp*bits/8]  per output row, blocks of 32 inputs. 4 bits: block b is
+ *            bytes [16b, 16b+16); byte j holds input 32b+j in its low nibble and input
+ *            32b+16+j in its high nibble. 8 bits: byte k is input k.
+ *   scales   [N, G] float32, float16 or bfloat16 (scale_dtype 0, 1, 2: the checkpoint's, kept
+ *            when exact), zeros uint8 [N, G]: w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g]
+ *            with g = block_group[k / 32] (every block lies in one group).
+ *
+ * wna16_gemv: y[m, n] = sum_k x[m, k] w[n, k] for a few tokens (decode): each block is
+ * decoded once into registers and used for every token of the tile, so the weight is
+ * streamed once per call at its packed size. wna16_dequant: rows [r0, r0 + rows) of w as
+ * float32 (or rounded to bfloat16, for bfloat16 activations), for a larger batch's GEMM
+ * on a bounded tile (the caller's).
+ *
+ * The contract (shapes, who calls) is in wna16_cpu.py, which compiles this file and is
+ * its only caller. Rows are spread over the caller's OpenMP threads; each row's sums run
+ * in a fixed order, so results do not depend on the thread count.
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Scale i as float32, exactly, from its stored dtype (read once per group, not per block). */
+INLINE float load_scale(const void *scales, int64_t i, int scale_dtype) {
+    if (scale_dtype == 0) return ((const float *)scales)[i];
+    const uint16_t h = ((const uint16_t *)scales)[i];
+    uint32_t u;
+    if (scale_dtype == 2) {
+        u = (uint32_t)h << 16;
+    } else { /* IEEE half: sign, 5-bit exponent, 10-bit mantissa */
+        const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+        if (exp == 0x1fu) {
+            u = sign | 0x7f800000u | (man << 13);
+        } else if (exp != 0) {
+            u = sign | ((exp + 112u) << 23) | (man << 13);
+        } else if (man == 0) {
+            u = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            uint32_t m = man;
+            do { ++e; m <<= 1; } while (!(m & 0x400u));
+            u = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ffu) << 13);
+        }
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+#define BLOCK 32
+#define TOKENS 4 /* tokens per tile: at most 8 (rows x tokens) x 2 halves = 16 accumulators */
+
+/* One block of row `n` as floats (q - z) * s, into w[0..32). */
+INLINE void decode_block_scalar(int bits, const uint8_t *row, int64_t b, float s, int z, float *w) {
+    if (bits == 4) {
+        const uint8_t *p = row + b * 16;
+        for (int j = 0; j < 16; ++j) {
+            w[j] = (float)((int)(p[j] & 15) - z) * s;
+            w[j + 16] = (float)((int)(p[j] >> 4) - z) * s;
+        }
+    } else {
+        const uint8_t *p = row + b * BLOCK;
+        for (int j = 0; j < BLOCK; ++j) w[j] = (float)((int)p[j] - z) * s;
+    }
+}
+
+#ifdef __AVX512F__
+/* The block as two vectors of 16, (q - z) * s with q - z exact in int32: one rounding,
+ * as the formats define the weight. `zv` and `sv` are the block's group's z and s,
+ * broadcast; for 4 bits, `table` holds the group's 16 possible weights, (j - z) * s,
+ * and a code is its index (vpermps reads an index's low 4 bits only, so the nibbles
+ * need no mask). */
+INLINE void decode_block(int bits, const uint8_t *row, int64_t b, __m512i zv, __m512 sv, __m512 table, __m512 *w0,
+                         __m512 *w1) {
+    if (bits == 4) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + b * 16));
+        *w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(bytes), table);
+        *w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(bytes, 4)), table);
+        return;
+    }
+    const __m128i lo = _mm_loadu_si128((const __m128i *)(row + b * BLOCK));
+    const __m128i hi = _mm_loadu_si128((const __m128i *)(row + b * BLOCK + 16));
+    *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(lo), zv)), sv);
+    *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(hi), zv)), sv);
+}
+
+/* The 16 weights an int4 code can stand for in a group: (j - z) * s, j = 0..15. */
+INLINE __m512 int4_table(__m512i zv, __m512 sv) {
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iota, zv)), sv);
+}
+
+/* Rows n0 .. n0+NR-1 (NR 1, 2 or 4) against MT tokens (1..TOKENS), NR * MT <= 8:
+ * specialised per (NR, MT), so the NR * MT * 2 accumulators stay in registers. A
+ * group's broadcast scale and zero are computed when the group changes (blocks of a
+ * group are consecutive), not per block. */
+INLINE void tile(int bits, const uint8_t *wq, int64_t row_bytes, const void *scales, int scale_dtype,
+                 const uint8_t *zeros,
+                 const int32_t *block_group, int64_t n0, const int NR, int64_t kp, int64_t g_count, const float *x,
+                 int64_t ldx, const int MT, float *y, int64_t ldy) {
+    __m512 acc[4][TOKENS][2];
+    __m512 sv[4], table[4];
+    __m512i zv[4];
+    for (int r = 0; r < NR; ++r) {
+        sv[r] = table[r] = _mm512_setzero_ps();
+        zv[r] = _mm512_setzero_si512();
+        for (int t = 0; t < MT; ++t) acc[r][t][0] = acc[r][t][1] = _mm512_setzero_ps();
+    }
+    const int64_t blocks = kp / BLOCK;
+    int32_t current = -1;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int32_t g = block_group[b];
+        if (g != current) {
+            current = g;
+            for (int r = 0; r < NR; ++r) {
+                sv[r] = _mm512_set1_ps(load_scale(scales, (n0 + r) * g_count + g, scale_dtype));
+                zv[r] = _mm512_set1_epi32(zeros[(n0 + r) * g_count + g]);
+                if (bits == 4) table[r] = int4_table(zv[r], sv[r]);
+            }
+        }
+        __m512 w[4][2];
+        for (int r = 0; r < NR; ++r)
+            decode_block(bits, wq + (n0 + r) * row_bytes, b, zv[r], sv[r], table[r], &w[r][0], &w[r][1]);
+        for (int t = 0; t < MT; ++t) {
+            const __m512 x0 = _mm512_loadu_ps(x + t * ldx + b * BLOCK);
+            const __m512 x1 = _mm512_loadu_ps(x + t * ldx + b * BLOCK + 16);
+            for (int r = 0; r < NR; ++r) {
+                acc[r][t][0] = _mm512_fmadd_ps(w[r][0], x0, acc[r][t][0]);
+                acc[r][t][1] = _mm512_fmadd_ps(w[r][1], x1, acc[r][t][1]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; ++r)
+        for (int t = 0; t < MT; ++t)
+            y[t * ldy + n0 + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]));
+}
+
+#define TILE_CASE(NR, MT) \
+    tile(bits, wq, row_bytes, scales, scale_dtype, zeros, block_group, n, NR, kp, g_count, x, ldx, MT, y, ldy)
+
+static void rows_tile(int bits, const uint8_t *wq, int64_t row_bytes, const void *scales, int scale_dtype,
+                 const uint8_t *zeros,
+                      const int32_t *block_group, int64_t n, int nr, int64_t kp, int64_t g_count, const float *x,
+                      int64_t ldx, int mt, float *y, int64_t ldy) {
+    if (nr == 4 && mt == 1) TILE_CASE(4, 1);
+    else if (nr == 4 && mt == 2) TILE_CASE(4, 2);
+    else if (nr >= 2) {
+        for (int64_t r = 0; r + 2 <= nr; r += 2, n += 2) switch (mt) {
+            case 1: TILE_CASE(2, 1); break;
+            case 2: TILE_CASE(2, 2); break;
+            case 3: TILE_CASE(2, 3); break;
+            default: TILE_CASE(2, 4); break;
+            }
+        if (nr & 1)
+            rows_tile(bits, wq, row_bytes, scales, scale_dtype, zeros, block_group, n, 1, kp, g_count, x, ldx, mt, y,
+                      ldy);
+    } else switch (mt) {
+        case 1: TILE_CASE(1, 1); break;
+        case 2: TILE_CASE(1, 2); break;
+        case 3: TILE_CASE(1, 3); break;
+        default: TILE_CASE(1, 4); break;
+        }
+}
+#else
+/* Portable: one row against up to TOKENS tokens, a block decoded into 32 floats at a time. */
+static void rows_tile(int bits, const uint8_t *wq, int64_t row_bytes, const void *scales, int scale_dtype,
+                 const uint8_t *zeros,
+                      const int32_t *block_group, int64_t n0, int nr, int64_t kp, int64_t g_count, const float *x,
+                      int64_t ldx, int mt, float *y, int64_t ldy) {
+    for (int64_t n = n0; n < n0 + nr; ++n) {
+        float acc[TOKENS][BLOCK];
+        memset(acc, 0, sizeof acc);
+        for (int64_t b = 0; b < kp / BLOCK; ++b) {
+            const int32_t g = block_group[b];
+            float w[BLOCK];
+            decode_block_scalar(bits, wq + n * row_bytes, b, load_scale(scales, n * g_count + g, scale_dtype),
+                                zeros[n * g_count + g], w);
+            for (int t = 0; t < mt; ++t)
+                for (int j = 0; j < BLOCK; ++j) acc[t][j] += w[j] * x[t * ldx + b * BLOCK + j];
+        }
+        for (int t = 0; t < mt; ++t) {
+            float sum = 0.f;
+            for (int j = 0; j < BLOCK; ++j) sum += acc[t][j];
+            y[t * ldy + n] = sum;
+        }
+    }
+}
+#endif
+
+/* y [M, N] (row stride ldy) = x [M, Kp] (row stride ldx, float32) times w^T. Returns 0. */
+int wna16_gemv(int bits, const uint8_t *wq, const void *scales, int scale_dtype,
+                 const uint8_t *zeros, const int32_t *block_group,
+               int64_t n_rows, int64_t kp, int64_t g_count, const float *x, int64_t ldx, int64_t m, float *y,
+               int64_t ldy, int num_threads) {
+    const int64_t row_bytes = kp * bits / 8;
+    const int64_t quads = (n_rows + 3) / 4;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n_rows * kp >= (1 << 15))
+    for (int64_t q = 0; q < quads; ++q) {
+        const int64_t n = 4 * q;
+        const int nr = n + 4 <= n_rows ? 4 : (int)(n_rows - n);
+        for (int64_t t0 = 0; t0 < m; t0 += TOKENS) {
+            const int mt = m - t0 < TOKENS ? (int)(m - t0) : TOKENS;
+            rows_tile(bits, wq, row_bytes, scales, scale_dtype, zeros, block_group, n, nr, kp, g_count, x + t0 * ldx,
+                      ldx, mt, y + t0 * ldy, ldy);
+        }
+    }
+    return 0;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* The int4 GEMV for bfloat16 activations (a few tokens), two blocks (64 inputs) a step with
+ * bfloat16 dot products (vdpbf16ps, 32 products an instruction) and no table lookups:
+ *
+ *   a code q becomes the bfloat16 128 + q (exponent of 128, q in the mantissa: one
+ *   ternary-logic op), so each row sums s_g * (128 + q) * x exactly as bfloat16 products
+ *   in float32, and the row's zero term, sum_g s_g * (z_g + 128) * X_g (X_g: group g's sum
+ *   of x), is subtracted once per row at the end.
+ *
+ * `xp` holds x in bfloat16 rearranged per 64 inputs to match: words 0..15 and 16..31 of
+ * the "low" vector are inputs 0..15 and 32..47 (the low nibbles of two blocks), of the
+ * "high" vector inputs 16..31 and 48..63. dpbf16 lane i sums words 2i and 2i + 1, so
+ * lanes 0..7 hold the first block and 8..15 the second: each half gets its block's
+ * scale. Rows n0 .. n0 + 3. */
+/* Scales [i, i + count) (count <= 16) as float32, the rest of the vector 0. */
+INLINE __m512 load_scales16(const void *scales, int64_t i, int count, int scale_dtype) {
+    const __mmask16 mask = (__mmask16)((1u << count) - 1u);
+    if (scale_dtype == 0) return _mm512_maskz_loadu_ps(mask, (const float *)scales + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)scales + i);
+    if (scale_dtype == 1) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Row n's zero term: sum_g s_g * (z_g + 128) * X_g, 16 groups at a time. */
+INLINE float zero_term(const void *scales, int scale_dtype, const uint8_t *zeros, int64_t n, int64_t g_count,
+                       const float *group_sums) {
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i offset = _mm512_set1_epi32(128);
+    for (int64_t g = 0; g < g_count; g += 16) {
+        const int count = g_count - g < 16 ? (int)(g_count - g) : 16;
+        const __mmask16 mask = (__mmask16)((1u << count) - 1u);
+        const __m512 s = load_scales16(scales, n * g_count + g, count, scale_dtype);
+        const __m512i z = _mm512_add_epi32(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, zeros + n * g_count + g)),
+                                           offset);
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_cvtepi32_ps(z)), _mm512_maskz_loadu_ps(mask, group_sums + g),
+                              acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* Rows n0 .. n0 + NR - 1 against MT tokens (NR * MT <= 16), specialised per (NR, MT). */
+INLINE void int4_bf16_tile(const uint8_t *wq, int64_t row_bytes, const void *scales, int scale_dtype,
+                           const uint8_t *zeros, const int32_t *block_group, int64_t n0, const int NR, int64_t kp,
+                           int64_t g_count, const __m512bh *xp, const float *group_sums, const int MT, float *y,
+                           int64_t ldy) {
+    const __m512i low_nibble = _mm512_set1_epi16(0x000f), exp128 = _mm512_set1_epi16(0x4300);
+    const int64_t x_stride = kp / 32; /* vectors of 32 bfloat16 per token */
+    __m512 total[4][TOKENS], svec[4];
+    for (int r = 0; r < NR; ++r) {
+        svec[r] = _mm512_setzero_ps();
+        for (int t = 0; t < MT; ++t) total[r][t] = _mm512_setzero_ps();
+    }
+    int32_t cur_a = -1, cur_b = -1;
+    for (int64_t c = 0; c < kp / 64; ++c) {
+        const int32_t ga = block_group[2 * c], gb = block_group[2 * c + 1];
+        if (ga != cur_a || gb != cur_b) {
+            cur_a = ga, cur_b = gb;
+            for (int r = 0; r < NR; ++r) {
+                const int64_t base = (n0 + r) * g_count;
+                svec[r] = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(load_scale(scales, base + ga, scale_dtype)),
+                                               _mm512_set1_ps(load_scale(scales, base + gb, scale_dtype)));
+            }
+        }
+        for (int r = 0; r < NR; ++r) {
+            const uint8_t *codes = wq + (n0 + r) * row_bytes + c * 32;
+            const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)codes));
+            /* (bytes & 0xf) | 0x4300, and ((bytes >> 4) & 0xf) | 0x4300: imm 0xf8 is A | (B & C) */
+            const __m512i w_lo = _mm512_ternarylogic_epi32(exp128, bytes, low_nibble, 0xf8);
+            const __m512i w_hi = _mm512_ternarylogic_epi32(exp128, _mm512_srli_epi16(bytes, 4), low_nibble, 0xf8);
+            for (int t = 0; t < MT; ++t) {
+                __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w_lo, xp[t * x_stride + 2 * c]);
+                part = _mm512_dpbf16_ps(part, (__m512bh)w_hi, xp[t * x_stride + 2 * c + 1]);
+                total[r][t] = _mm512_fmadd_ps(svec[r], part, total[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; ++r)
+        for (int t = 0; t < MT; ++t)
+            y[t * ldy + n0 + r] = _mm512_reduce_add_ps(total[r][t]) -
+                                  zero_term(scales, scale_dtype, zeros, n0 + r, g_count, group_sums + t * g_count);
+}
+
+#define INT4_BF16_CASE(NR, MT)                                                                                  \
+    int4_bf16_tile(wq, row_bytes, scales, scale_dtype, zeros, block_group, n, NR, kp, g_count, xp, group_sums, \
+                   MT, y, ldy)
+
+/* Rows n .. n + nr - 1 (nr <= 4) against mt <= TOKENS tokens. One token: one row at a
+ * time, as a single stream of codes reads DRAM at about 1.6x the rate four interleaved
+ * rows do (a 64 MiB weight on one Zen 5 core: 9.7 against 6.0 GB/s; bfloat16 F.linear
+ * 11). More tokens are compute-bound: four rows a tile, 16 accumulators. */
+static void int4_bf16_rows(const uint8_t *wq, int64_t row_bytes, const void *scales, int scale_dtype,
+                           const uint8_t *zeros, const int32_t *block_group, int64_t n, int nr, int64_t kp,
+                           int64_t g_count, const __m512bh *xp, const float *group_sums, int mt, float *y,
+                           int64_t ldy) {
+    if (mt == 1) {
+        for (int r = 0; r < nr; ++r, ++n) INT4_BF16_CASE(1, 1);
+        return;
+    }
+    if (nr == 4) switch (mt) {
+        case 2: INT4_BF16_CASE(4, 2); return;
+        case 3: INT4_BF16_CASE(4, 3); return;
+        default: INT4_BF16_CASE(4, 4); return;
+        }
+    for (int r = 0; r < nr; ++r, ++n) switch (mt) {
+        case 2: INT4_BF16_CASE(1, 2); break;
+        case 3: INT4_BF16_CASE(1, 3); break;
+        default: INT4_BF16_CASE(1, 4); break;
+        }
+}
+
+/* y [M, N] (row stride ldy) = x [M, Kp] (bfloat16, row stride ldx) times w^T, for int4
+ * weights whose block count is even. Returns 0, or 1 when its scratch could not be
+ * allocated (nothing computed). */
+int wna16_gemv_int4_bf16(const uint8_t *wq, const void *scales, int scale_dtype, const uint8_t *zeros,
+                         const int32_t *block_group, int64_t n_rows, int64_t kp, int64_t g_count, const uint16_t *x,
+                         int64_t ldx, int64_t m, float *y, int64_t ldy, int num_threads) {
+    const int64_t row_bytes = kp / 2, blocks = kp / BLOCK;
+    __m512bh *xp = aligned_alloc(64, (size_t)(m * kp * 2));
+    float *group_sums = calloc((size_t)(m * g_count), sizeof(float));
+    if (xp == NULL || group_sums == NULL) {
+        free(xp), free(group_sums);
+        return 1;
+    }
+    for (int64_t t = 0; t < m; ++t) {
+        const uint16_t *xt = x + t * ldx;
+        uint16_t *xw = (uint16_t *)xp + t * kp;
+        for (int64_t c = 0; c < kp / 64; ++c) {
+            const uint16_t *src = xt + 64 * c;
+            uint16_t *lo = xw + 64 * c, *hi = lo + 32;
+            memcpy(lo, src, 32), memcpy(lo + 16, src + 32, 32);
+            memcpy(hi, src + 16, 32), memcpy(hi + 16, src + 48, 32);
+        }
+        for (int64_t b = 0; b < blocks; ++b) {
+            float sum = 0.f;
+            for (int j = 0; j < BLOCK; ++j) {
+                const uint32_t u = (uint32_t)xt[b * BLOCK + j] << 16;
+                float f;
+                memcpy(&f, &u, sizeof f);
+                sum += f;
+            }
+            group_sums[t * g_count + block_group[b]] += sum;
+        }
+    }
+    const int64_t quads = (n_rows + 3) / 4;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n_rows * kp >= (1 << 15))
+    for (int64_t q = 0; q < quads; ++q) {
+        const int64_t n = 4 * q;
+        const int nr = n + 4 <= n_rows ? 4 : (int)(n_rows - n);
+        for (int64_t t0 = 0; t0 < m; t0 += TOKENS) {
+            const int mt = m - t0 < TOKENS ? (int)(m - t0) : TOKENS;
+            int4_bf16_rows(wq, row_bytes, scales, scale_dtype, zeros, block_group, n, nr, kp, g_count,
+                           xp + t0 * (kp / 32), group_sums + t0 * g_count, mt, y + t0 * ldy, ldy);
+        }
+    }
+    free(xp), free(group_sums);
+    return 0;
+}
+
+int wna16_has_gemv_int4_bf16(void) { return 1; }
+#else
+int wna16_gemv_int4_bf16(const uint8_t *wq, const void *scales, int scale_dtype, const uint8_t *zeros,
+                         const int32_t *block_group, int64_t n_rows, int64_t kp, int64_t g_count, const uint16_t *x,
+                         int64_t ldx, int64_t m, float *y, int64_t ldy, int num_threads) {
+    (void)wq, (void)scales, (void)scale_dtype, (void)zeros, (void)block_group, (void)n_rows, (void)kp;
+    (void)g_count, (void)x, (void)ldx, (void)m, (void)y, (void)ldy, (void)num_threads;
+    return 2;
+}
+
+int wna16_has_gemv_int4_bf16(void) { return 0; }
+#endif
+
+/* x rounded to bfloat16 (to nearest even, as torch; NaN stays NaN). */
+INLINE uint16_t float_to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? 0x7fc0u : rounded);
+}
+
+/* 32 floats of w into row `out` at element `col`: float32, or rounded to bfloat16. */
+INLINE void store_block(const float *w, void *out, int64_t col, int out_bf16) {
+    if (out_bf16) {
+        for (int j = 0; j < BLOCK; ++j) ((uint16_t *)out)[col + j] = float_to_bf16(w[j]);
+    } else {
+        memcpy((float *)out + col, w, BLOCK * sizeof(float));
+    }
+}
+
+/* out [rows, Kp] (row stride ldo elements; float32, or bfloat16 when out_bf16) = w[r0 .. r0 + rows).
+ * Returns 0. */
+int wna16_dequant(int bits, const uint8_t *wq, const void *scales, int scale_dtype, const uint8_t *zeros,
+                  const int32_t *block_group, int64_t r0, int64_t rows, int64_t kp, int64_t g_count, void *out,
+                  int64_t ldo, int out_bf16, int num_threads) {
+    const int64_t row_bytes = kp * bits / 8;
+    const int64_t elem = out_bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * kp >= (1 << 15))
+    for (int64_t i = 0; i < rows; ++i) {
+        const int64_t n = r0 + i;
+        char *row_out = (char *)out + i * ldo * elem;
+        for (int64_t b = 0; b < kp / BLOCK; ++b) {
+            const int32_t g = block_group[b];
+            float w[BLOCK];
+#ifdef __AVX512F__
+            __m512 w0, w1;
+            const __m512i zv = _mm512_set1_epi32(zeros[n * g_count + g]);
+            const __m512 sv = _mm512_set1_ps(load_scale(scales, n * g_count + g, scale_dtype));
+            decode_block(bits, wq + n * row_bytes, b, zv, sv, int4_table(zv, sv), &w0, &w1);
+            _mm512_storeu_ps(w, w0);
+            _mm512_storeu_ps(w + 16, w1);
+#else
+            decode_block_scalar(bits, wq + n * row_bytes, b, load_scale(scales, n * g_count + g, scale_dtype),
+                                zeros[n * g_count + g], w);
+#endif
+            store_block(w, row_out, b * BLOCK, out_bf16);
+        }
+    }
+    return 0;
+}

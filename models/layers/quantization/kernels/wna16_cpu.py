@@ -1,0 +1,158 @@
+"""The CPU kernels of weight-only int4/int8 layers (`wna16_cpu.c`), and their torch fallback.
+
+`wna16_matmul(x, layout)` computes y = x W^T from the WNA16 layout
+(models/layers/quantization/kernels/wna16_layout.py) without ever dequantising the
+whole weight:
+
+- a few tokens (decode: up to 6-16, `GEMV_MAX_TOKENS`): the C GEMVs decode each 32-input
+  block into registers once and multiply it with every token, so a step streams the
+  weight at its packed size (0.5 byte a weight for int4) instead of bfloat16's 2; for
+  bfloat16 tokens on an AVX512-BF16 CPU (a bfloat16 model's decode) int4 codes go
+  straight into bfloat16 dot products (`gemv_bf16`), about half the instructions of
+  the float32 GEMV;
+- more tokens (prefill, large batches): rows are dequantised a tile at a time
+  (`_TILE_BYTES` of scratch, in the activations' dtype: bfloat16 tiles for a bfloat16
+  model, whose GEMM is 2-4x float32's here) and multiplied with torch's GEMM, which is
+  compute-bound there and amortises the decode over the batch.
+
+Built on first use like the other CPU kernels (distributed/native_build.py). Where it
+cannot be built, or with `TP_CPU_WNA16=0`, the same tiling runs in torch (chosen once
+per process and logged by `load`). Called by the linear methods on every rank, from the
+forward's thread; the GIL is released during each call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from distributed.native_build import load_kernel
+
+if TYPE_CHECKING:
+    from models.layers.quantization.kernels.wna16_layout import WNA16Layout
+
+SOURCE = Path(__file__).with_name("wna16_cpu.c")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
+LINK_FLAGS = ("-shared", "-fopenmp")
+LINK_LIBS = ("-lm",)
+# Above these many tokens, dequantised tiles + torch's GEMM win (scripts/bench_wna16.py,
+# 4096x4096 int4 on one Zen 5 core, bfloat16 tokens: the bfloat16-dot GEMV takes 1.1 ms for
+# 1-4 tokens, 5.5 ms for 16, 8.1 ms for 24, tiles 4.4-7.6 ms; the float32 GEMV 1.5 ms for
+# 1 token, 5.2 ms for 8). float32 tiles run float32's slower GEMM, so float32 tokens keep
+# the float32 GEMV longer than bfloat16 tokens on a CPU without AVX512-BF16.
+BF16_DOT_MAX_TOKENS = 16
+GEMV_MAX_TOKENS = {torch.bfloat16: 6, torch.float32: 8}
+SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C kernel's scale_dtype
+_TILE_BYTES = 4 << 20  # float32 scratch per dequantised tile of rows
+
+
+class Wna16Kernel:
+    """The loaded library: the GEMV and the tile dequantiser."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._gemv, self._dequant = lib.wna16_gemv, lib.wna16_dequant
+        self._gemv.restype = self._dequant.restype = ctypes.c_int
+        self._gemv.argtypes = [i32, p, p, i32, p, p, i64, i64, i64, p, i64, i64, p, i64, i32]
+        self._dequant.argtypes = [i32, p, p, i32, p, p, i64, i64, i64, i64, p, i64, i32, i32]
+        self._gemv_bf16 = lib.wna16_gemv_int4_bf16
+        self._gemv_bf16.restype = ctypes.c_int
+        self._gemv_bf16.argtypes = [p, p, i32, p, p, i64, i64, i64, p, i64, i64, p, i64, i32]
+        # bfloat16 dot products (AVX512-BF16): the int4 decode path of bfloat16 models
+        self.has_bf16_gemv = bool(lib.wna16_has_gemv_int4_bf16())
+
+    def gemv(self, x: torch.Tensor, layout: WNA16Layout) -> torch.Tensor:
+        """x [M, Kp] float32, rows contiguous -> y [M, N] float32."""
+        n, kp = layout.out_features, layout.padded_in_features
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        self._gemv(layout.bits, layout.qweight.data_ptr(), layout.scales.data_ptr(),
+                   SCALE_DTYPES[layout.scales.dtype], layout.zeros.data_ptr(),
+                   layout.block_group.data_ptr(), n, kp, layout.scales.shape[1], x.data_ptr(), x.stride(0),
+                   x.shape[0], y.data_ptr(), y.stride(0), torch.get_num_threads())
+        return y
+
+    def gemv_bf16(self, x: torch.Tensor, layout: WNA16Layout) -> torch.Tensor | None:
+        """bfloat16 tokens x [M, Kp] (rows contiguous) -> y [M, N] float32 for int4 weights,
+        by bfloat16 dot products; None where this CPU or layout has no such path (no
+        AVX512-BF16, 8-bit codes, an odd number of 32-input blocks). MemoryError if its
+        scratch (x rearranged, 2 bytes an input a token) cannot be allocated."""
+        if not (self.has_bf16_gemv and layout.bits == 4 and layout.padded_in_features % 64 == 0):
+            return None
+        y = torch.empty(x.shape[0], layout.out_features, dtype=torch.float32)
+        status = self._gemv_bf16(layout.qweight.data_ptr(), layout.scales.data_ptr(),
+                                 SCALE_DTYPES[layout.scales.dtype], layout.zeros.data_ptr(),
+                                 layout.block_group.data_ptr(), layout.out_features, layout.padded_in_features,
+                                 layout.scales.shape[1], x.data_ptr(), x.stride(0), x.shape[0], y.data_ptr(),
+                                 y.stride(0), torch.get_num_threads())
+        if status:
+            raise MemoryError("int4 GEMV could not allocate its scratch")
+        return y
+
+    def dequant_rows(self, layout: WNA16Layout, start: int, out: torch.Tensor) -> None:
+        """out [rows, Kp] (float32, or bfloat16: rounded; rows contiguous) = rows
+        [start, start + rows) of W."""
+        self._dequant(layout.bits, layout.qweight.data_ptr(), layout.scales.data_ptr(),
+                      SCALE_DTYPES[layout.scales.dtype], layout.zeros.data_ptr(),
+                      layout.block_group.data_ptr(), start, out.shape[0], layout.padded_in_features,
+                      layout.scales.shape[1], out.data_ptr(), out.stride(0), int(out.dtype == torch.bfloat16),
+                      torch.get_num_threads())
+
+
+def dequant_rows_torch(layout: WNA16Layout, start: int, out: torch.Tensor) -> None:
+    """The portable `dequant_rows`: the same values, by torch ops on one tile."""
+    rows, kp = out.shape
+    packed = layout.qweight[start : start + rows]
+    if layout.bits == 4:
+        blocks = packed.view(rows, kp // 32, 16)
+        codes = torch.stack([blocks & 15, blocks >> 4], dim=2).reshape(rows, kp)
+    else:
+        codes = packed
+    group = layout.block_group.repeat_interleave(32).long()
+    scales = layout.scales[start : start + rows].index_select(1, group).float()
+    zeros = layout.zeros[start : start + rows].index_select(1, group)
+    out.copy_((codes.float() - zeros.float()) * scales)
+
+
+def wna16_matmul(x: torch.Tensor, layout: WNA16Layout, kernel: Wna16Kernel | None) -> torch.Tensor:
+    """y [M, N] = x [M, Kp] (float32 or bfloat16, contiguous, already in the layout's input
+    order) times W^T; float32 from the GEMVs, x's dtype from the tiles. `kernel` None:
+    torch only. bfloat16 x of up to BF16_DOT_MAX_TOKENS tokens: the bfloat16-dot GEMV
+    (int4, AVX512-BF16); else up to GEMV_MAX_TOKENS[x.dtype] tokens the float32 GEMV;
+    above, tiles of W in x's dtype (bfloat16 tiles: the weight rounded to bfloat16, as a
+    bfloat16 model's weights are, for bfloat16's faster GEMM), at most `_TILE_BYTES` (or
+    64 rows) of scratch."""
+    m = x.shape[0]
+    if kernel is not None and x.dtype == torch.bfloat16 and m <= BF16_DOT_MAX_TOKENS:
+        y = kernel.gemv_bf16(x, layout)
+        if y is not None:
+            return y
+    if kernel is not None and m <= GEMV_MAX_TOKENS[x.dtype]:
+        return kernel.gemv(x.to(torch.float32), layout)
+    n, kp = layout.out_features, layout.padded_in_features
+    tile_rows = max(64, _TILE_BYTES // (x.element_size() * kp))
+    scratch = torch.empty(min(tile_rows, n), kp, dtype=x.dtype)
+    y = torch.empty(x.shape[0], n, dtype=x.dtype)
+    dequant = kernel.dequant_rows if kernel is not None else dequant_rows_torch
+    for start in range(0, n, tile_rows):
+        rows = min(tile_rows, n - start)
+        tile = scratch[:rows]
+        dequant(layout, start, tile)
+        y[:, start : start + rows] = x @ tile.t()
+    return y
+
+
+def build_or_load() -> Wna16Kernel | None:
+    """The kernels, built if this machine has none cached; None where they cannot be (the
+    reason is logged) or `TP_CPU_WNA16=0`."""
+    return load_kernel(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBS, Wna16Kernel,
+                       "CPU int4/int8 weight kernels unavailable (%s); quantised layers dequantise tiles in torch",
+                       switch="TP_CPU_WNA16")
+
+
+# Once per process: every layer shares the loaded library.
+load = functools.cache(build_or_load)
