@@ -212,6 +212,7 @@ def test_greedy_matches_transformers_at_tp2_and_4(name: str, max_model_len: int,
     prompts = make_prompts(VOCAB, lens=lens)
     with EngineCore(engine_config(checkpoints[name], tp, 4, max_model_len=max_model_len)) as core:
         outs = core.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+        _check_prompt_logprobs(core, checkpoints[name], lens[:2], f"{name} tp{tp}")
     assert [out.token_ids for out in outs] == [ids for ids, _ in hf_reference(name, lens)]
 
 
