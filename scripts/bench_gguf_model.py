@@ -222,7 +222,7 @@ def write_gguf(path: Path, spec: GGUFModelSpec, file_type: str, quantizer: PeerQ
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for (name, data), (_, _, ggml_type) in zip(_random_weights(spec), plan):
+    for (_name, data), (_, _, ggml_type) in zip(_random_weights(spec), plan):
         if ggml_type == "F32":
             stored = data
         elif ggml_type == "F16":

@@ -35,7 +35,6 @@ from models.errors import WeightLoadError
 from models.layers import cpu_gemm
 from models.layers.cpu_gemm import PackedWeight, native_half_gemm, packing_available, shape_class
 from models.layers.file_pages import release_file_pages
-from models.layers.linear import LinearBase
 from models.layers.packed_rows import gather_rows, rows_readable
 from models.layers.packed_tensor import PackedTensor
 from models.layers.unquantized import MKL_BUFFER, CPUUnquantizedLinearMethod, prepack_cpu_weights, unpack_cpu_weights

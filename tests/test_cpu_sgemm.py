@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.layers import cpu_gemm, cpu_sgemm
+from models.layers import cpu_sgemm
 from models.layers.cpu_gemm import PackedWeight, default_packed_gemm
 
 KERNEL = cpu_sgemm.load()

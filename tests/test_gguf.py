@@ -361,7 +361,7 @@ def test_gguf_tp2(gguf_files, hf_logits):
     for case in cases:
         name = case["name"].split("-")[0]
         _, expected = hf_logits(name)
-        for rank, res in enumerate(results):
+        for res in results:
             got = res[case["name"]]
             assert got["num_heads"] == 2 and got["num_kv_heads"] == 1, case["name"]
             if case["name"].endswith("F32"):
