@@ -69,17 +69,24 @@ def _compiler_identity(compiler: str) -> str:
     return f"{real}:{st.st_size}:{st.st_mtime_ns}"
 
 
-def _build(compiler: str, source: Path, compile_flags: Sequence[str], link_flags: Sequence[str],
+def _sources(source: Path | Sequence[Path]) -> list[Path]:
+    """A kernel's files: one C file, or several (C files compiled and linked into one
+    library, and the headers they include, which only enter the cache key)."""
+    return [source] if isinstance(source, Path) else list(source)
+
+
+def _build(compiler: str, sources: list[Path], compile_flags: Sequence[str], link_flags: Sequence[str],
            link_libs: Sequence[str], check: Callable[[ctypes.CDLL], object], target: Path) -> None:
-    """Compile `source` into `target` via a private temporary directory beside it, load
-    and `check` it there, then rename (atomic: a concurrent reader sees no file or the
-    whole new one)."""
+    """Compile the C files of `sources` into `target` via a private temporary directory
+    beside it, load and `check` it there, then rename (atomic: a concurrent reader sees no
+    file or the whole new one)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
     try:
-        obj, lib = work / f"{source.stem}.o", work / f"{source.stem}.so"
-        for cmd in ([compiler, *compile_flags, "-c", str(source), "-o", str(obj)],
-                    [compiler, *link_flags, str(obj), *link_libs, "-o", str(lib)]):
+        c_files = [src for src in sources if src.suffix == ".c"]
+        objs, lib = [work / f"{i}-{src.stem}.o" for i, src in enumerate(c_files)], work / f"{c_files[0].stem}.so"
+        cmds = [[compiler, *compile_flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(c_files, objs)]
+        for cmd in [*cmds, [compiler, *link_flags, *map(str, objs), *link_libs, "-o", str(lib)]]:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
             if proc.returncode != 0:
                 raise OSError(f"`{' '.join(cmd)}` exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
@@ -89,25 +96,27 @@ def _build(compiler: str, source: Path, compile_flags: Sequence[str], link_flags
         shutil.rmtree(work, ignore_errors=True)
 
 
-def build_or_load_library(source: Path, compile_flags: Sequence[str], link_flags: Sequence[str],
+def build_or_load_library(source: Path | Sequence[Path], compile_flags: Sequence[str], link_flags: Sequence[str],
                           link_libs: Sequence[str], check: Callable[[ctypes.CDLL], object]
                           ) -> tuple[ctypes.CDLL, Path]:
-    """The library built from `source` for this machine, and its path: loaded from the
+    """The library built from `source` (one C file, or C files and their headers, named
+    by the first) for this machine, and its path: loaded from the
     cache, or compiled first. `check(lib)` must raise (AttributeError for a missing
     symbol, OSError) if a freshly built library is unusable. Raises OSError (no
     compiler, a failed compile or load), subprocess.SubprocessError (a compiler that
     hangs) or what `check` raises; the caller decides the fallback."""
     compiler = os.environ.get("CC") or "cc"
     identity = _compiler_identity(compiler)
-    key = hashlib.sha256("\0".join([source.read_text(), identity, *compile_flags, *link_flags, *link_libs,
-                                    platform.machine(), cpu_flags()]).encode()).hexdigest()[:16]
-    target = kernels_dir() / f"{source.stem}-{key}.so"
+    sources = _sources(source)
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in sources), identity, *compile_flags, *link_flags,
+                                    *link_libs, platform.machine(), cpu_flags()]).encode()).hexdigest()[:16]
+    target = kernels_dir() / f"{sources[0].stem}-{key}.so"
     if not target.is_file():
-        _build(compiler, source, compile_flags, link_flags, link_libs, check, target)
+        _build(compiler, sources, compile_flags, link_flags, link_libs, check, target)
     return ctypes.CDLL(str(target)), target
 
 
-def load_kernel(source: Path, compile_flags: Sequence[str], link_flags: Sequence[str], link_libs: Sequence[str],
+def load_kernel(source: Path | Sequence[Path], compile_flags: Sequence[str], link_flags: Sequence[str], link_libs: Sequence[str],
                 wrap: Callable[[ctypes.CDLL, Path], T], unavailable: str, switch: str | None = None) -> T | None:
     """`wrap(library, path)` for the library built from `source` (`build_or_load_library`;
     `wrap` also checks a fresh build), or None where it cannot be built or loaded, logged

@@ -59,6 +59,8 @@ class EngineCore(SleepModeMixin, LLMMixin):
         self.async_scheduling = resolve_async_scheduling(config, executor_class)
         # The step sent ahead (async scheduling): its output and the executor's Future.
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
+        # A sent step whose grammar bitmask follows it and is not sent yet (structured outputs).
+        self._grammar_owed: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         self._start_executor(executor_class)
         try:
             self.kv_cache_config = initialize_kv_caches(self.model_executor, config)
@@ -71,7 +73,8 @@ class EngineCore(SleepModeMixin, LLMMixin):
             self.processor = Processor(config, self.tokenizer)
             # The engine's grammars (engine/structured_output/): compiled by the processor, matched here.
             self.structured_output_manager = self.processor.structured_output_manager
-            self.scheduler = make_scheduler(config, self.kv_cache_config, self.processor.eos_token_ids)
+            self.scheduler = make_scheduler(config, self.kv_cache_config, self.processor.eos_token_ids,
+                                            defer_grammar=executor_class.supports_grammar_overlap)
         except BaseException:
             self.shutdown()
             raise
@@ -246,7 +249,14 @@ class EngineCore(SleepModeMixin, LLMMixin):
                 scheduler_output = self.scheduler.schedule()
                 if not scheduler_output.scheduled:
                     return []
-                step = scheduler_output, self.model_executor.execute_model(scheduler_output)
+                if scheduler_output.grammar_follows:
+                    # In flight (so that a failure below collects it) while its mask is filled.
+                    self._in_flight = scheduler_output, self._send_step(scheduler_output)
+                    self._send_grammar()  # filled while the ranks run the forward
+                    (scheduler_output, future), self._in_flight = self._in_flight, None
+                    step = scheduler_output, future.result()
+                else:
+                    step = scheduler_output, self.model_executor.execute_model(scheduler_output)
         except EngineDeadError as e:
             if not self._worker_restarter.restart(e):  # self-healing (engine/worker_restart.py)
                 self.rerun_running_requests()  # none of their steps will ever report
@@ -259,29 +269,70 @@ class EngineCore(SleepModeMixin, LLMMixin):
             raise
         if step is None:
             return []
-        return self._apply(*step)
+        outputs = self._apply(*step)
+        try:
+            self._send_grammar()  # the step sent ahead, whose mask needed this one's tokens
+        except BaseException:
+            # The ranks fail the step sent ahead with the error: collected here, as a failed step.
+            self._undelivered += outputs  # the next step() returns them
+            self.rerun_running_requests()
+            raise
+        return outputs
 
     def _run_step_async(self) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
         """Wait for the step in flight (sent by the previous call, or now), after sending
-        the one that follows it; None when there is nothing to run."""
+        the one that follows it; None when there is nothing to run. A step sent ahead
+        whose grammar bitmask follows it gets it once this one is applied (`_step`)."""
         if self._in_flight is None:
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.scheduled:
                 return None
-            self._in_flight = scheduler_output, self.model_executor.execute_model(scheduler_output, non_block=True)
+            self._in_flight = scheduler_output, self._send_step(scheduler_output)
+            self._send_grammar()  # nothing is outstanding before it: the matchers are current
         scheduler_output, future = self._in_flight
         self._in_flight = None
         # Planned on what this step will leave: its sampled tokens are placeholders.
         following = self.scheduler.schedule()
         if following.scheduled:
-            self._in_flight = following, self.model_executor.execute_model(following, non_block=True)
+            self._in_flight = following, self._send_step(following)
         return scheduler_output, future.result()
+
+    def _send_step(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Send a step without waiting for it; a bitmask that follows it is owed from now
+        until `_send_grammar`, which must come before anything collects the step."""
+        future = self.model_executor.execute_model(scheduler_output, non_block=True)
+        if scheduler_output.grammar_follows:
+            self._grammar_owed = scheduler_output, future
+        return future
+
+    def _send_grammar(self, error: str | None = None) -> None:
+        """Fill the owed bitmask from the matchers as they stand (after every applied
+        token) and send it, while the ranks run that step's forward; or send `error`,
+        which fails the step on every rank (also what a failure to fill it sends, before
+        it is raised here). Nothing when none is owed."""
+        if self._grammar_owed is None:
+            return
+        scheduler_output, future = self._grammar_owed
+        self._grammar_owed = None
+        if error is None:
+            try:
+                bitmask = self.scheduler.grammar_bitmask(scheduler_output)
+            except Exception as e:
+                self.model_executor.send_grammar_bitmask(future, None, f"{type(e).__name__}: {e}")
+                raise
+            self.model_executor.send_grammar_bitmask(future, bitmask)
+        else:
+            self.model_executor.send_grammar_bitmask(future, None, error)
 
     def rerun_running_requests(self) -> int:
         """After a failed step or a replaced worker group: preempt every running request
         by recompute (re-run later from its tokens), drop the step in flight and every
         cached block (a step that failed may not have written their K/V). Returns how
         many requests were running. Call from the thread that steps the core."""
+        try:  # a rank waiting in the step sent ahead for its bitmask fails it instead
+            self._send_grammar(error="the step before it failed")
+        except Exception:  # noqa: BLE001 - a dead group: nobody waits
+            pass
         if self._in_flight is not None:
             future, self._in_flight = self._in_flight[1], None
             try:

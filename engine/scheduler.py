@@ -24,7 +24,7 @@ from collections.abc import Collection
 from engine.block_manager import KVBlockManager
 from engine.request import Request, RequestStatus
 from engine.sched_utils import check_stop, ends_in_flight, num_decode_steps
-from engine.structured_output import step_grammar
+from engine.structured_output import grammar_bitmask, step_grammar
 from worker.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -58,9 +58,11 @@ class Scheduler:
     tokens): ``engine.sched_utils.check_stop``.
 
     Structured outputs: each output carries the bitmask of the constrained requests
-    that sample in it, filled from their matchers when it is planned. A mask needs every
-    earlier token, so such a request is not planned while a step of it is in flight
-    (async scheduling), and a batch with one runs one step per output (logged once).
+    that sample in it, filled when it is planned; with ``defer_grammar`` only their ids
+    (``grammar_follows``): the engine asks :meth:`grammar_bitmask` once the step before
+    is applied. A mask needs every earlier token, so without ``defer_grammar`` such a
+    request is not planned while a step of it is in flight (async scheduling); a batch
+    with one runs one step per output (logged once).
     Each token is taken into its matcher; a terminated (or refusing) grammar ends the
     request with "stop". A re-admitted request's matcher is `sync`ed to its kept tokens.
     """
@@ -75,32 +77,25 @@ class Scheduler:
         eos_token_id: int | Collection[int] | None,
         long_prefill_token_threshold: int = 0,
         num_scheduler_steps: int = 1,
+        defer_grammar: bool = False,
     ) -> None:
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        if max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-        if long_prefill_token_threshold < 0:
-            raise ValueError(
-                f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}"
-            )
-        if num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps must be >= 1, got {num_scheduler_steps}")
+        for name, value, least in (("max_num_seqs", max_num_seqs, 1),
+                                   ("max_num_batched_tokens", max_num_batched_tokens, 1),
+                                   ("max_model_len", max_model_len, 2),
+                                   ("long_prefill_token_threshold", long_prefill_token_threshold, 0),
+                                   ("num_scheduler_steps", num_scheduler_steps, 1)):
+            if value < least:
+                raise ValueError(f"{name} must be >= {least}, got {value}")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_manager = block_manager
         # Several ids can end generation (e.g. Llama 3's <|eot_id|> beside </s>).
-        if eos_token_id is None:
-            self.eos_token_ids: frozenset[int] = frozenset()
-        elif isinstance(eos_token_id, int):
-            self.eos_token_ids = frozenset({eos_token_id})
-        else:
-            self.eos_token_ids = frozenset(eos_token_id)
+        self.eos_token_ids: frozenset[int] = frozenset(
+            () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int) else eos_token_id)
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.num_scheduler_steps = num_scheduler_steps
+        self.defer_grammar = defer_grammar  # the executor takes a step's bitmask after the step
 
         self.requests: dict[str, Request] = {}  # unfinished requests only
         self.waiting: deque[Request] = deque()  # sorted by arrival_index
@@ -126,17 +121,13 @@ class Scheduler:
         if n == 0:
             raise ValueError(f"request {request.request_id!r}: prompt must not be empty")
         if n >= self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt has {n} tokens, "
-                f"but max_model_len is {self.max_model_len} (the prompt must be "
-                f"shorter to leave room for at least one generated token)"
-            )
+            raise ValueError(f"request {request.request_id!r}: prompt has {n} tokens, but max_model_len is "
+                             f"{self.max_model_len} (the prompt must be shorter to leave room for at least one "
+                             "generated token)")
         if n > self._capacity_tokens:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt has {n} tokens, but the whole "
-                f"KV cache holds only {self._capacity_tokens} tokens "
-                f"({self.block_manager.num_blocks} blocks x {self.block_manager.block_size})"
-            )
+            raise ValueError(f"request {request.request_id!r}: prompt has {n} tokens, but the whole KV cache holds "
+                             f"only {self._capacity_tokens} tokens ({self.block_manager.num_blocks} blocks x "
+                             f"{self.block_manager.block_size})")
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.arrival_index = self._next_arrival
@@ -203,7 +194,8 @@ class Scheduler:
             request = self.running[i]
             num_new = self._num_new_tokens(request, budget)
             if num_new <= 0 or ends_in_flight(request, self.max_model_len, self._capacity_tokens) or (
-                    request.structured_output_request is not None and request.num_output_placeholders):
+                    request.structured_output_request is not None and request.num_output_placeholders
+                    and not self.defer_grammar):
                 i += 1  # its outstanding step samples its last token, or the token its next mask needs
                 continue
             while not self.block_manager.allocate_slots(request, num_new + num_steps - 1):
@@ -252,7 +244,7 @@ class Scheduler:
         self._finished_ids = [] if scheduled else list(finished_ids)
         grammar_req_ids, grammar_bitmask = step_grammar(
             [(sched.req_id, request.structured_output_request)
-             for sched, request in zip(scheduled, scheduled_requests) if sched.sample])
+             for sched, request in zip(scheduled, scheduled_requests) if sched.sample], defer=self.defer_grammar)
         output = SchedulerOutput(
             scheduled=scheduled,
             finished_req_ids=finished_ids,
@@ -260,10 +252,21 @@ class Scheduler:
             num_steps=num_steps if scheduled else 1,
             structured_output_req_ids=grammar_req_ids,
             grammar_bitmask=grammar_bitmask,
+            grammar_follows=bool(grammar_req_ids) and grammar_bitmask is None,
         )
         if scheduled:
             self._outstanding.append((output, scheduled_requests))
         return output
+
+    def grammar_bitmask(self, output: SchedulerOutput) -> bytes:
+        """The bitmask of a ``grammar_follows`` output still outstanding, from its
+        samples' matchers as they stand now (after the output before it was applied). A
+        sample that ended since gets a row allowing everything: its token is dropped."""
+        by_id = {r.request_id: r for r in next(reqs for out, reqs in self._outstanding if out is output)}
+        samples = [by_id[req_id] for req_id in output.structured_output_req_ids]
+        return grammar_bitmask([r.structured_output_request for r in samples],
+                               [r.status == RequestStatus.RUNNING and self.requests.get(r.request_id) is r
+                                for r in samples])
 
     def _num_new_tokens(self, request: Request, budget: int, num_cached_tokens: int = 0) -> int:
         num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens

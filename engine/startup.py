@@ -68,9 +68,11 @@ def initialize_kv_caches(executor: Executor, config: EngineConfig) -> KVCacheCon
     return kv_cache_config
 
 
-def make_scheduler(config: EngineConfig, kv_cache_config: KVCacheConfig, eos_token_ids: list[int]) -> Scheduler:
+def make_scheduler(config: EngineConfig, kv_cache_config: KVCacheConfig, eos_token_ids: list[int],
+                   defer_grammar: bool = False) -> Scheduler:
     """The scheduler over the allocated blocks; cached blocks are named under a salt of
-    what, besides the tokens, decides their K/V (model, revision, dtypes, load format)."""
+    what, besides the tokens, decides their K/V (model, revision, dtypes, load format).
+    `defer_grammar`: the executor takes a step's grammar bitmask after the step."""
     mc = config.model_config
     salt = prefix_cache_salt(mc.model, mc.revision, str(mc.dtype), mc.quantization, config.load_format,
                              str(kv_cache_config.dtype))
@@ -86,6 +88,7 @@ def make_scheduler(config: EngineConfig, kv_cache_config: KVCacheConfig, eos_tok
         ),
         eos_token_id=eos_token_ids,
         num_scheduler_steps=config.scheduler_config.num_scheduler_steps,
+        defer_grammar=defer_grammar,
     )
 
 

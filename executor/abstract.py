@@ -33,6 +33,9 @@ class Executor(ABC):
     # Whether execute_model(non_block=True) returns while the ranks still run the step,
     # so the engine can plan the next one meanwhile (async scheduling).
     supports_async_scheduling: ClassVar[bool] = False
+    # Whether a step's grammar bitmask may follow the step (`send_grammar_bitmask`), so
+    # the engine fills it while the ranks run the forward (structured outputs).
+    supports_grammar_overlap: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -121,6 +124,12 @@ class Executor(ABC):
         except Exception as e:  # noqa: BLE001 - the caller gets it from the future
             future.set_exception(e)
         return future
+
+    def send_grammar_bitmask(self, step: Future, bitmask: bytes | None, error: str | None = None) -> None:
+        """Only where `supports_grammar_overlap`: the bitmask of `step` (a Future from
+        `execute_model(non_block=True)` of an output with `grammar_follows`), or the
+        engine's `error` making it, which fails the step on every rank."""
+        raise NotImplementedError(f"{type(self).__name__} sends a step's grammar bitmask with the step")
 
     def worker_timings(self) -> list[dict[str, float]]:
         return self.collective_rpc("get_timings")

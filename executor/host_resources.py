@@ -18,7 +18,9 @@ Used by MultiprocExecutor at start-up, on the engine's thread:
   raced for;
 - room in /dev/shm for every segment of the group (`check_shm_space`: ShmSpaceError
   names the directory and the bytes), and a writable temp directory (TempDirError
-  naming it).
+  naming it);
+- whether the engine may spin for replies, or would take the cycles from a rank on its
+  core (`engine_may_spin`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 from executor.errors import ShmSpaceError, TempDirError
 from executor.shm_ring import RingLayout, RingSpec
+from worker.cpu_affinity import allowed_cpus, spare_cpus
 
 __all__ = ["FORKSERVER_PRELOAD", "MQ_CHUNKS", "MQ_CHUNK_BYTES", "check_shm_space", "get_mp_context",
            "loopback_store", "private_dir", "shm_bytes_needed", "shm_dir"]
@@ -128,3 +131,15 @@ def check_shm_space(config: Any, world_size: int) -> None:
             f"memory there ({parts}): free some space in {path} (in Docker: --shm-size), or set "
             "TP_CPU_SHM_ALLREDUCE=0 to keep the CPU all-reduce out of it"
         )
+
+
+def engine_may_spin(config: Any, world_size: int) -> bool:
+    """Whether the engine's process may busy-wait for its ranks' replies: not on a CPU
+    host whose cores all run ranks (cpu_threads_bind "auto" uses every core, "none" lets
+    each rank use them all), where a spin, while the ranks run a step of tens of ms,
+    only takes time from the rank on the same core. A core left to no rank, or a GPU
+    device, keeps the short spin that saves a wake-up per call."""
+    device = config.device_config
+    if device.device_type != "cpu":
+        return True
+    return bool(spare_cpus(device.cpu_threads_bind, world_size, allowed_cpus()))

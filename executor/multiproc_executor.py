@@ -24,7 +24,9 @@ collected in the order the calls were sent: when a Future's result is asked for,
 before any other call goes out (so a collective_rpc never overtakes a step). A step
 sent behind another names it (`after_call`): a rank on which the earlier step failed
 answers the later one with a failure instead of running it, and a rank left waiting in
-its collectives is found stuck by the settle check.
+its collectives is found stuck by the settle check. A step whose grammar bitmask follows
+it (structured outputs) gets it as one more broadcast message (`send_grammar_bitmask`),
+which the ranks read inside the step, after its forward.
 
 Shutdown asks the workers to stop, closes the death pipes, SIGKILLs what is left after
 a grace period, and removes the private directory.
@@ -49,6 +51,7 @@ from executor.host_resources import (
     MQ_CHUNK_BYTES,
     MQ_CHUNKS,
     check_shm_space,
+    engine_may_spin,
     get_mp_context,
     loopback_store,
     private_dir,
@@ -57,11 +60,10 @@ from executor.liveness import StatusBoard
 from executor.message_queue import MessageQueueOwner, QueueClosedError, QueueEndpoint
 from executor.message_queue_reader import MessageQueueReader
 from executor.message_queue_writer import MessageQueueWriter
-from executor.rpc import SHUTDOWN, CallPlan, RPCMethod, RPCReply, RPCRequest, plan_call
+from executor.rpc import GRAMMAR_BITMASK, SHUTDOWN, CallPlan, RPCMethod, RPCReply, RPCRequest, plan_call
 from executor.serial_utils import MessageDecodeError
 from executor.worker_monitor import WorkerMonitor
 from executor.worker_proc_handle import WorkerProcHandle, make_worker_process, wait_for_ready
-from worker.cpu_affinity import allowed_cpus, spare_cpus
 
 if TYPE_CHECKING:
     from worker.outputs import ModelRunnerOutput, SchedulerOutput
@@ -109,6 +111,7 @@ class MultiprocExecutor(Executor):
     step's Future for its result); `check_health` may be called from any thread."""
 
     supports_async_scheduling = True
+    supports_grammar_overlap = True
 
     def _init_executor(self) -> None:
         self._shutdown_started = False
@@ -159,7 +162,7 @@ class MultiprocExecutor(Executor):
         self._broadcast_owner = self._track(MessageQueueOwner(ws, **mq))
         self._reply_owners = [self._track(MessageQueueOwner(1, **mq)) for _ in range(ws)]
         self._broadcast = self._track(MessageQueueWriter(self._broadcast_owner.export_handle()))
-        spin_s = None if self._engine_may_spin() else 0.0
+        spin_s = None if engine_may_spin(self.config, self.world_size) else 0.0
         self._replies = [self._track(MessageQueueReader(q.export_handle(), 0, spin_s=spin_s))
                          for q in self._reply_owners]
 
@@ -183,17 +186,6 @@ class MultiprocExecutor(Executor):
         self._monitor = WorkerMonitor(self.workers, self._board, float(self.config.worker_liveness_timeout_s),
                                       on_fail=self._wake_callers)
         self._monitor.start()
-
-    def _engine_may_spin(self) -> bool:
-        """Whether this process may busy-wait for replies: not on a CPU host whose cores
-        all run ranks (cpu_threads_bind "auto" uses every core, "none" lets each rank
-        use them all), where a spin, while the ranks run a step of tens of ms, only
-        takes time from the rank on the same core. A core left to no rank, or a GPU
-        device, keeps the short spin that saves a wake-up per call."""
-        device = self.config.device_config
-        if device.device_type != "cpu":
-            return True
-        return bool(spare_cpus(device.cpu_threads_bind, self.world_size, allowed_cpus()))
 
     def _track(self, queue: _Q) -> _Q:
         self._queues.append(queue)
@@ -262,6 +254,17 @@ class MultiprocExecutor(Executor):
             future = _StepFuture(self, call)
             self._pending.append(future)
         return future
+
+    def send_grammar_bitmask(self, step: Future, bitmask: bytes | None, error: str | None = None) -> None:
+        """The grammar bitmask of `step` as the next broadcast message, which each rank
+        reads inside that step just before it samples (or `error`, which fails the step
+        there); never answered. The engine sends it once per `grammar_follows` step,
+        before it sends anything that would collect that step."""
+        assert isinstance(step, _StepFuture)
+        with self._rpc_lock:
+            self._call_id += 1
+            request = RPCRequest(self._call_id, GRAMMAR_BITMASK, (step.call.call_id, bitmask, error))
+            self._enqueue(request, step.call.deadline, "grammar_bitmask")
 
     def _send(self, plan: CallPlan, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
               reply_rank: int | None, timeout: float | None, after_call: int | None = None) -> _SentCall:

@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple
 
 import msgspec
 
-__all__ = ["SHUTDOWN", "CallPlan", "RPCMethod", "RPCReply", "RPCRequest", "ReadyMessage", "check_rpc_method",
+__all__ = ["GRAMMAR_BITMASK", "SHUTDOWN", "CallPlan", "RPCMethod", "RPCReply", "RPCRequest", "ReadyMessage", "check_rpc_method",
            "plan_call", "run_method"]
 
 # A Worker method name, or a picklable fn(worker, *args, **kwargs).
@@ -25,6 +25,11 @@ RPCMethod = str | Callable[..., Any]
 
 # `method` value that tells a worker's busy loop to return.
 SHUTDOWN = "__shutdown__"
+# `method` value of a step's grammar bitmask, sent after the step itself (structured
+# outputs, `grammar_follows`): args (the step's call id, the bitmask bytes or None,
+# the engine's error or None). Read by the rank inside that step, never answered; one
+# left over (the step failed before reading it) is dropped by the busy loop.
+GRAMMAR_BITMASK = "__grammar_bitmask__"
 
 
 # The two per-call messages: typed Structs, encoded as MessagePack arrays of their fields

@@ -32,7 +32,7 @@ from executor.message_queue import MessageQueueHandle, QueueClosedError
 from executor.message_queue_reader import MessageQueueReader
 from executor.message_queue_writer import MessageQueueWriter
 from executor.parent_death import set_parent_death_signal
-from executor.rpc import SHUTDOWN, ReadyMessage, RPCReply, RPCRequest, run_method
+from executor.rpc import GRAMMAR_BITMASK, SHUTDOWN, ReadyMessage, RPCReply, RPCRequest, run_method
 from worker.worker import Worker
 
 if TYPE_CHECKING:
@@ -126,6 +126,10 @@ class WorkerProc:
         self.reply = MessageQueueWriter(reply_handle)
         self.worker = Worker(config, local_rank=local_rank, rank=rank, distributed_init_method=distributed_init_method)
         self.worker.init_device()
+        self._current_call = 0  # the call being run (a grammar message names its step)
+        self._stopping = False  # SHUTDOWN came while a step waited for its grammar bitmask
+        assert self.worker.model_runner is not None
+        self.worker.model_runner.grammar_source = self._receive_grammar
         if self.status is not None:
             observe_collectives(self.status.enter_collective, self.status.exit_collective)
         self.worker.load_model()
@@ -178,6 +182,9 @@ class WorkerProc:
                 return
             if request.method == SHUTDOWN:
                 return
+            if request.method == GRAMMAR_BITMASK:
+                continue  # its step failed (or was refused) before it read this
+            self._current_call = request.call_id
             must_reply = request.reply_rank is None or request.reply_rank == self.rank
             if self.status is not None:
                 self.status.begin_call(request.call_id)
@@ -204,6 +211,25 @@ class WorkerProc:
                     self.reply.enqueue(RPCReply(request.call_id, self.rank, False,
                                                 error=f"cannot send the result back: {type(e).__name__}: {e}",
                                                 traceback=traceback.format_exc()))
+            if self._stopping:
+                return
+
+    def _receive_grammar(self) -> bytes:
+        """The running step's grammar bitmask: the next broadcast message (the model
+        runner's `grammar_source`, on this process's thread inside execute_model).
+        Raises RuntimeError when the engine could not make it, or when the next message
+        is not it (a protocol error: that message is lost, and the step fails)."""
+        request: RPCRequest = self.broadcast.dequeue()
+        if request.method == SHUTDOWN:
+            self._stopping = True
+            raise RuntimeError(f"rank {self.rank}: shut down while a step waited for its grammar bitmask")
+        if request.method != GRAMMAR_BITMASK or request.args[0] != self._current_call:
+            raise RuntimeError(f"rank {self.rank}: expected the grammar bitmask of call {self._current_call}, "
+                               f"got call {request.call_id} ({request.method!r})")
+        _, bitmask, error = request.args
+        if error is not None:
+            raise RuntimeError(f"the engine could not make this step's grammar bitmask: {error}")
+        return bitmask
 
     def close(self) -> None:
         if self.status is not None:

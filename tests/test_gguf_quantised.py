@@ -287,7 +287,7 @@ def test_portable_build_matches_gguf_py(tmp_path, monkeypatch):
     from distributed.native_build import load_kernel
 
     monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
-    portable = load_kernel(gguf_kernels.SOURCE, ("-O2", "-ffp-contract=off", "-fopenmp", "-fPIC"),
+    portable = load_kernel(gguf_kernels.SOURCES, ("-O2", "-ffp-contract=off", "-fopenmp", "-fPIC"),
                            gguf_kernels.LINK_FLAGS, gguf_kernels.LINK_LIBS, gguf_kernels.GGUFKernels, "%s")
     assert portable is not None
     g = torch.Generator().manual_seed(6)

@@ -161,6 +161,59 @@ def test_int8_gemm_matches_float64(m, n, k):
                                rtol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_int8_passes_give_the_torch_expressions_bits(dtype, out_dtype):
+    """The C quantisation and output scaling (int8_gemm.load()) compute exactly what
+    the torch expressions compute: a zero row, a strided view, bias or none."""
+    from models.layers.quantization import int8_gemm
+
+    assert int8_gemm.load() is not None  # a C compiler is part of this project's CPU setup
+    gen = torch.Generator().manual_seed(11)
+    wide = (torch.randn(40, 700, generator=gen) * 3).to(dtype)
+    wide[7] = 0
+    x = wide[:, 50:650]  # rows 700 apart: the row stride is honoured
+    xq, x_scale = quantize_per_token(x)
+    xf = x.float()
+    want_scale = (xf.abs().amax(dim=-1) / 127.0).clamp(min=1e-12)
+    want_xq = torch.round(xf / want_scale.unsqueeze(-1)).clamp(-127.0, 127.0).to(torch.int8)
+    assert torch.equal(x_scale, want_scale) and torch.equal(xq, want_xq)
+    assert (xq[7] == 0).all()
+    w = torch.randint(-127, 128, (90, 600), generator=gen, dtype=torch.int8)
+    w_scale = torch.rand(90, 1, generator=gen) + 0.01
+    for bias in (None, torch.randn(90, generator=gen).to(dtype)):
+        got = int8_linear(xq, x_scale, w, w_scale, bias, out_dtype)
+        want = torch._int_mm(xq, w.t()).to(torch.float32).mul_(x_scale.reshape(-1, 1)).mul_(w_scale.reshape(1, -1))
+        if bias is not None:
+            want += bias.to(torch.float32)
+        assert got.dtype == out_dtype and torch.equal(got, want.to(out_dtype))
+
+
+
+def test_portable_int8_passes_give_the_same_bits(tmp_path, monkeypatch):
+    """Built without -march (no AVX-512: the scalar loops), the passes still compute
+    the torch expressions' bits."""
+    from distributed.native_build import load_kernel
+    from models.layers.quantization import int8_gemm
+
+    monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
+    portable = load_kernel(int8_gemm.SOURCE, ("-O2", "-ffp-contract=off", "-fopenmp", "-fPIC"), int8_gemm.LINK_FLAGS,
+                           ("-lm",), int8_gemm.Int8Kernel, "%s")
+    assert portable is not None
+    gen = torch.Generator().manual_seed(12)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(9, 77, generator=gen) * 2).to(dtype)
+        xq, x_scale = portable.quantize(x)
+        want_scale = (x.float().abs().amax(dim=-1) / 127.0).clamp(min=1e-12)
+        assert torch.equal(x_scale, want_scale)
+        assert torch.equal(xq, torch.round(x.float() / want_scale[:, None]).clamp(-127.0, 127.0).to(torch.int8))
+        acc = torch.randint(-2**20, 2**20, (9, 21), generator=gen, dtype=torch.int32)
+        w_scale, bias = torch.rand(21, generator=gen), torch.randn(21, generator=gen)
+        got = portable.scale_output(acc, x_scale, w_scale, bias, dtype)
+        want = acc.to(torch.float32).mul_(x_scale[:, None]).mul_(w_scale[None]) + bias
+        assert torch.equal(got, want.to(dtype))
+
+
 # ------------------------------------------------------------------ model
 
 

@@ -12,16 +12,18 @@ A pure-decode step that fits a captured size replays a CUDA graph instead
 (`worker/cuda_graph.py`). Logits are sampled where they are; only the sampled ids and
 the logprobs asked for come to the host, and that is where a rank waits for the step's
 NCCL collectives (`device_sync_point`, so liveness sees a rank waiting for its peers).
-A step with structured-output requests carries their grammar bitmask, which the sampler
-applies to their rows first (worker/grammar_bitmask.py); such a step never takes the
-argmax-only path, since the mask needs the whole row of logits.
+A step with structured-output requests carries their grammar bitmask, or is told it
+follows (`grammar_follows`: the engine fills it while this forward runs, and
+`grammar_source` reads it once the logits are ready); the sampler applies it to their
+rows first (worker/grammar_bitmask.py). Such a step never takes the argmax-only path,
+since the mask needs the whole row of logits.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 from torch import nn
@@ -62,6 +64,10 @@ class ModelRunner:
         self._sampling_params: dict[str, SamplingParams] = {}
         # The token each request sampled in its latest step: what a placeholder stands for.
         self._last_sampled: dict[str, int] = {}
+        # Where a `grammar_follows` step's bitmask comes from: set by the process that
+        # serves the executor's calls (executor/worker_proc.py reads the next broadcast
+        # message); called on this rank's thread, once per such step, before sampling.
+        self.grammar_source: Callable[[], bytes] | None = None
 
     def load_model(self, checkpoint: str | None = None) -> None:
         """Build and load this rank's model, from `checkpoint` (a directory in the
@@ -269,10 +275,15 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [], prompt_logprobs)
         req_ids = [r.req_id for r in sampled_reqs]
         grammar = None
-        if scheduler_output.grammar_bitmask is not None:  # structured outputs: these rows are masked
+        bitmask = scheduler_output.grammar_bitmask
+        if scheduler_output.grammar_follows:  # made by the engine while the forward ran
+            if self.grammar_source is None:
+                raise RuntimeError("this step's grammar bitmask follows it, but this rank has no grammar_source "
+                                   "(only an executor with supports_grammar_overlap sends one)")
+            bitmask = self.grammar_source()
+        if bitmask is not None:  # structured outputs: these rows are masked
             row_of = {req_id: row for row, req_id in enumerate(req_ids)}
-            grammar = GrammarBitmask([row_of[r] for r in scheduler_output.structured_output_req_ids],
-                                     scheduler_output.grammar_bitmask)
+            grammar = GrammarBitmask([row_of[r] for r in scheduler_output.structured_output_req_ids], bitmask)
         if (grammar is None and hasattr(model, "compute_greedy_tokens")
                 and self.sampler.argmax_suffices(sampled_reqs)):
             # The argmax alone: at TP > 1 the ranks exchange one (value, id) per row

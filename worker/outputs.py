@@ -74,8 +74,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     Structured outputs: ``grammar_bitmask`` holds one row per id in
     ``structured_output_req_ids`` (requests that sample this step under a grammar;
     never in a multi-step output), each ceil(vocab / 32) int32 words, bit ``t % 32`` of
-    word ``t // 32`` set when token ``t`` may come next (xgrammar's layout). The engine
-    fills it before the step is sent, so every rank masks the same tokens.
+    word ``t // 32`` set when token ``t`` may come next (xgrammar's layout). Every rank
+    masks the same tokens. The engine fills it before the step is sent, or, with
+    ``grammar_follows`` (an executor that can: `Executor.supports_grammar_overlap`),
+    while the ranks run the step's forward: it then comes as the next broadcast message,
+    which each rank reads just before it samples (`ModelRunner.grammar_source`).
     """
 
     scheduled: list[ScheduledRequest]
@@ -84,6 +87,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     num_steps: int = 1
     structured_output_req_ids: list[str] = []
     grammar_bitmask: bytes | None = None
+    grammar_follows: bool = False
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):

@@ -96,23 +96,29 @@ class StructuredOutputManager:
         return StructuredOutputRequest(backend, backend.new_grammar(compiled), reasoning_end_token_ids)
 
 
-def grammar_bitmask(requests: list[StructuredOutputRequest]) -> bytes:
+def grammar_bitmask(requests: list[StructuredOutputRequest], live: list[bool] | None = None) -> bytes:
     """The next-token bitmask of ``requests``, one int32 row each in order (xgrammar's
     layout: ceil(vocab / 32) words a row, bit t % 32 of word t // 32 for token t), as
-    the bytes that travel with the step. The scheduler's thread; holds the rows only
-    while filling them (16 KiB a row at a 128k vocabulary)."""
+    the bytes that travel with the step; a request ``live`` marks False gets a row
+    allowing everything (it ended: its token will be dropped). The scheduler's thread;
+    holds the rows only while filling them (16 KiB a row at a 128k vocabulary)."""
     bitmask = requests[0].backend.allocate_bitmask(len(requests))
     for row, request in enumerate(requests):
-        request.fill_bitmask(bitmask, row)
+        if live is None or live[row]:
+            request.fill_bitmask(bitmask, row)
+        else:
+            bitmask[row] = -1
     return bitmask.numpy().tobytes()
 
 
-
-def step_grammar(samples: list[tuple[str, StructuredOutputRequest | None]]) -> tuple[list[str], bytes | None]:
+def step_grammar(samples: list[tuple[str, StructuredOutputRequest | None]], defer: bool = False
+                 ) -> tuple[list[str], bytes | None]:
     """For the requests that sample this step, as (request id, its matcher or None) in
     scheduled order: the ids of the constrained ones and their `grammar_bitmask`
-    (``([], None)`` when none is constrained): `SchedulerOutput`'s two fields."""
+    (``([], None)`` when none is constrained): `SchedulerOutput`'s two fields. With
+    ``defer``, the ids only: the bitmask follows the step (`Scheduler.grammar_bitmask`)."""
     constrained = [(req_id, request) for req_id, request in samples if request is not None]
     if not constrained:
         return [], None
-    return [req_id for req_id, _ in constrained], grammar_bitmask([request for _, request in constrained])
+    ids = [req_id for req_id, _ in constrained]
+    return ids, None if defer else grammar_bitmask([request for _, request in constrained])

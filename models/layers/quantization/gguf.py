@@ -42,7 +42,13 @@ from models.layers.quantization.gguf_dequant import (
     dequantize,
     row_bytes,
 )
-from models.layers.quantization.gguf_kernels import gguf_dequantize_rows, gguf_linear
+from models.layers.quantization.gguf_kernels import (
+    ShardPlan,
+    gguf_dequantize_rows,
+    gguf_linear,
+    gguf_linear_shards,
+    shard_plan,
+)
 
 _QKV_ORDER = "qkv"
 
@@ -66,6 +72,7 @@ class GGUFLinearMethod(LinearMethodBase):
         self.shard_types = list(shard_types)
         self.shards: list[tuple[str, int, int, int]] = []  # (type, rows, row_bytes, byte offset)
         self.input_size = 0
+        self._plan: tuple[int, ShardPlan | None] | None = None  # (qweight's address, its plan)
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype,
@@ -116,14 +123,23 @@ class GGUFLinearMethod(LinearMethodBase):
         return [(qtype, layer.qweight[offset:offset + rows * nbytes].view(rows, nbytes))
                 for qtype, rows, nbytes, offset in self.shards]
 
+    def shard_plan(self, layer: nn.Module) -> ShardPlan | None:
+        """The shards as one kernel call (`gguf_linear_shards`), built on first use and
+        again whenever `qweight`'s storage has moved (sleep and wake)."""
+        address = layer.qweight.data_ptr()
+        if self._plan is None or self._plan[0] != address:
+            self._plan = (address, shard_plan(self.shard_blocks(layer)))
+        return self._plan[1]
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, self.input_size)
         out = torch.empty(x2.shape[0], sum(rows for _, rows, _, _ in self.shards), dtype=torch.float32,
                           device=x.device)
-        start = 0
-        for qtype, blocks in self.shard_blocks(layer):
-            gguf_linear(qtype, blocks, self.input_size, x2, out[:, start:start + blocks.shape[0]])
-            start += blocks.shape[0]
+        if not gguf_linear_shards(self.shard_plan(layer), self.input_size, x2, out):
+            start = 0
+            for qtype, blocks in self.shard_blocks(layer):
+                gguf_linear(qtype, blocks, self.input_size, x2, out[:, start:start + blocks.shape[0]])
+                start += blocks.shape[0]
         y = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[1])
         return y + bias if bias is not None else y
 

@@ -6,8 +6,10 @@ blocks of `qtype`. On the CPU, with the C kernels built:
   process's torch threads), each block read once per 8 tokens:
   - activations in bfloat16/float16 (`INT8_ACTIVATION_DTYPES`; GGUF files load as
     float16 by default) are quantised to int8 per 32 values, as llama.cpp does, and
-    multiplied with the blocks' integers by AVX-512 VNNI (`gguf_gemm_q8`), scales
-    applied in float per 16 values. Error against float activations: at most
+    multiplied with the blocks' integers by AVX-512 VNNI (`gguf_vnni.c`), scales
+    applied in float per 16 values. A fused layer's shards (q, k, v; gate, up) go in one
+    call (`gguf_linear_shards`): x is read in its 16-bit dtype and quantised once, and
+    one parallel loop runs over every shard's rows. Error against float activations: at most
     sum_i |w_i| * dx_i / 2 per output (dx = the 32-group's max |x| / 127), of the order
     of the activations' own 16-bit rounding. Where the build has no VNNI, the float path;
   - float32 activations: each block dequantised into L1 (AVX-512, or portable C the
@@ -25,8 +27,9 @@ process, and logged when the C kernels are unavailable.
 embedding's lookups), the same two paths.
 
 Dequantised values equal gguf-py's bit for bit on every path. Called by the layers on
-every rank; the GIL is released during each C call; `gguf_gemm_q8` holds the quantised
-activations (about 1.3 bytes per input value per token) for the call.
+every rank; the GIL is released during each C call; the int8 path holds the quantised
+activations (about 1.3 bytes per input value per token, twice where a layer's shards
+read two orders) for the call.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ from models.layers.quantization.gguf_dequant import (
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_kernels.c")
+#: What the library is built from: the float path and dequantisers, the int8 path, and
+#: the header both include.
+SOURCES = (SOURCE, SOURCE.with_name("gguf_vnni.c"), SOURCE.with_name("gguf_blocks.h"))
 COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
@@ -60,15 +66,35 @@ TILE_ROWS = 1024  # a float32 tile of 1024 x 5632 is 23 MiB: scratch, reused per
 INT8_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 
 
+_X_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # gguf_vnni.c's x_dtype
+
+
+class ShardPlan:
+    """The C arrays describing a layer's shards [(type, [rows, row_bytes] contiguous
+    blocks)] for `GGUFKernels.gemm_shards`: built once per layer and storage (the
+    pointers are the blocks' addresses; a caller rebuilds it when they move), so a step
+    pays one C call per layer, not one array build per shard."""
+
+    def __init__(self, shards: list[tuple[str, torch.Tensor]]) -> None:
+        n = len(shards)
+        self.names = [qtype for qtype, _ in shards]
+        self.rows = sum(blocks.shape[0] for _, blocks in shards)
+        self.qtypes = (ctypes.c_int * n)(*(GGUF_FORMATS[qtype].type_id for qtype, _ in shards))
+        self.pointers = (ctypes.c_void_p * n)(*(blocks.data_ptr() for _, blocks in shards))
+        self.rows_per_shard = (ctypes.c_int64 * n)(*(blocks.shape[0] for _, blocks in shards))
+        self.row_bytes = (ctypes.c_int64 * n)(*(blocks.stride(0) for _, blocks in shards))
+
+
 class GGUFKernels:
     """The loaded library."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self._gemm, self._gemm_q8, self._rows = lib.gguf_gemm, lib.gguf_gemm_q8, lib.gguf_dequantize_rows
-        self._gemm.restype = self._gemm_q8.restype = self._rows.restype = ctypes.c_int
-        self._gemm.argtypes = self._gemm_q8.argtypes = [i32, p, i64, i64, i64, p, i64, i64, p, i64, i32]
+        self._gemm, self._shards, self._rows = lib.gguf_gemm, lib.gguf_gemm_q8_shards, lib.gguf_dequantize_rows
+        self._gemm.restype = self._shards.restype = self._rows.restype = ctypes.c_int
+        self._gemm.argtypes = [i32, p, i64, i64, i64, p, i64, i64, p, i64, i32]
+        self._shards.argtypes = [i32, p, p, p, p, i64, p, i32, i64, i64, p, i64, i32]
         self._rows.argtypes = [i32, p, i64, i64, p, i64, p, i64, i32]
 
     def gemm(self, qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
@@ -77,15 +103,29 @@ class GGUFKernels:
         contiguous) times the blocks' rows [rows, row_bytes] (contiguous). With
         `int8_activations`, x is quantised to int8 per 32 values first (VNNI); False,
         with nothing written, where this build has no VNNI."""
-        fn = self._gemm_q8 if int8_activations else self._gemm
-        status = fn(GGUF_FORMATS[qtype].type_id, blocks.data_ptr(), blocks.shape[0], k, blocks.stride(0),
-                    x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), out.stride(0), torch.get_num_threads())
+        if int8_activations:
+            return self.gemm_shards(ShardPlan([(qtype, blocks)]), k, x, out)
+        status = self._gemm(GGUF_FORMATS[qtype].type_id, blocks.data_ptr(), blocks.shape[0], k, blocks.stride(0),
+                            x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), out.stride(0),
+                            torch.get_num_threads())
+        if status:
+            raise ValueError(f"GGUF kernel: unknown type {qtype}")
+        return True
+
+    def gemm_shards(self, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
+        """out [m, plan.rows] (rows contiguous, any row stride) = x [m, k] (float32,
+        bfloat16 or float16; rows contiguous) times the plan's shards' rows, shard after
+        shard, with x quantised to int8 per 32 values (VNNI). False, with nothing written,
+        where this build has no VNNI."""
+        status = self._shards(len(plan.qtypes), plan.qtypes, plan.pointers, plan.rows_per_shard, plan.row_bytes, k,
+                              x.data_ptr(), _X_DTYPES[x.dtype], x.stride(0), x.shape[0], out.data_ptr(),
+                              out.stride(0), torch.get_num_threads())
         if status == -2:
             return False
         if status == -3:
             raise MemoryError("GGUF kernel: no memory for the quantised activations")
         if status:
-            raise ValueError(f"GGUF kernel: unknown type {qtype}")
+            raise ValueError(f"GGUF kernel: unknown type among {plan.names}")
         return True
 
     def dequantize_rows(self, qtype: str, blocks: torch.Tensor, k: int, ids: torch.Tensor | None,
@@ -103,7 +143,7 @@ class GGUFKernels:
 def load() -> GGUFKernels | None:
     """The kernels, built if this machine has none cached; None where they cannot be (the
     reason is logged once) or `TP_CPU_GGUF_KERNELS=0`: then the torch path computes."""
-    return load_kernel(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBS, GGUFKernels,
+    return load_kernel(SOURCES, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBS, GGUFKernels,
                        "GGUF CPU kernels unavailable (%s); GGUF layers dequantise per call in torch",
                        switch="TP_CPU_GGUF_KERNELS")
 
@@ -140,6 +180,30 @@ def gguf_linear(qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: 
         n = min(TILE_ROWS, rows - r0)
         kernel.dequantize_rows(qtype, blocks[r0:r0 + n], k, None, tile[:n])
         out[:, r0:r0 + n].copy_(x @ (tile[:n].to(x.dtype) if half else tile[:n]).t())
+
+
+def shard_plan(shards: list[tuple[str, torch.Tensor]]) -> ShardPlan | None:
+    """A layer's shards as one `gguf_linear_shards` call, or None where that path cannot
+    take them (a shard held as floats, off the CPU, or not contiguous)."""
+    if any(_kernel_for(blocks, qtype) is None for qtype, blocks in shards):
+        return None
+    return ShardPlan(shards)
+
+
+def gguf_linear_shards(plan: ShardPlan | None, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
+    """out [m, plan.rows] (float32, rows contiguous) = x [m, k] times every shard of
+    `plan` in one C call, for the int8 path's case: 16-bit activations
+    (`INT8_ACTIVATION_DTYPES`), at most `SMALL_BATCH_TOKENS` tokens, a VNNI build. Same
+    values as `gguf_linear` shard by shard. False, with nothing written, where the case
+    does not apply (the caller then calls `gguf_linear` per shard)."""
+    if plan is None or x.dtype not in INT8_ACTIVATION_DTYPES or x.shape[0] > SMALL_BATCH_TOKENS:
+        return False
+    kernel = load()
+    if kernel is None:
+        return False
+    if out.stride(1) != 1:
+        raise ValueError("gguf_linear_shards: the output's rows must be contiguous")
+    return kernel.gemm_shards(plan, k, x if x.stride(1) == 1 else x.contiguous(), out)
 
 
 def gguf_dequantize_rows(qtype: str, blocks: torch.Tensor, k: int, ids: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,14 @@ int32 sums through `torch._int_mm`, which on x86 CPUs is oneDNN's int8 GEMM (AVX
 VNNI / AMX where the CPU has them) and on CUDA cuBLASLt's. A C kernel of our own with
 VNNI `vpdpbusd` (4x4 register tiles) was measured against it on this CPU and lost
 (batch 1 from a 4096x4096 weight streamed from memory: 1.0 ms against 0.8 ms on one
-thread), so there is none.
+thread), so there is none for the GEMM.
+
+The steps around it are one C pass each on the CPU (`kernels/int8_cpu.c`), for float32
+and bfloat16 activations: the torch expressions took six and four passes, and their
+per-call overhead cost a 0.31B-parameter model's W8A8 decode more time than the
+GEMMs' difference to bf16 (2026-12-05: 1.4 s of quantisation in a 8.3 s run). The C
+passes compute the same bits as the torch expressions, which stay the path elsewhere
+(CUDA, float16, no compiler, `TP_CPU_INT8_KERNELS=0`).
 
 Called from the W8A8 int8 scheme's `apply_weights`, on every rank, with this rank's
 shard. Memory: the int8 activations and an int32 [M, N] product besides the output.
@@ -15,16 +22,73 @@ shard. Memory: the int8 activations and an int32 [M, N] product besides the outp
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from pathlib import Path
+
 import torch
+
+from distributed.native_build import load_kernel
 
 INT8_MAX = 127.0
 _MIN_SCALE = 1e-12  # an all-zero row gets this scale: its values stay exactly 0
 _CUDA_INT_MM_MIN_ROWS = 16  # cuBLASLt's int8 GEMM wants more rows than this
 
+SOURCE = Path(__file__).with_name("kernels") / "int8_cpu.c"
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC")
+LINK_FLAGS = ("-shared", "-fopenmp")
+_C_DTYPES = (torch.float32, torch.bfloat16)  # what the C passes read and write
+
+
+class Int8Kernel:
+    """The loaded library's two passes."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._quantize, self._scale = lib.int8_quantize_per_token, lib.int8_scale_output
+        self._quantize.restype = self._scale.restype = None
+        self._quantize.argtypes = [p, i32, i64, i64, i64, p, p, i32]
+        self._scale.argtypes = [p, i64, i64, i64, p, p, p, p, i32, i64, i32]
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m, k = x.shape
+        xq, scale = torch.empty(m, k, dtype=torch.int8), torch.empty(m, dtype=torch.float32)
+        self._quantize(x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), m, k, xq.data_ptr(), scale.data_ptr(),
+                       torch.get_num_threads())
+        return xq, scale
+
+    def scale_output(self, acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        m, n = acc.shape
+        out = torch.empty(m, n, dtype=out_dtype)
+        self._scale(acc.data_ptr(), acc.stride(0), m, n, x_scale.data_ptr(), weight_scale.data_ptr(),
+                    None if bias is None else bias.data_ptr(), out.data_ptr(), out_dtype == torch.bfloat16, n,
+                    torch.get_num_threads())
+        return out
+
+
+@functools.cache
+def load() -> Int8Kernel | None:
+    """The passes, built if this machine has none cached; None where they cannot be (the
+    reason is logged once) or `TP_CPU_INT8_KERNELS=0`."""
+    return load_kernel(SOURCE, COMPILE_FLAGS, LINK_FLAGS, ("-lm",), Int8Kernel,
+                       "CPU int8 activation kernels unavailable (%s); W8A8 layers quantise in torch",
+                       switch="TP_CPU_INT8_KERNELS")
+
+
+def _c_kernel(*tensors: torch.Tensor) -> Int8Kernel | None:
+    if any(t.device.type != "cpu" for t in tensors):
+        return None
+    return load()
+
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(xq [M, K] int8, scale [M] float32) with x ≈ xq * scale[:, None], each row scaled
     so its largest magnitude maps to 127 (round half to even, as torch rounds)."""
+    kernel = _c_kernel(x)
+    if kernel is not None and x.dtype in _C_DTYPES and x.dim() == 2 and x.stride(1) == 1:
+        return kernel.quantize(x)
     xf = x.to(torch.float32)
     scale = (xf.abs().amax(dim=-1) / INT8_MAX).clamp(min=_MIN_SCALE)
     xq = torch.round(xf / scale.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
@@ -39,6 +103,11 @@ def int8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w
     if xq.is_cuda and m <= _CUDA_INT_MM_MIN_ROWS:  # decode batches: pad with zero rows
         xq = torch.cat([xq, xq.new_zeros(_CUDA_INT_MM_MIN_ROWS + 1 - m, xq.shape[1])])
     acc = torch._int_mm(xq, weight.t())[:m]
+    kernel = _c_kernel(acc)
+    if kernel is not None and out_dtype in _C_DTYPES and acc.stride(1) == 1:
+        scales = [s.to(torch.float32).reshape(-1).contiguous() for s in (x_scale, weight_scale)]
+        return kernel.scale_output(acc, *scales, None if bias is None else bias.to(torch.float32).contiguous(),
+                                   out_dtype)
     y = acc.to(torch.float32).mul_(x_scale.reshape(-1, 1)).mul_(weight_scale.reshape(1, -1))
     if bias is not None:
         y += bias.to(torch.float32)

@@ -1,0 +1,62 @@
+/* What the GGUF kernels (gguf_kernels.c: float products and dequantisers; gguf_vnni.c:
+ * int8 products) share: ggml's type ids, the blocks' sizes and their fp16 scales. The
+ * block layouts are described in gguf_kernels.c. */
+#ifndef GGUF_BLOCKS_H
+#define GGUF_BLOCKS_H
+
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define LANES 16
+#define MAX_TOKENS 8 /* tokens sharing one dequantised block; more are done in chunks */
+#define QK 256       /* the largest block */
+#define MAYBE_UNUSED __attribute__((unused)) /* the portable dequantisers, where AVX-512 replaces them */
+
+enum { T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 }; /* ggml's type ids */
+
+static inline float fp16_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        int e = -1;
+        do { mant <<= 1; ++e; } while (!(mant & 0x400u));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((mant & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float load_fp16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h); /* exact, as the portable conversion */
+#else
+    return fp16_to_float(h);
+#endif
+}
+
+static inline int block_size(int qtype) { return (qtype == T_Q4_0 || qtype == T_Q8_0) ? 32 : 256; }
+static inline int block_bytes(int qtype) {
+    switch (qtype) {
+    case T_Q4_0: return 18;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+#endif

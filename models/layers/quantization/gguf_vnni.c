@@ -1,0 +1,296 @@
+/* GGUF block products with int8 activations (gguf_gemm_q8_shards): the blocks'
+ * integers multiplied by int8-quantised activations with AVX-512 VNNI. Its contract is in
+ * gguf_kernels.py, which compiles it with gguf_kernels.c (the block layouts) and is its
+ * only caller. */
+
+#include "gguf_blocks.h"
+
+/* ---- int8 activations (llama.cpp's way): x quantised per 32 values to int8 with a
+ * float scale dx (amax / 127, rounded to nearest), the weights' integers multiplied by
+ * them with AVX-512 VNNI (vpdpbusd: 64 u8 x s8 products per instruction), scales
+ * applied per 16 values in float. Error against float activations: at most
+ * sum_i |w_i| * dx_i / 2 per output (the activations' rounding), plus float rounding.
+ *
+ * Q4_K and Q5_K rows are read in their own order: a 64-byte load of nibbles holds, in its
+ * low nibbles, values [0, 32) and [64, 96) of its 128 (and the high nibbles the two 32s
+ * between), so x is quantised into that order once per call (ORDER_K4) and each load
+ * feeds two dot products without shuffles. The other types read x in natural order. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <stdlib.h>
+
+enum { ORDER_NATURAL = 0, ORDER_K4 = 1 };
+
+static int x_order(int qtype) { return (qtype == T_Q4_K || qtype == T_Q5_K) ? ORDER_K4 : ORDER_NATURAL; }
+
+typedef struct {
+    int8_t *xq;  /* [kpad], in the row type's order */
+    float *dxl;  /* [kpad / 4]: dx per dpbusd lane (4 values), in the same order */
+    float *xs16; /* [kpad / 16]: dx * sum of xq per 16 values, natural order (the offsets/mins multiply it) */
+} qx_t;
+
+/* Where 32-group g's values start in x's order: natural, or for ORDER_K4 within its
+ * 256: vector v = 2 (g / 4) + g % 2 of four 64s, half (g % 4) / 2. */
+static inline int64_t group_pos(int order, int64_t g) {
+    if (order == ORDER_NATURAL) return 32 * g;
+    const int64_t gs = g % 8;
+    return 256 * (g / 8) + 64 * (2 * (gs / 4) + gs % 2) + 32 * ((gs % 4) / 2);
+}
+
+static void quantize_x(const float *x, int64_t k, int64_t kpad, int order, qx_t *q) {
+    memset(q->xq, 0, (size_t)kpad);
+    memset(q->dxl, 0, (size_t)kpad / 4 * sizeof(float));
+    memset(q->xs16, 0, (size_t)kpad / 16 * sizeof(float));
+    for (int64_t g = 0; g < k / 32; ++g) {
+        const __m512 a = _mm512_loadu_ps(x + 32 * g), c = _mm512_loadu_ps(x + 32 * g + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+        const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        const int64_t pos = group_pos(order, g);
+        /* x * inv rounded to nearest even (the default rounding mode: nearbyintf's) */
+        const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        const __m512i ic = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(q->xq + pos), _mm512_cvtepi32_epi8(ia));
+        _mm_storeu_si128((__m128i *)(q->xq + pos + 16), _mm512_cvtepi32_epi8(ic));
+        q->xs16[2 * g] = dx * (float)_mm512_reduce_add_epi32(ia);
+        q->xs16[2 * g + 1] = dx * (float)_mm512_reduce_add_epi32(ic);
+        _mm256_storeu_ps(q->dxl + pos / 4, _mm256_set1_ps(dx));
+    }
+}
+
+static inline __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline __m512i join256(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+/* 16-bit lanes shifted right by a in the low 256 bits, by b in the high ones */
+static inline __m512i srl_halves(__m512i v, int a, int b) {
+    return _mm512_srlv_epi16(v, join256(_mm256_set1_epi16((short)a), _mm256_set1_epi16((short)b)));
+}
+
+/* One super-chunk s (values [256s, 256s + 256)) of a row: its 256 unsigned weight
+ * integers as four 64-value vectors in x's order (x_order), each vector's per-lane
+ * weight scale, and per 16 values (natural order) the offset/min that multiplies the x
+ * sum. Values at or past k are zero. */
+static inline __attribute__((always_inline)) void unpack_256(int qtype, const uint8_t *row, int64_t s, int64_t k,
+                                                             __m512i w[4], __m512 ws[4], __m512 *gmin) {
+    /* lanes of 4 values: 64c + 4l, whose 16-value group is 4c + l / 4 */
+    const __m512i by16 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1);
+    if (qtype == T_Q4_0 || qtype == T_Q8_0) {
+        const int bb = qtype == T_Q4_0 ? 18 : 34;
+        __m256i half[8];
+        float d[8] __attribute__((aligned(32)));
+        for (int i = 0; i < 8; ++i) {
+            half[i] = _mm256_setzero_si256();
+            d[i] = 0.f;
+            if (256 * s + 32 * i >= k) continue;
+            const uint8_t *b = row + (8 * s + i) * bb;
+            d[i] = load_fp16(b);
+            if (qtype == T_Q4_0) {
+                const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 2)), m = _mm_set1_epi8(15);
+                half[i] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m), _mm_and_si128(qs, m));
+            } else { /* int8 + 128, as unsigned */
+                half[i] = _mm256_xor_si256(load256(b + 2), _mm256_set1_epi8((char)0x80));
+            }
+        }
+        /* each 32-block's d for the 8 lanes of its values */
+        const __m512 dv = _mm512_castps256_ps512(_mm256_load_ps(d));
+        for (int c = 0; c < 4; ++c) {
+            w[c] = join256(half[2 * c], half[2 * c + 1]);
+            ws[c] = _mm512_permutexvar_ps(
+                _mm512_add_epi32(_mm512_srli_epi32(by16, 1), _mm512_set1_epi32(2 * c)), dv);
+        }
+        /* per 16 values: 8 d or 128 d, each 32-block's for its two 16s */
+        *gmin = _mm512_mul_ps(_mm512_set1_ps(qtype == T_Q4_0 ? 8.f : 128.f),
+                              _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), dv));
+        return;
+    }
+    const uint8_t *b = row + s * block_bytes(qtype);
+    if (qtype == T_Q4_K || qtype == T_Q5_K) {
+        /* The eight 6-bit (scale, min) pairs, unpacked four at a time in 32-bit words
+         * (scale_min_k4's rule). */
+        uint32_t u[4];
+        memcpy(u, b + 4, 12);
+        const uint32_t six = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, two = 0x03030303u;
+        /* built in registers: a 64-bit load of two 32-bit stores would miss store forwarding */
+        const __m128i scb = _mm_setr_epi32((int)(u[0] & six), (int)((u[2] & lo4) | (((u[0] >> 6) & two) << 4)), 0, 0);
+        const __m128i mnb = _mm_setr_epi32((int)(u[1] & six), (int)(((u[2] >> 4) & lo4) | (((u[1] >> 6) & two) << 4)), 0, 0);
+        const __m512 sc8 = _mm512_mul_ps(_mm512_set1_ps(load_fp16(b)), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scb)));
+        const __m512 mn8 = _mm512_mul_ps(_mm512_set1_ps(load_fp16(b + 2)), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mnb)));
+        *gmin = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), mn8);
+        /* vector v's halves hold 32-groups g and g + 2, g = 4 (v / 2) + v % 2 */
+        const __m512i halves = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __m512i qh = qtype == T_Q5_K ? _mm512_broadcast_i64x4(load256(b + 16)) : _mm512_setzero_si512();
+        const uint8_t *qs = b + (qtype == T_Q4_K ? 16 : 48);
+        for (int n = 0; n < 2; ++n) {
+            const __m512i q = _mm512_loadu_si512(qs + 64 * n);
+            __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+            if (qtype == T_Q5_K) { /* the fifth bit of the value in 64-run j, low/high nibble: bit 2j / 2j + 1 */
+                lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(srl_halves(qh, 4 * n, 4 * n + 2), m1), 4));
+                hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(srl_halves(qh, 4 * n + 1, 4 * n + 3), m1), 4));
+            }
+            w[2 * n] = lo;
+            w[2 * n + 1] = hi;
+            ws[2 * n] = _mm512_permutexvar_ps(_mm512_add_epi32(halves, _mm512_set1_epi32(4 * n)), sc8);
+            ws[2 * n + 1] = _mm512_permutexvar_ps(_mm512_add_epi32(halves, _mm512_set1_epi32(4 * n + 1)), sc8);
+        }
+        return;
+    }
+    /* Q6_K: per 128 values n, ql's 64 bytes hold values [0, 64) in their low nibbles and
+     * [64, 128) in the high ones; qh's 32 bytes their high two bits, at bits 0-1 (values
+     * [0, 32)), 2-3, 4-5 and 6-7. */
+    const __m512 ds = _mm512_mul_ps(_mm512_set1_ps(load_fp16(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                        _mm_loadu_si128((const __m128i *)(b + 192)))));
+    *gmin = _mm512_mul_ps(_mm512_set1_ps(32.f), ds);
+    for (int n = 0; n < 2; ++n) {
+        const __m512i q = _mm512_loadu_si512(b + 64 * n), h = _mm512_broadcast_i64x4(load256(b + 128 + 32 * n));
+        w[2 * n] = _mm512_or_si512(_mm512_and_si512(q, m4),
+                                   _mm512_slli_epi16(_mm512_and_si512(srl_halves(h, 0, 2), m2), 4));
+        w[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4),
+                                       _mm512_slli_epi16(_mm512_and_si512(srl_halves(h, 4, 6), m2), 4));
+    }
+    for (int c = 0; c < 4; ++c) ws[c] = _mm512_permutexvar_ps(_mm512_add_epi32(by16, _mm512_set1_epi32(4 * c)), ds);
+}
+
+/* One row times nt tokens. Inlined into one copy per constant nt (row_times_qx), so the
+ * running sums stay in registers instead of a stack array indexed at run time (whose
+ * store-to-load forwarding, on every fused multiply-add, set the pace before). */
+static inline __attribute__((always_inline)) void row_times_qx_n(int qtype, const uint8_t *row, int64_t k,
+                                                                 const qx_t *qx, const int nt, float *y,
+                                                                 int64_t ldy) {
+    /* one running sum per 64-value chunk c: four independent chains of fused
+     * multiply-adds, where one chain (four per super-chunk) set the pace */
+    __m512 acc[4][MAX_TOKENS], corr[MAX_TOKENS];
+    for (int t = 0; t < nt; ++t) {
+        corr[t] = _mm512_setzero_ps();
+        for (int c = 0; c < 4; ++c) acc[c][t] = _mm512_setzero_ps();
+    }
+    for (int64_t s = 0; s < (k + 255) / 256; ++s) {
+        __m512i w[4];
+        __m512 ws[4], gm;
+        unpack_256(qtype, row, s, k, w, ws, &gm);
+        for (int c = 0; c < 4; ++c) {
+            const int64_t v = 256 * s + 64 * c;
+            for (int t = 0; t < nt; ++t) {
+                const __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c], _mm512_loadu_si512(qx[t].xq + v));
+                acc[c][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp),
+                                            _mm512_mul_ps(ws[c], _mm512_loadu_ps(qx[t].dxl + v / 4)), acc[c][t]);
+            }
+        }
+        for (int t = 0; t < nt; ++t) corr[t] = _mm512_fmadd_ps(gm, _mm512_loadu_ps(qx[t].xs16 + 16 * s), corr[t]);
+    }
+    for (int t = 0; t < nt; ++t) {
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0][t], acc[1][t]), _mm512_add_ps(acc[2][t], acc[3][t]));
+        y[t * ldy] = _mm512_reduce_add_ps(_mm512_sub_ps(sum, corr[t]));
+    }
+}
+
+/* One row times nt tokens (any nt up to MAX_TOKENS): each super-chunk unpacked once
+ * into registers, then the tokens one after another, each token's running sums loaded
+ * and stored once per super-chunk. Unrolling every token instead (row_times_qx_n) runs
+ * out of registers past two tokens and spills in the inner loop. */
+static void row_times_qx_many(int qtype, const uint8_t *row, int64_t k, const qx_t *qx, int nt, float *y,
+                              int64_t ldy) {
+    __m512 acc[MAX_TOKENS], corr[MAX_TOKENS];
+    for (int t = 0; t < nt; ++t) acc[t] = corr[t] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < (k + 255) / 256; ++s) {
+        __m512i w[4];
+        __m512 ws[4], gm;
+        unpack_256(qtype, row, s, k, w, ws, &gm);
+        for (int t = 0; t < nt; ++t) {
+            const int8_t *xq = qx[t].xq + 256 * s;
+            const float *dxl = qx[t].dxl + 64 * s;
+            __m512 a = acc[t];
+            for (int c = 0; c < 4; ++c) {
+                const __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c], _mm512_loadu_si512(xq + 64 * c));
+                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_mul_ps(ws[c], _mm512_loadu_ps(dxl + 16 * c)), a);
+            }
+            acc[t] = a;
+            corr[t] = _mm512_fmadd_ps(gm, _mm512_loadu_ps(qx[t].xs16 + 16 * s), corr[t]);
+        }
+    }
+    for (int t = 0; t < nt; ++t) y[t * ldy] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[t], corr[t]));
+}
+
+static void row_times_qx(int qtype, const uint8_t *row, int64_t k, const qx_t *qx, int nt, float *y, int64_t ldy) {
+    switch (nt) {
+    case 1: row_times_qx_n(qtype, row, k, qx, 1, y, ldy); break;
+    case 2: row_times_qx_n(qtype, row, k, qx, 2, y, ldy); break;
+    default: row_times_qx_many(qtype, row, k, qx, nt, y, ldy); break;
+    }
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Token t's k activations as float32 (x_dtype 0: float32, 1: bfloat16, 2: float16). */
+static const float *x_row(const void *x, int x_dtype, int64_t ldx, int64_t t, int64_t k, float *buf) {
+    if (x_dtype == 0) return (const float *)x + t * ldx;
+    const uint16_t *h = (const uint16_t *)x + t * ldx;
+    for (int64_t i = 0; i < k; ++i) buf[i] = x_dtype == 1 ? bf16_to_float(h[i]) : load_fp16((const uint8_t *)(h + i));
+    return buf;
+}
+
+/* The product of n weights sharing one input (a fused layer's shards: q, k, v; gate,
+ * up), each `rows[i]` rows of `qtypes[i]` blocks at w[i] (row r at w[i] + r *
+ * row_bytes[i]), with tokens t < m of x (x_dtype as x_row's, row stride ldx):
+ * y[t * ldy + o_i + r] = W_i[r, :] . x[t, :], o_i the rows of the shards before i. x is
+ * quantised to int8 once per order its shards read, and one parallel loop runs over
+ * every shard's rows. Returns 0; -1 for an unknown type or dtype (nothing written);
+ * -2 when this build has no VNNI; -3 when scratch cannot be allocated. */
+int gguf_gemm_q8_shards(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
+                        const int64_t *row_bytes, int64_t k, const void *x, int x_dtype, int64_t ldx, int64_t m,
+                        float *y, int64_t ldy, int num_threads) {
+    int used[2] = {0, 0};
+    int64_t total = 0;
+    for (int i = 0; i < n; ++i) {
+        if (block_bytes(qtypes[i]) == 0) return -1;
+        used[x_order(qtypes[i])] = 1;
+        total += rows[i];
+    }
+    if (x_dtype < 0 || x_dtype > 2) return -1;
+    const int64_t kpad = (k + 255) / 256 * 256;
+    const size_t per_token = (size_t)kpad + ((size_t)kpad / 4 + (size_t)kpad / 16) * sizeof(float);
+    uint8_t *scratch = malloc(2 * per_token * (size_t)m + (size_t)k * sizeof(float));
+    qx_t *qx = malloc(2 * sizeof(qx_t) * (size_t)m);
+    if (!scratch || !qx) {
+        free(scratch);
+        free(qx);
+        return -3;
+    }
+    float *xbuf = (float *)(scratch + 2 * per_token * (size_t)m);
+    for (int64_t t = 0; t < m; ++t) {
+        const float *xt = x_row(x, x_dtype, ldx, t, k, xbuf);
+        for (int order = 0; order < 2; ++order) {
+            if (!used[order]) continue;
+            uint8_t *base = scratch + ((size_t)order * (size_t)m + (size_t)t) * per_token;
+            float *f = (float *)(base + kpad);
+            qx[order * m + t] = (qx_t){(int8_t *)base, f, f + kpad / 4};
+            quantize_x(xt, k, kpad, order, &qx[order * m + t]);
+        }
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (total * k >= (1 << 15))
+    for (int64_t g = 0; g < total; ++g) {
+        int i = 0;
+        int64_t r = g;
+        while (r >= rows[i]) r -= rows[i++];
+        const qx_t *q = qx + x_order(qtypes[i]) * m;
+        for (int64_t t0 = 0; t0 < m; t0 += MAX_TOKENS)
+            row_times_qx(qtypes[i], w[i] + r * row_bytes[i], k, q + t0,
+                         (int)(m - t0 < MAX_TOKENS ? m - t0 : MAX_TOKENS), y + t0 * ldy + g, ldy);
+    }
+    free(scratch);
+    free(qx);
+    return 0;
+}
+#else
+int gguf_gemm_q8_shards(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
+                        const int64_t *row_bytes, int64_t k, const void *x, int x_dtype, int64_t ldx, int64_t m,
+                        float *y, int64_t ldy, int num_threads) {
+    (void)n; (void)qtypes; (void)w; (void)rows; (void)row_bytes; (void)k; (void)x; (void)x_dtype; (void)ldx;
+    (void)m; (void)y; (void)ldy; (void)num_threads;
+    return -2;
+}
+#endif

@@ -1,0 +1,123 @@
+/* W8A8's per-token steps around the int8 GEMM, each one pass over its rows: the
+ * activations' dynamic per-token quantisation, and the int32 sums scaled into the
+ * output. The contract (dtypes, strides, who calls) is in int8_gemm.py, which compiles
+ * this file and is its only caller. Both compute what the torch expressions there
+ * compute, operation for operation (a division, not a multiplication by the inverse;
+ * products in the same order, never fused: -ffp-contract=off), so the results are the
+ * same bits; the rounding is nearbyintf's under the default mode (half to even, as
+ * torch.round), and bfloat16 outputs round to nearest even, as torch converts. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define INT8_MAX_F 127.f
+#define MIN_SCALE 1e-12f
+
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float load_x(const void *x, int bf16, int64_t i) {
+    return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+/* 16 values from float32 or bfloat16 (exact), past n zeros */
+static inline __m512 load16(const void *x, int bf16, int64_t i, int64_t n) {
+    const __mmask16 mask = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    if (!bf16) return _mm512_maskz_loadu_ps(mask, (const float *)x + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)x + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* bfloat16 of 16 floats, rounded to nearest even; NaN stays NaN (float_to_bf16's rule) */
+static inline __m256i to_bf16x16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                        _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)));
+    r = _mm512_srli_epi32(r, 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
+/* One row: its scale, and its values quantised (see int8_quantize_per_token). */
+static void quantize_row(const void *x, int bf16, int64_t off, int64_t k, int8_t *q, float *scale) {
+    float amax = 0.f;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 vmax = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x, bf16, off + j, k - j)));
+    amax = _mm512_reduce_max_ps(vmax);
+#else
+    for (int64_t j = 0; j < k; ++j) amax = fmaxf(amax, fabsf(load_x(x, bf16, off + j)));
+#endif
+    const float s = fmaxf(amax / INT8_MAX_F, MIN_SCALE);
+    *scale = s;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-INT8_MAX_F), hi = _mm512_set1_ps(INT8_MAX_F);
+    for (int64_t j = 0; j < k; j += 16) {
+        const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16(x, bf16, off + j, k - j), vs),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m128i b = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi)));
+        const int64_t n = k - j;
+        _mm_mask_storeu_epi8(q + j, n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u), b);
+    }
+#else
+    for (int64_t j = 0; j < k; ++j)
+        q[j] = (int8_t)fminf(fmaxf(nearbyintf(load_x(x, bf16, off + j) / s), -INT8_MAX_F), INT8_MAX_F);
+#endif
+}
+
+/* xq [m, k] (contiguous) and scale [m] of x [m, k] (float32, or bfloat16 with `bf16`;
+ * row stride ldx): scale = max(max|x| / 127, 1e-12), xq = clamp(round(x / scale)). */
+void int8_quantize_per_token(const void *x, int bf16, int64_t ldx, int64_t m, int64_t k, int8_t *xq, float *scale,
+                             int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k >= (1 << 16))
+    for (int64_t i = 0; i < m; ++i) quantize_row(x, bf16, i * ldx, k, xq + i * k, scale + i);
+}
+
+/* out[i, j] = (float)acc[i, j] * x_scale[i] * w_scale[j] (+ bias[j]), in float32 or,
+ * with `bf16`, bfloat16; acc [m, n] int32 with row stride lda, out row stride ldo. */
+void int8_scale_output(const int32_t *acc, int64_t lda, int64_t m, int64_t n, const float *x_scale,
+                       const float *w_scale, const float *bias, void *out, int bf16, int64_t ldo, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m * n >= (1 << 16))
+    for (int64_t i = 0; i < m; ++i) {
+        int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        const __m512 xs = _mm512_set1_ps(x_scale[i]);
+        for (; j + 16 <= n; j += 16) {
+            __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + i * lda + j)), xs);
+            y = _mm512_mul_ps(y, _mm512_loadu_ps(w_scale + j));
+            if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + j));
+            if (bf16)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + i * ldo + j), to_bf16x16(y));
+            else
+                _mm512_storeu_ps((float *)out + i * ldo + j, y);
+        }
+#endif
+        for (; j < n; ++j) {
+            float y = (float)acc[i * lda + j] * x_scale[i];
+            y = y * w_scale[j];
+            if (bias) y = y + bias[j];
+            if (bf16)
+                ((uint16_t *)out)[i * ldo + j] = float_to_bf16(y);
+            else
+                ((float *)out)[i * ldo + j] = y;
+        }
+    }
+}

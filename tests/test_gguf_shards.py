@@ -1,0 +1,75 @@
+"""A fused GGUF layer's shards in one int8 kernel call (`gguf_linear_shards`).
+
+A Q4_K_M layer mixes types per shard (q and k in Q4_K, v in Q6_K; gate in Q4_K, up in
+Q6_K): the one call must give, bit for bit, what the shards give one call each, for
+every token count the small-batch path takes and for both 16-bit activation dtypes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.layers.quantization import gguf_kernels
+from models.layers.quantization.gguf import GGUFLinearMethod
+from tests.gguf_kquants import quantize as quantize_blocks
+
+kernel = gguf_kernels.load()
+needs_vnni = pytest.mark.skipif(
+    kernel is None or not kernel.gemm("Q8_0", torch.zeros(1, 34, dtype=torch.uint8), 32, torch.zeros(1, 32),
+                                      torch.empty(1, 1), int8_activations=True),
+    reason="this CPU or build has no AVX-512 VNNI (the int8 path)")
+
+
+def _blocks(qtype: str, rows: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.from_numpy(quantize_blocks((torch.randn(rows, k, generator=g) * 0.3).numpy(), qtype))
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_shards_in_one_call_equal_one_call_each(dtype, tokens):
+    k = 512
+    shards = [(qtype, _blocks(qtype, rows, k, seed))
+              for seed, (qtype, rows) in enumerate([("Q4_K", 40), ("Q5_K", 24), ("Q6_K", 16), ("Q8_0", 8), ("Q4_0", 8)])]
+    x = (torch.randn(tokens, k, generator=torch.Generator().manual_seed(9)) * 2).to(dtype)
+    plan = gguf_kernels.shard_plan(shards)
+    assert plan is not None and plan.rows == 96
+    out = torch.full((tokens, plan.rows), float("nan"))
+    assert gguf_kernels.gguf_linear_shards(plan, k, x, out)
+    start = 0
+    for qtype, blocks in shards:
+        one = torch.empty(tokens, blocks.shape[0])
+        assert kernel.gemm(qtype, blocks, k, x.float(), one, int8_activations=True)
+        assert torch.equal(out[:, start:start + blocks.shape[0]], one), qtype
+        start += blocks.shape[0]
+
+
+@needs_vnni
+def test_shards_path_declines_what_it_does_not_take():
+    """float32 activations (the exact float path), more tokens than the small-batch path
+    (the tiled GEMM) and a shard held as floats each leave it to `gguf_linear`."""
+    k = 256
+    shards = [("Q4_K", _blocks("Q4_K", 8, k, 1))]
+    plan = gguf_kernels.shard_plan(shards)
+    out = torch.empty(17, 8)
+    assert not gguf_kernels.gguf_linear_shards(plan, k, torch.randn(1, k), out[:1])
+    assert not gguf_kernels.gguf_linear_shards(plan, k, torch.randn(17, k).bfloat16(), out)
+    floats = torch.randn(8, k).view(torch.uint8)
+    assert gguf_kernels.shard_plan([*shards, ("F32", floats)]) is None
+
+
+def test_layer_plan_follows_its_storage():
+    """The plan holds the blocks' addresses: it is rebuilt once `qweight` moves (sleep
+    mode frees and refills the weights), and reused while it does not."""
+    layer = torch.nn.Module()
+    method = GGUFLinearMethod(["Q8_0", "Q8_0"])
+    method.create_weights(layer, 64, [4, 4], 64, 8, torch.bfloat16, weight_loader=None)
+    first = method.shard_plan(layer)
+    assert method.shard_plan(layer) is first
+    layer.qweight.data = layer.qweight.data.clone()
+    second = method.shard_plan(layer)
+    assert second is not first
+    if second is not None:
+        assert list(second.pointers)[0] == layer.qweight.data_ptr()
