@@ -174,6 +174,28 @@ def test_tool_results_and_calls_reach_the_template(server: ServerProcess, serve_
                         "call get_weather city=Paris\nresult call_1: sunny\nassistant:<think>\n\n</think>\n\n")
 
 
+def test_tokenize_renders_tools_and_tool_messages_as_the_chat_route_does(server: ServerProcess) -> None:
+    """/tokenize takes the chat route's messages (calls, results) and `tools`: the same
+    prompt ids; a malformed tool is a 400 naming it there too."""
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    chat = _chat(server, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=1, return_token_ids=True,
+                 **kwargs)
+    assert chat.status_code == 200, chat.text
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"model": MODEL_NAME, "messages": messages, "tools": TOOLS,
+                                                            **kwargs}, timeout=60)
+    assert tokenized.status_code == 200, tokenized.text
+    assert tokenized.json()["tokens"] == chat.json()["prompt_token_ids"]
+    without = httpx.post(f"{server.url}/tokenize", json={"model": MODEL_NAME, "messages": messages, **kwargs},
+                         timeout=60).json()["tokens"]
+    assert len(without) < len(tokenized.json()["tokens"])  # the template's tools line
+    bad = httpx.post(f"{server.url}/tokenize", json={"model": MODEL_NAME, "messages": MESSAGES,
+                                                     "tools": [{"type": "function", "function": {}}]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[0].function.name", bad.text
+
+
 def test_thinking_goes_to_reasoning_streamed_and_whole(server: ServerProcess) -> None:
     body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
     whole = _chat(server, **body).json()["choices"][0]["message"]

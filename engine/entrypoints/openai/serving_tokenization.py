@@ -3,7 +3,8 @@
 /tokenize takes either `{"model", "prompt", "add_special_tokens": true}` (a text
 prompt, encoded as /v1/completions encodes it) or `{"model", "messages",
 "add_generation_prompt": true, "continue_final_message": false, "add_special_tokens":
-false}` (rendered with the chat template, as /v1/chat/completions renders it), and
+false, "tools"}` (rendered with the chat template, as /v1/chat/completions renders it:
+the same messages, with tool calls and results, and the same checked `tools`), and
 answers `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs` only with
 `"return_token_strs": true`). /detokenize takes `{"model", "tokens"}` and answers
 `{"prompt"}` (special tokens kept, as vLLM decodes it). `chat_template_kwargs` are
@@ -11,14 +12,14 @@ extra template variables, as in the chat route.
 
 The request models are strict: an unknown field or a wrong type is a 400 naming the
 field; an explicit null means the field's default. What vLLM accepts but this server
-cannot honour here (`tools`, a request's own `chat_template`, which vLLM too refuses
-without --trust-request-chat-template, `mm_processor_kwargs`, `media_io_kwargs`) is a
-400 naming it.
+cannot honour here (a request's own `chat_template`, which vLLM too refuses without
+--trust-request-chat-template, `mm_processor_kwargs`, `media_io_kwargs`) is a 400
+naming it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -34,34 +35,15 @@ from pydantic import (
 )
 
 from engine.async_engine import AsyncEngine
+from engine.entrypoints.openai.chat_messages import template_messages
 from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.protocol import ChatMessage
+from engine.entrypoints.openai.protocol_tools import ToolRequestError, resolve_tools
 from engine.entrypoints.openai.serving_chat import render_chat_prompt
 
 
 class _StrictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class TokenizeTextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: StrictStr
-
-
-class TokenizeMessage(BaseModel):
-    """A chat message as /v1/chat/completions takes it (text content only)."""
-
-    model_config = ConfigDict(extra="ignore")
-    role: StrictStr
-    content: StrictStr | list[TokenizeTextPart] | None = None
-    name: StrictStr | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
 
 
 class TokenizeCompletionRequest(_StrictRequest):
@@ -73,15 +55,15 @@ class TokenizeCompletionRequest(_StrictRequest):
 
 class TokenizeChatRequest(_StrictRequest):
     model: StrictStr | None = None
-    messages: list[TokenizeMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: StrictBool | None = None  # None: True
     continue_final_message: StrictBool | None = None  # None: False
     add_special_tokens: StrictBool | None = None  # None: False (the template renders BOS)
     return_token_strs: StrictBool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # checked as the chat route checks them
     # vLLM's, refused here when set (see the module docstring):
     chat_template: StrictStr | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     media_io_kwargs: dict[str, Any] | None = None
 
@@ -157,7 +139,7 @@ class OpenAIServingTokenization:
 
     @staticmethod
     def _chat_ids(body: TokenizeChatRequest, tokenizer: Any) -> list[int]:
-        for name in ("chat_template", "tools", "mm_processor_kwargs", "media_io_kwargs"):
+        for name in ("chat_template", "mm_processor_kwargs", "media_io_kwargs"):
             if getattr(body, name):
                 raise APIError(400, f"{name} is not supported by /tokenize on this server", param=name)
         continue_final = bool(body.continue_final_message)
@@ -167,12 +149,15 @@ class OpenAIServingTokenization:
                            param="continue_final_message")
         if tokenizer.chat_template is None:
             raise APIError(400, "this model has no chat template; tokenize a prompt instead", param="messages")
-        messages: list[dict[str, Any]] = [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
-            for m in body.messages]
+        try:
+            functions, _ = resolve_tools(body.tools, None)
+            messages = template_messages(body.messages)
+        except ToolRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
         return render_chat_prompt(tokenizer, messages, add_generation_prompt=add_generation,
                                   continue_final_message=continue_final, template_kwargs=body.chat_template_kwargs,
-                                  add_special_tokens=bool(body.add_special_tokens))
+                                  add_special_tokens=bool(body.add_special_tokens),
+                                  tools=body.tools if functions else None)
 
     async def detokenize(self, request: Request) -> JSONResponse:
         parsed = _parse(DetokenizeRequest, await _json_body(request))
