@@ -56,6 +56,12 @@ static void quantize_x(const float *x, int64_t k, int64_t kpad, int order, qx_t 
     }
 }
 
+static inline int fp16_bits(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h;
+}
+
 static inline __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline __m512i join256(__m256i lo, __m256i hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
@@ -77,13 +83,18 @@ static inline __attribute__((always_inline)) void unpack_256(int qtype, const ui
     if (qtype == T_Q4_0 || qtype == T_Q8_0) {
         const int bb = qtype == T_Q4_0 ? 18 : 34;
         __m256i half[8];
-        float d[8] __attribute__((aligned(32)));
+        const int nb = 256 * s + 256 <= k ? 8 : (int)((k - 256 * s) / 32); /* blocks in this 256 */
+        const uint8_t *b0 = row + 8 * s * bb;
+        /* the eight fp16 d, put together in a register (eight scalar stores read back as
+         * one vector miss store forwarding: that stall was half a Q8_0 block's time) */
+        __m128i dh = _mm_setzero_si128();
+#define D16(i) if ((i) < nb) dh = _mm_insert_epi16(dh, fp16_bits(b0 + (i) * bb), (i))
+        D16(0); D16(1); D16(2); D16(3); D16(4); D16(5); D16(6); D16(7);
+#undef D16
         for (int i = 0; i < 8; ++i) {
             half[i] = _mm256_setzero_si256();
-            d[i] = 0.f;
-            if (256 * s + 32 * i >= k) continue;
-            const uint8_t *b = row + (8 * s + i) * bb;
-            d[i] = load_fp16(b);
+            if (i >= nb) continue;
+            const uint8_t *b = b0 + i * bb;
             if (qtype == T_Q4_0) {
                 const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 2)), m = _mm_set1_epi8(15);
                 half[i] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m), _mm_and_si128(qs, m));
@@ -91,8 +102,8 @@ static inline __attribute__((always_inline)) void unpack_256(int qtype, const ui
                 half[i] = _mm256_xor_si256(load256(b + 2), _mm256_set1_epi8((char)0x80));
             }
         }
-        /* each 32-block's d for the 8 lanes of its values */
-        const __m512 dv = _mm512_castps256_ps512(_mm256_load_ps(d));
+        /* each 32-block's d for the 8 lanes of its values (exact: fp16 -> float) */
+        const __m512 dv = _mm512_castps256_ps512(_mm256_cvtph_ps(dh));
         for (int c = 0; c < 4; ++c) {
             w[c] = join256(half[2 * c], half[2 * c + 1]);
             ws[c] = _mm512_permutexvar_ps(
