@@ -118,8 +118,10 @@ static inline __attribute__((always_inline)) void unpack_256(int qtype, const ui
     if (qtype == T_Q4_K || qtype == T_Q5_K) {
         /* The eight 6-bit (scale, min) pairs, unpacked four at a time in 32-bit words
          * (scale_min_k4's rule). */
-        uint32_t u[4];
-        memcpy(u, b + 4, 12);
+        uint32_t u[3]; /* three loads from the block, not a copy through the stack */
+        memcpy(&u[0], b + 4, 4);
+        memcpy(&u[1], b + 8, 4);
+        memcpy(&u[2], b + 12, 4);
         const uint32_t six = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, two = 0x03030303u;
         /* built in registers: a 64-bit load of two 32-bit stores would miss store forwarding */
         const __m128i scb = _mm_setr_epi32((int)(u[0] & six), (int)((u[2] & lo4) | (((u[0] >> 6) & two) << 4)), 0, 0);
