@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from engine.arg_utils import create_engine_config
 from model_loader import get_model
+from models.layers import cpu_bf16_gemm
 from models.layers.cpu_gemm import (
     PACKED_MAX_ROWS,
     PackedWeight,
@@ -116,12 +117,15 @@ def test_loading_packs_linears_and_lm_head_and_keeps_logits(name, tiny_models):
         torch.testing.assert_close(logits_of(packed, ids), logits_of(plain, ids), rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_weights_are_packed_natively_or_as_float32_where_the_cpu_has_no_bf16_gemm(tiny_models):
+def test_bf16_weights_are_packed_natively_or_as_float32_where_the_cpu_has_no_bf16_gemm(tiny_models, monkeypatch):
+    # Our row-major bf16 kernel off (on a CPU where it runs, bf16 weights are not packed:
+    # test_bf16_weights_stay_in_the_checkpoint_layout_where_our_bf16_kernel_runs).
+    monkeypatch.setenv(cpu_bf16_gemm.SWITCH, "0")
     bf16 = load(tiny_models["llama"], dtype="bfloat16")
     plain = load(tiny_models["llama"], dtype="bfloat16", cpu_prepack_weights=False)
     native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # AVX-512 BF16 / AMX CPUs
     for m in [*linears(bf16), bf16.lm_head]:
-        assert is_packed(m) and m.quant_method.upcast == (not native)
+        assert is_packed(m) and m.quant_method.upcast == (not native) and not m.quant_method.row_major
         packed = m.quant_method.packed
         if native:  # oneDNN's bf16 GEMM on a bf16 copy in its own layout, whatever packs float32
             assert packed.kernel == "onednn" and packed.dtype == torch.bfloat16
@@ -129,12 +133,28 @@ def test_bf16_weights_are_packed_natively_or_as_float32_where_the_cpu_has_no_bf1
             assert packed.kernel == upcast_gemm(default_packed_gemm()) and packed.dtype == torch.float32
         assert m.weight.dtype == torch.bfloat16  # the packed weight reads as the checkpoint's dtype
     assert not any(is_packed(m) for m in [*linears(plain), plain.lm_head])
+    assert_bf16_logits_close(bf16, plain)
+
+
+def assert_bf16_logits_close(model: torch.nn.Module, plain: torch.nn.Module) -> None:
     for length in (5, PACKED_MAX_ROWS + 20):
         ids = torch.randint(0, 320, (length,), generator=torch.Generator().manual_seed(length))
-        got, expected = logits_of(bf16, ids), logits_of(plain, ids)
+        got, expected = logits_of(model, ids), logits_of(plain, ids)
         assert got.dtype == expected.dtype == torch.bfloat16
         # Both accumulate in float32; they may round the bf16 outputs of a layer differently.
         torch.testing.assert_close(got.float(), expected.float(), rtol=0.05, atol=0.05 * expected.float().abs().max().item())
+
+
+def test_bf16_weights_stay_in_the_checkpoint_layout_where_our_bf16_kernel_runs(tiny_models):
+    if cpu_bf16_gemm.load() is None:
+        pytest.skip("no AVX-512 BF16 on this CPU (or no C compiler): bf16 weights are packed")
+    bf16 = load(tiny_models["llama"], dtype="bfloat16")
+    plain = load(tiny_models["llama"], dtype="bfloat16", cpu_prepack_weights=False)
+    for m in [*linears(bf16), bf16.lm_head]:
+        method = m.quant_method
+        assert method.row_major and method.packed is None and not is_packed(m)
+        assert type(m.weight) is torch.nn.Parameter and m.weight.dtype == torch.bfloat16
+    assert_bf16_logits_close(bf16, plain)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

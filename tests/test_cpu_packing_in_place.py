@@ -10,6 +10,10 @@ load of those weights gives, and ends with every weight packed again. A tied LM 
 packed in place for the embedding too, whose lookups read rows from the
 packed layout (plain where they cannot); MKL keeps its copy beside the plain weight only
 when chosen. The layout is checked once per shape class, on a small synthetic weight.
+
+These bfloat16 models are packed with our row-major bf16 kernel switched off
+(`TP_CPU_BF16_GEMM=0`): where it runs, bf16 weights are not packed at all
+(tests/test_cpu_bf16_gemm.py), and packing is what this file tests.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from engine.tiny_model import make_tiny_model
 from model_loader import get_model
 from model_loader.sharded_state_loader import save_sharded_model
 from models.errors import WeightLoadError
-from models.layers import cpu_gemm
+from models.layers import cpu_bf16_gemm, cpu_gemm
 from models.layers.cpu_gemm import PackedWeight, native_half_gemm, packing_available, shape_class
 from models.layers.file_pages import release_file_pages
 from models.layers.packed_rows import gather_rows, rows_readable
@@ -46,6 +50,12 @@ SPEC: dict[str, Any] = dict(hidden_size=96, intermediate_size=200, num_hidden_la
                             num_key_value_heads=2, vocab_size=333, init_std=0.1, with_tokenizer=False)
 IDS = torch.tensor([3, 17, 250, 9, 101, 42, 7, 300, 12])
 needs_onednn = pytest.mark.skipif(not packing_available("onednn"), reason="oneDNN packing is not available")
+
+
+@pytest.fixture(autouse=True)
+def packing_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 weights packed, as on a CPU without our bf16 kernel (worker processes inherit it)."""
+    monkeypatch.setenv(cpu_bf16_gemm.SWITCH, "0")
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,13 @@
 
 `UnquantizedLinearMethod` is plain `F.linear` (CUDA, and the CPU with packing off).
 `CPUUnquantizedLinearMethod` packs the weight after loading (`models/layers/cpu_gemm.py`):
-a float32 weight by oneDNN or our AVX2 kernel (by CPU), a bfloat16/float16 one by oneDNN
-in its own dtype where the CPU has a GEMM for it: the CPU counterpart of what vLLM's CPU
-backend does with oneDNN in `process_weights_after_loading`. Both serve the parallel
-linear layers and the LM head; `LayerBuildConfig` picks one per layer.
+a float32 weight by oneDNN or our AVX2 kernel (by CPU), a float16 one (and a bfloat16 one
+where our row-major kernel cannot run) by oneDNN in its own dtype where the CPU has a GEMM
+for it: the CPU counterpart of what vLLM's CPU backend does with oneDNN in
+`process_weights_after_loading`. A bfloat16 weight on a CPU with AVX-512 BF16 is not
+packed at all: `models/layers/cpu_bf16_gemm.py` multiplies it in the checkpoint's layout,
+so loading it is reading it. Both methods serve the parallel linear layers and the LM
+head; `LayerBuildConfig` picks one per layer.
 
 Memory: the packed layout replaces the weight. The layer's `weight` becomes a
 `PackedTensor` (models/layers/packed_tensor.py) holding only the packed data, which
@@ -36,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.layers import cpu_bf16_gemm
 from models.layers.cpu_gemm import (PackedWeight, can_pack, lacks_native_gemm, layout_verified, native_half_gemm,
                                     packing_available, reusing_upcast_buffer, upcast_float32, upcast_gemm)
 from models.layers.file_pages import release_file_pages
@@ -82,6 +86,7 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
         self.kernel = kernel  # PACKED_GEMMS: the float32 one
         self.packed: PackedWeight | None = None
         self.upcast = False
+        self.row_major = False
         # Every (module, name) that holds the weight: the layer's own, and for a shared
         # weight (a tied LM head's) the others', which the packed and unpacked forms replace too.
         self.holders: Holders = []
@@ -96,6 +101,9 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
             return
         self.packed, self.upcast = None, False
         _drop_mkl_copy(layer)
+        self.row_major = cpu_bf16_gemm.serves(weight)
+        if self.row_major:
+            return
         choice = self._choose_kernel(weight)
         if choice is None:
             return
@@ -160,6 +168,8 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         weight = layer.weight
+        if self.row_major:
+            return cpu_bf16_gemm.linear(x, weight, bias)
         if isinstance(weight, PackedTensor):  # (no tensor property of it is read: each is a torch function)
             packed = weight.packed_weight
             if self.upcast:  # the float32 copy of a bf16/fp16 weight

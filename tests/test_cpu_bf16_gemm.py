@@ -1,0 +1,126 @@
+"""The bfloat16 GEMM that reads the weight in the checkpoint's layout (models/layers/cpu_bf16_gemm.py).
+
+Each output must be the float32 sum rounded once to bfloat16: within half a bfloat16 unit
+of the exact (float64) product, plus float32 rounding, for every row count up to
+MAX_ROWS, every tile remainder (rows and tokens not multiples of 4, K not a multiple of
+32), with and without bias, for strided inputs and a weight that is a view of a wider
+one. Above MAX_ROWS it is F.linear itself. A bf16 model loads with its weights as they
+were read (no packed copy: parameter storage is the plain model's) and gives the logits of the
+plain model, for an untied and a tied LM head.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.arg_utils import create_engine_config
+from engine.tiny_model import make_tiny_model
+from model_loader import get_model
+from models.layers import cpu_bf16_gemm
+from models.layers.linear import LinearBase
+
+pytestmark = pytest.mark.skipif(cpu_bf16_gemm.load() is None,
+                                reason="no AVX-512 BF16 on this CPU (or no C compiler): bf16 weights are packed")
+
+
+def assert_rounded_once(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """got is the exact product rounded to bfloat16 (half a unit: 2^-9 relative), up to
+    float32 accumulation error."""
+    exact = x.double() @ weight.double().T
+    if bias is not None:
+        exact += bias.double()
+    assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+    scale = (x.double().abs() @ weight.double().abs().T).max().item()  # what float32 rounding scales with
+    err = (got.double() - exact).abs()
+    bound = exact.abs() * 2.0 ** -8 + 1e-5 * scale
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item()}"
+
+
+@pytest.mark.parametrize("n, k", [(4, 32), (37, 100), (130, 31), (5, 2048), (64, 1000)])
+def test_every_row_count_and_tile_remainder_rounds_the_float32_sum_once(n, k):
+    gen = torch.Generator().manual_seed(n * k)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    for rows in [1, 2, 3, 4, 5, 7, 8, 13, 16, 31, cpu_bf16_gemm.MAX_ROWS]:
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        for b in (None, bias):
+            assert_rounded_once(cpu_bf16_gemm.linear(x, weight, b), x, weight, b)
+
+
+def test_strided_inputs_views_and_3d_batches():
+    gen = torch.Generator().manual_seed(1)
+    fused = torch.randn(96, 160, generator=gen).bfloat16()
+    weight = fused[:, 16:144]  # a view: rows 160 apart, unit stride along the input
+    assert not weight.is_contiguous() and cpu_bf16_gemm.serves(weight)
+    wide = torch.randn(9, 200, generator=gen).bfloat16()
+    x = wide[:, :128]  # input rows 200 apart
+    assert_rounded_once(cpu_bf16_gemm.linear(x, weight), x, weight, None)
+    x3 = torch.randn(2, 5, 128, generator=gen).bfloat16()
+    got = cpu_bf16_gemm.linear(x3, weight)
+    assert got.shape == (2, 5, 96)
+    assert_rounded_once(got.reshape(10, 96), x3.reshape(10, 128), weight, None)
+
+
+def test_above_max_rows_and_other_dtypes_it_is_f_linear():
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(48, 64, generator=gen).bfloat16()
+    x = torch.randn(cpu_bf16_gemm.MAX_ROWS + 1, 64, generator=gen).bfloat16()
+    assert torch.equal(cpu_bf16_gemm.linear(x, weight), F.linear(x, weight))
+    xf = torch.randn(3, 64, generator=gen)
+    assert torch.equal(cpu_bf16_gemm.linear(xf, weight.float()), F.linear(xf, weight.float()))
+    assert not cpu_bf16_gemm.serves(weight.float()) and not cpu_bf16_gemm.serves(weight.T)
+
+
+def test_the_switch_turns_it_off_for_weights_loaded_after(monkeypatch):
+    weight = torch.zeros(8, 32, dtype=torch.bfloat16)
+    assert cpu_bf16_gemm.serves(weight)
+    monkeypatch.setenv(cpu_bf16_gemm.SWITCH, "0")
+    assert not cpu_bf16_gemm.serves(weight)
+
+
+SPEC: dict[str, Any] = dict(hidden_size=160, intermediate_size=300, num_hidden_layers=2, num_attention_heads=5,
+                            num_key_value_heads=1, vocab_size=333, init_std=0.1, with_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def bf16_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bf16_gemm")
+    return {"llama": make_tiny_model(root / "llama", "llama", seed=5, dtype="bfloat16", **SPEC),
+            "tied": make_tiny_model(root / "tied", "qwen2", seed=6, dtype="bfloat16", tie_word_embeddings=True,
+                                    **SPEC)}
+
+
+def load(model_dir: Path, **kwargs: Any) -> torch.nn.Module:
+    return get_model(create_engine_config(model=str(model_dir), device="cpu", dtype="bfloat16",
+                                          use_tqdm_on_load=False, **kwargs))
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    params = {id(p): p for p in model.parameters()}.values()  # a tied table once
+    return sum(p.untyped_storage().nbytes() for p in params)
+
+
+@pytest.mark.parametrize("name", ["llama", "tied"])
+def test_a_bf16_model_keeps_its_loaded_weights_and_gives_the_plain_logits(bf16_models, name):
+    model = load(bf16_models[name])
+    plain = load(bf16_models[name], cpu_prepack_weights=False)
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)] + [model.lm_head]
+    for layer in layers:
+        assert layer.quant_method.row_major and type(layer.weight) is torch.nn.Parameter
+    if name == "tied":  # one table, shared by the embedding and the head
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    # Every parameter holds only its own values: no packed layout, no padding, no copy.
+    assert parameter_bytes(model) == parameter_bytes(plain) == sum(p.numel() * 2 for p in plain.parameters())
+    for length in (1, 6, cpu_bf16_gemm.MAX_ROWS + 9):  # decode rows, a few, and F.linear's prefill
+        ids = torch.randint(0, 333, (length,), generator=torch.Generator().manual_seed(length))
+        with torch.inference_mode():
+            got = model.compute_logits(model(ids, torch.arange(length)))
+            expected = plain.compute_logits(plain(ids, torch.arange(length)))
+        # Each layer's output may round differently by a bf16 unit; the logits stay close.
+        torch.testing.assert_close(got.float(), expected.float(), rtol=0.03,
+                                   atol=0.03 * expected.float().abs().max().item())
