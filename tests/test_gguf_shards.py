@@ -1,8 +1,9 @@
-"""A fused GGUF layer's shards in one int8 kernel call (`gguf_linear_shards`).
+"""A fused GGUF layer's shards in one kernel call (`gguf_linear_shards`).
 
 A Q4_K_M layer mixes types per shard (q and k in Q4_K, v in Q6_K; gate in Q4_K, up in
-Q6_K): the one call must give, bit for bit, what the shards give one call each, for
-every token count the small-batch path takes and for both 16-bit activation dtypes.
+Q6_K): the one call must give, bit for bit, what `gguf_linear` gives each shard, for
+every token count the int8 path and the bf16 tiles take and for both 16-bit activation
+dtypes.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def _blocks(qtype: str, rows: int, k: int, seed: int) -> torch.Tensor:
 
 @needs_vnni
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 16, 40])
 def test_shards_in_one_call_equal_one_call_each(dtype, tokens):
     k = 512
     shards = [(qtype, _blocks(qtype, rows, k, seed))
@@ -41,21 +42,22 @@ def test_shards_in_one_call_equal_one_call_each(dtype, tokens):
     start = 0
     for qtype, blocks in shards:
         one = torch.empty(tokens, blocks.shape[0])
-        assert kernel.gemm(qtype, blocks, k, x.float(), one, int8_activations=True)
+        gguf_kernels.gguf_linear(qtype, blocks, k, x, one)
         assert torch.equal(out[:, start:start + blocks.shape[0]], one), qtype
         start += blocks.shape[0]
 
 
 @needs_vnni
 def test_shards_path_declines_what_it_does_not_take():
-    """float32 activations (the exact float path), more tokens than the small-batch path
+    """float32 activations (the exact float path), more tokens than the bf16 tiles take
     (the tiled GEMM) and a shard held as floats each leave it to `gguf_linear`."""
     k = 256
     shards = [("Q4_K", _blocks("Q4_K", 8, k, 1))]
     plan = gguf_kernels.shard_plan(shards)
-    out = torch.empty(17, 8)
+    many = gguf_kernels.BF16_TILE_MAX_TOKENS + 1
+    out = torch.empty(many, 8)
     assert not gguf_kernels.gguf_linear_shards(plan, k, torch.randn(1, k), out[:1])
-    assert not gguf_kernels.gguf_linear_shards(plan, k, torch.randn(17, k).bfloat16(), out)
+    assert not gguf_kernels.gguf_linear_shards(plan, k, torch.randn(many, k).bfloat16(), out)
     floats = torch.randn(8, k).view(torch.uint8)
     assert gguf_kernels.shard_plan([*shards, ("F32", floats)]) is None
 

@@ -248,3 +248,97 @@ int gguf_dequantize_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t
     }
     return 0;
 }
+
+/* ---- bfloat16 activations, a few to a few dozen tokens: each 4-row tile of the weight
+ * dequantised to bfloat16 (one rounding of each exact value) into a per-thread buffer
+ * in L1/L2, then multiplied by every token with our bf16 register tile (VDPBF16PS,
+ * ../bf16_tile.h). Dequantising costs about as much as one token's int8 product, so
+ * from a few tokens on this beats the int8 path, whose per-token cost is twice the
+ * bf16 tile's. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <stdlib.h>
+
+#include "../bf16_tile.h"
+
+/* Rows [0, rows) (rows <= 4) of the block-format weight at w, dequantised and rounded to
+ * bfloat16 (to nearest even) into tile[r * ldt + i], i < k. */
+static void dequantize_tile_bf16(int qtype, const uint8_t *w, int64_t row_bytes, int64_t k, int rows, bf16 *tile,
+                                 int64_t ldt) {
+    const int bs = block_size(qtype), bb = block_bytes(qtype);
+    float buf[QK] __attribute__((aligned(64)));
+    for (int r = 0; r < rows; ++r) {
+        const uint8_t *row = w + r * row_bytes;
+        if (qtype == T_Q8_0) { /* inline: a call per 32 values cost more than the values */
+            for (int64_t kb = 0; kb < k; kb += 32) {
+                const uint8_t *b = row + (kb / 32) * bb;
+                const __m512 d = _mm512_set1_ps(load_fp16(b));
+                const __m512 lo = _mm512_mul_ps(d, to_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))));
+                const __m512 hi = _mm512_mul_ps(d, to_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))));
+                _mm512_storeu_si512((void *)(tile + r * ldt + kb), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+            continue;
+        }
+        for (int64_t kb = 0; kb < k; kb += bs) {
+            deq_block(qtype, row + (kb / bs) * bb, buf);
+            for (int i = 0; i < bs; i += 32) /* the low 16 values from the second operand */
+                _mm512_storeu_si512((void *)(tile + r * ldt + kb + i),
+                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(buf + i + 16), _mm512_load_ps(buf + i)));
+        }
+    }
+}
+
+/* As gguf_gemm_q8_shards (n shards sharing one input, y[t * ldy + o_i + r] = W_i[r, :] .
+ * x[t, :]), for bfloat16 x (row stride ldx) through dequantised bf16 tiles. Returns 0;
+ * -1 for an unknown type (nothing written); -3 when a thread's tile cannot be
+ * allocated. */
+int gguf_gemm_bf16_shards(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
+                          const int64_t *row_bytes, int64_t k, const bf16 *x, int64_t ldx, int64_t m, float *y,
+                          int64_t ldy, int num_threads) {
+    int64_t tiles = 0;
+    for (int i = 0; i < n; ++i) {
+        if (block_bytes(qtypes[i]) == 0) return -1;
+        tiles += (rows[i] + BF16_TILE_ROWS - 1) / BF16_TILE_ROWS;
+    }
+    const int64_t ldt = (k + 31) / 32 * 32;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        bf16 *tile = aligned_alloc(64, (size_t)(BF16_TILE_ROWS * ldt) * sizeof(bf16));
+        if (!tile) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < tiles; ++g) {
+            if (!tile) continue;
+            int i = 0;
+            int64_t tg = g, offset = 0;
+            while (tg >= (rows[i] + BF16_TILE_ROWS - 1) / BF16_TILE_ROWS) {
+                tg -= (rows[i] + BF16_TILE_ROWS - 1) / BF16_TILE_ROWS;
+                offset += rows[i++];
+            }
+            const int64_t r0 = tg * BF16_TILE_ROWS;
+            const int nr = (int)(rows[i] - r0 < BF16_TILE_ROWS ? rows[i] - r0 : BF16_TILE_ROWS);
+            dequantize_tile_bf16(qtypes[i], w[i] + r0 * row_bytes[i], row_bytes[i], k, nr, tile, ldt);
+            for (int64_t m0 = 0; m0 < m; m0 += BF16_TILE_TOKENS) {
+                const int nt = (int)(m - m0 < BF16_TILE_TOKENS ? m - m0 : BF16_TILE_TOKENS);
+                float out[BF16_TILE_ROWS * BF16_TILE_TOKENS];
+                _mm512_storeu_ps(out, bf16_run_tile(tile, ldt, x + m0 * ldx, ldx, k, nr, nt, NULL, 0, 1));
+                for (int t = 0; t < nt; ++t)
+                    for (int r = 0; r < nr; ++r)
+                        y[(m0 + t) * ldy + offset + r0 + r] = out[t * BF16_TILE_ROWS + r]; /* lane 4t + r */
+            }
+        }
+        free(tile);
+    }
+    return failed ? -3 : 0;
+}
+#else
+int gguf_gemm_bf16_shards(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
+                          const int64_t *row_bytes, int64_t k, const uint16_t *x, int64_t ldx, int64_t m, float *y,
+                          int64_t ldy, int num_threads) {
+    (void)n; (void)qtypes; (void)w; (void)rows; (void)row_bytes; (void)k; (void)x; (void)ldx; (void)m; (void)y;
+    (void)ldy; (void)num_threads;
+    return -2;
+}
+#endif

@@ -16,6 +16,13 @@ blocks of `qtype`. On the CPU, with the C kernels built:
     compiler vectorises) and multiplied in float32 (`gguf_gemm`): F.linear on the
     dequantised weight up to float32 rounding (16 running sums per token, fused
     multiply-adds).
+- from `BF16_TILE_MIN_TOKENS` to `BF16_TILE_MAX_TOKENS` tokens of 16-bit activations,
+  on a CPU with AVX-512 BF16 (the concurrent decode of a server): each 4-row tile is
+  dequantised to bfloat16 into a per-thread buffer and multiplied by every token with
+  our bf16 register tile (`gguf_gemm_bf16_shards`; float16 activations are rounded to
+  bfloat16 first, a smaller error than the int8 path's). It overtakes the int8 path at
+  8 tokens: for a 5632x2048 weight on 2 threads, 1.1-1.5x at 8 tokens, 1.5-2.0x at 16
+  and 1.9-2.4x at 32 (Q4_K, Q6_K, Q8_0; 2026-12-05, the Zen 5 VM);
 - more tokens (prefill): row tiles of `TILE_ROWS` rows are dequantised into one float32
   scratch tile (never the whole weight) and multiplied by torch's GEMM, in the
   activations' dtype (a 16-bit copy of the tile for bf16/fp16 activations).
@@ -53,11 +60,13 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("gguf_kernels.c")
 #: What the library is built from: the float path and dequantisers, the int8 path, and
 #: the header both include.
-SOURCES = (SOURCE, SOURCE.with_name("gguf_vnni.c"), SOURCE.with_name("gguf_blocks.h"))
+SOURCES = (SOURCE, SOURCE.with_name("gguf_vnni.c"), SOURCE.with_name("gguf_blocks.h"),
+           SOURCE.parent.parent / "bf16_tile.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
 SMALL_BATCH_TOKENS = 16
+BF16_TILE_MIN_TOKENS, BF16_TILE_MAX_TOKENS = 8, 64
 TILE_ROWS = 1024  # a float32 tile of 1024 x 5632 is 23 MiB: scratch, reused per layer call
 #: Activation dtypes whose small-batch products quantise x to int8 per 32 values, as
 #: llama.cpp does (where the CPU has AVX-512 VNNI): their own rounding (bfloat16's 8
@@ -92,9 +101,11 @@ class GGUFKernels:
         self.path = path
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._gemm, self._shards, self._rows = lib.gguf_gemm, lib.gguf_gemm_q8_shards, lib.gguf_dequantize_rows
-        self._gemm.restype = self._shards.restype = self._rows.restype = ctypes.c_int
+        self._bf16 = lib.gguf_gemm_bf16_shards
+        self._gemm.restype = self._shards.restype = self._rows.restype = self._bf16.restype = ctypes.c_int
         self._gemm.argtypes = [i32, p, i64, i64, i64, p, i64, i64, p, i64, i32]
         self._shards.argtypes = [i32, p, p, p, p, i64, p, i32, i64, i64, p, i64, i32]
+        self._bf16.argtypes = [i32, p, p, p, p, i64, p, i64, i64, p, i64, i32]
         self._rows.argtypes = [i32, p, i64, i64, p, i64, p, i64, i32]
 
     def gemm(self, qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
@@ -124,6 +135,22 @@ class GGUFKernels:
             return False
         if status == -3:
             raise MemoryError("GGUF kernel: no memory for the quantised activations")
+        if status:
+            raise ValueError(f"GGUF kernel: unknown type among {plan.names}")
+        return True
+
+    def gemm_shards_bf16(self, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
+        """out [m, plan.rows] (rows contiguous, any row stride) = x [m, k] (bfloat16,
+        rows contiguous) times the plan's shards' rows, each 4-row tile dequantised to
+        bfloat16 and multiplied by our bf16 register tile. False, with nothing written,
+        where this build has no AVX-512 BF16."""
+        status = self._bf16(len(plan.qtypes), plan.qtypes, plan.pointers, plan.rows_per_shard, plan.row_bytes, k,
+                            x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), out.stride(0),
+                            torch.get_num_threads())
+        if status == -2:
+            return False
+        if status == -3:
+            raise MemoryError("GGUF kernel: no memory for a dequantised tile")
         if status:
             raise ValueError(f"GGUF kernel: unknown type among {plan.names}")
         return True
@@ -165,6 +192,9 @@ def gguf_linear(qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: 
         return
     half = x.dtype in INT8_ACTIVATION_DTYPES
     m, rows = x.shape[0], blocks.shape[0]
+    if half and BF16_TILE_MIN_TOKENS <= m <= BF16_TILE_MAX_TOKENS and _bf16_tiles(
+            kernel, ShardPlan([(qtype, blocks)]), k, x, out):
+        return
     if m <= SMALL_BATCH_TOKENS:
         if out.stride(1) != 1:
             raise ValueError("gguf_linear: the output's rows must be contiguous")
@@ -192,18 +222,32 @@ def shard_plan(shards: list[tuple[str, torch.Tensor]]) -> ShardPlan | None:
 
 def gguf_linear_shards(plan: ShardPlan | None, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
     """out [m, plan.rows] (float32, rows contiguous) = x [m, k] times every shard of
-    `plan` in one C call, for the int8 path's case: 16-bit activations
-    (`INT8_ACTIVATION_DTYPES`), at most `SMALL_BATCH_TOKENS` tokens, a VNNI build. Same
-    values as `gguf_linear` shard by shard. False, with nothing written, where the case
-    does not apply (the caller then calls `gguf_linear` per shard)."""
-    if plan is None or x.dtype not in INT8_ACTIVATION_DTYPES or x.shape[0] > SMALL_BATCH_TOKENS:
+    `plan` in one C call, for 16-bit activations (`INT8_ACTIVATION_DTYPES`): the int8
+    path's (at most `SMALL_BATCH_TOKENS` tokens, a VNNI build) and the bf16 tiles' (up
+    to `BF16_TILE_MAX_TOKENS`). Same values as `gguf_linear` shard by shard. False, with
+    nothing written, where neither applies (the caller then calls `gguf_linear` per shard)."""
+    if plan is None or x.dtype not in INT8_ACTIVATION_DTYPES or x.shape[0] > BF16_TILE_MAX_TOKENS:
         return False
     kernel = load()
     if kernel is None:
         return False
     if out.stride(1) != 1:
         raise ValueError("gguf_linear_shards: the output's rows must be contiguous")
+    if _bf16_tiles(kernel, plan, k, x, out):
+        return True
+    if x.shape[0] > SMALL_BATCH_TOKENS:
+        return False
     return kernel.gemm_shards(plan, k, x if x.stride(1) == 1 else x.contiguous(), out)
+
+
+def _bf16_tiles(kernel: GGUFKernels, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
+    """The dequantised-bf16-tile product for BF16_TILE_MIN_TOKENS..BF16_TILE_MAX_TOKENS
+    tokens of 16-bit x into out (float32, rows contiguous); False, with nothing written,
+    for other token counts or where the build has no AVX-512 BF16."""
+    if not BF16_TILE_MIN_TOKENS <= x.shape[0] <= BF16_TILE_MAX_TOKENS or out.stride(1) != 1:
+        return False
+    x = x.to(torch.bfloat16)
+    return kernel.gemm_shards_bf16(plan, k, x if x.stride(1) == 1 else x.contiguous(), out)
 
 
 def gguf_dequantize_rows(qtype: str, blocks: torch.Tensor, k: int, ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,76 @@
+"""GGUF products for 8 to 64 tokens of 16-bit activations: dequantised bfloat16 tiles
+(`gguf_kernels.gguf_gemm_bf16_shards`, a concurrent decode's batch sizes).
+
+Each 4-row tile is dequantised exactly (as gguf-py does), rounded once to bfloat16 and
+multiplied by the bfloat16 activations with float32 sums: the result is the product of
+the activations with the bf16-rounded weights up to float32 accumulation, so within
+2^-8 of |x| . |w| of the exact product, for every block type, tile remainders (rows
+not a multiple of 4, tokens not a multiple of 4) and float16 activations (rounded to
+bfloat16 first). Fewer tokens take the int8 path and more the tiled prefill GEMM.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.layers.quantization import gguf_kernels
+from models.layers.quantization.gguf_dequant import QUANTIZED_TYPES, dequantize
+from tests.gguf_kquants import quantize as quantize_blocks
+
+kernel = gguf_kernels.load()
+
+
+def _blocks(qtype: str, rows: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.from_numpy(quantize_blocks((torch.randn(rows, k, generator=g) * 0.3).numpy(), qtype))
+
+
+def _has_bf16_tiles() -> bool:
+    if kernel is None:
+        return False
+    plan = gguf_kernels.ShardPlan([("Q8_0", _blocks("Q8_0", 4, 32, 0))])
+    return kernel.gemm_shards_bf16(plan, 32, torch.zeros(8, 32, dtype=torch.bfloat16), torch.empty(8, 4))
+
+
+pytestmark = pytest.mark.skipif(not _has_bf16_tiles(), reason="no AVX-512 BF16 in this CPU or build")
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED_TYPES)
+@pytest.mark.parametrize("tokens", [8, 9, 17, gguf_kernels.BF16_TILE_MAX_TOKENS])
+def test_bf16_tiles_multiply_the_bf16_rounded_weights(qtype, tokens):
+    rows, k = 30, 512 + (32 if qtype in ("Q4_0", "Q8_0") else 0)  # 30: a last tile of 2 rows
+    blocks = _blocks(qtype, rows, k, tokens)
+    weight = dequantize(qtype, blocks, k).double()
+    x = (torch.randn(tokens, k, generator=torch.Generator().manual_seed(3)) * 2).bfloat16()
+    out = torch.full((tokens, rows), float("nan"))
+    gguf_kernels.gguf_linear(qtype, blocks, k, x, out)
+    magnitude = x.double().abs() @ weight.abs().t()
+    assert ((out.double() - x.double() @ weight.t()).abs() <= 2.0 ** -8 * magnitude + 1e-6).all()
+    rounded = weight.float().bfloat16().double()  # what the tiles hold
+    assert ((out.double() - x.double() @ rounded.t()).abs() <= 1e-5 * magnitude + 1e-6).all()
+
+
+def test_float16_activations_are_rounded_to_bfloat16_first():
+    k = 256
+    blocks = _blocks("Q4_K", 12, k, 4)
+    x = torch.randn(10, k, generator=torch.Generator().manual_seed(5)).half()
+    got, expected = torch.empty(10, 12), torch.empty(10, 12)
+    gguf_kernels.gguf_linear("Q4_K", blocks, k, x, got)
+    gguf_kernels.gguf_linear("Q4_K", blocks, k, x.bfloat16(), expected)
+    assert torch.equal(got, expected)
+
+
+def test_fewer_tokens_take_the_int8_path_and_more_the_tiled_gemm():
+    k = 256
+    blocks = _blocks("Q6_K", 16, k, 6)
+    weight = dequantize("Q6_K", blocks, k)
+    few = torch.randn(gguf_kernels.BF16_TILE_MIN_TOKENS - 1, k, generator=torch.Generator().manual_seed(7)).bfloat16()
+    got, int8 = torch.empty(few.shape[0], 16), torch.empty(few.shape[0], 16)
+    gguf_kernels.gguf_linear("Q6_K", blocks, k, few, got)
+    assert kernel.gemm("Q6_K", blocks, k, few.float(), int8, int8_activations=True)
+    assert torch.equal(got, int8)
+    many = torch.randn(gguf_kernels.BF16_TILE_MAX_TOKENS + 1, k, generator=torch.Generator().manual_seed(8)).bfloat16()
+    got = torch.empty(many.shape[0], 16)
+    gguf_kernels.gguf_linear("Q6_K", blocks, k, many, got)
+    assert torch.equal(got, (many @ weight.to(torch.bfloat16).t()).float())
