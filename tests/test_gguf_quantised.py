@@ -254,25 +254,27 @@ def test_quantised_gguf_tp2_matches_oracle_and_halves_memory(kquant_llamas, tmp_
 @pytest.mark.parametrize("qtype", QUANTIZED_TYPES)
 @pytest.mark.parametrize("tokens", [1, 7])  # 8 and more: bf16 tiles (tests/test_gguf_bf16_tiles.py)
 def test_16bit_activations_go_through_int8_within_their_rounding(qtype, tokens):
-    """bfloat16 activations are quantised per 32 values to int8 (dx = max|x| / 127): the
-    result is the float product with those rounded activations (to float32 rounding),
-    and within sum |w| * dx / 2 of the product with the activations themselves."""
+    """bfloat16 activations are quantised to int8 (dx = max|x| / 127) per 32 values, or
+    per 256 for the K-quants (llama.cpp's Q8_K): the result is the float product with
+    those rounded activations (to float32 rounding), and within sum |w| * dx / 2 of the
+    product with the activations themselves."""
     g = torch.Generator().manual_seed(5)
     k = 512 + (32 if qtype in ("Q4_0", "Q8_0") else 0)  # a last 32-block alone in its 64
+    group = 256 if qtype in ("Q4_K", "Q5_K", "Q6_K") else 32
     blocks = torch.from_numpy(quantize_blocks((torch.randn(24, k, generator=g) * 0.3).numpy(), qtype))
     weight = dequantize(qtype, blocks, k).double()
     x = torch.randn(tokens, k, generator=g).bfloat16()
     out = torch.empty(tokens, 24)
     gguf_kernels.gguf_linear(qtype, blocks, k, x, out)
-    groups = x.double().reshape(tokens, -1, 32)
+    groups = x.double().reshape(tokens, -1, group)
     dx = groups.abs().amax(-1, keepdim=True) / 127
-    bound = (weight.abs().reshape(1, 24, -1, 32).sum(-1) * dx.reshape(tokens, 1, -1) / 2).sum(-1)
+    bound = (weight.abs().reshape(1, 24, -1, group).sum(-1) * dx.reshape(tokens, 1, -1) / 2).sum(-1)
     assert ((out.double() - x.double() @ weight.t()).abs() <= bound + 1e-5).all()
     kernel = gguf_kernels.load()
     if kernel is not None and kernel.gemm(qtype, blocks, k, x.float(), torch.empty(tokens, 24), int8_activations=True):
         # The kernel's rounding, in its IEEE float32 arithmetic (numpy's: torch's vectorised
         # division is not always correctly rounded): round(x * (127 / amax)) * (amax / 127).
-        xf = x.float().reshape(tokens, -1, 32).numpy()
+        xf = x.float().reshape(tokens, -1, group).numpy()
         amax = np.abs(xf).max(-1, keepdims=True)
         inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
         rounded = torch.from_numpy(np.rint(xf * inv).astype(np.float64) * (amax / np.float32(127)).astype(np.float64))

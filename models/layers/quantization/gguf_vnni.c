@@ -5,39 +5,77 @@
 
 #include "gguf_blocks.h"
 
-/* ---- int8 activations (llama.cpp's way): x quantised per 32 values to int8 with a
- * float scale dx (amax / 127, rounded to nearest), the weights' integers multiplied by
- * them with AVX-512 VNNI (vpdpbusd: 64 u8 x s8 products per instruction), scales
- * applied per 16 values in float. Error against float activations: at most
- * sum_i |w_i| * dx_i / 2 per output (the activations' rounding), plus float rounding.
+/* ---- int8 activations (llama.cpp's way): x quantised to int8 with a float scale dx
+ * (amax / 127, rounded to nearest), the weights' integers multiplied by them with AVX-512
+ * VNNI (vpdpbusd: 64 u8 x s8 products per instruction).
  *
- * Q4_K and Q5_K rows are read in their own order: a 64-byte load of nibbles holds, in its
- * low nibbles, values [0, 32) and [64, 96) of its 128 (and the high nibbles the two 32s
- * between), so x is quantised into that order once per call (ORDER_K4) and each load
- * feeds two dot products without shuffles. The other types read x in natural order. */
+ * Q4_0, Q8_0 and Q6_K: x quantised per 32 values, scales applied per 16 values in float.
+ * Q4_K and Q5_K: x quantised per 256 values (llama.cpp's Q8_K), so a super-block's
+ * eight 32-value sums are scaled by its 6-bit integer scales in integer arithmetic
+ * (vpdpwssd) and converted to float once: about 17 cycles a super-block on one core
+ * where float scales per 16 values took 31 (2026-12-05, the Zen 5 VM). Their rows are
+ * read in their own order: a 64-byte load of nibbles holds, in its low nibbles, values
+ * [0, 32) and [64, 96) of its 128 (and the high nibbles the two 32s between), so x is
+ * quantised into that order once per call (ORDER_K4) and each load feeds two dot
+ * products without shuffles. The other types read x in natural order.
+ *
+ * Error against float activations: at most sum_i |w_i| * dx_i / 2 per output (the
+ * activations' rounding, dx that of the value's 32 or 256), plus float rounding. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <stdlib.h>
 
-enum { ORDER_NATURAL = 0, ORDER_K4 = 1 };
+/* How x is quantised for a row type: per 32 values in natural order (Q4_0, Q8_0), per
+ * 256 in Q4_K/Q5_K's nibble order, per 256 in natural order (Q6_K). */
+enum { ORDER_NATURAL = 0, ORDER_K4 = 1, ORDER_NATURAL256 = 2, N_ORDERS = 3 };
+#define PREFETCH_BYTES 4096
 
-static int x_order(int qtype) { return (qtype == T_Q4_K || qtype == T_Q5_K) ? ORDER_K4 : ORDER_NATURAL; }
+static int x_order(int qtype) {
+    return (qtype == T_Q4_K || qtype == T_Q5_K) ? ORDER_K4 : qtype == T_Q6_K ? ORDER_NATURAL256 : ORDER_NATURAL;
+}
 
 typedef struct {
     int8_t *xq;  /* [kpad], in the row type's order */
+    /* ORDER_NATURAL (per 32): */
     float *dxl;  /* [kpad / 4]: dx per dpbusd lane (4 values), in the same order */
-    float *xs16; /* [kpad / 16]: dx * sum of xq per 16 values, natural order (the offsets/mins multiply it) */
+    float *xs16; /* [kpad / 16]: dx * sum of xq per 16 values, natural order (the offsets multiply it);
+                  * also ORDER_NATURAL256's */
+    /* ORDER_K4 and ORDER_NATURAL256 (per 256), in the same memory as dxl: */
+    float *dxs;  /* [kpad / 256]: dx per 256 values */
+    float *xs32; /* [kpad / 32]: ORDER_K4's dx * sum of xq per 32 values, natural order (the mins multiply it) */
 } qx_t;
 
 /* Where 32-group g's values start in x's order: natural, or for ORDER_K4 within its
  * 256: vector v = 2 (g / 4) + g % 2 of four 64s, half (g % 4) / 2. */
 static inline int64_t group_pos(int order, int64_t g) {
-    if (order == ORDER_NATURAL) return 32 * g;
+    if (order != ORDER_K4) return 32 * g;
     const int64_t gs = g % 8;
     return 256 * (g / 8) + 64 * (2 * (gs / 4) + gs % 2) + 32 * ((gs % 4) / 2);
 }
 
 static void quantize_x(const float *x, int64_t k, int64_t kpad, int order, qx_t *q) {
     memset(q->xq, 0, (size_t)kpad);
+    if (order != ORDER_NATURAL) { /* per 256 (K-quant rows have k % 256 == 0) */
+        for (int64_t s = 0; s < k / 256; ++s) {
+            __m512 amax = _mm512_setzero_ps();
+            for (int i = 0; i < 256; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + 256 * s + i)));
+            const float m = _mm512_reduce_max_ps(amax), dx = m / 127.f, inv = m > 0.f ? 127.f / m : 0.f;
+            q->dxs[s] = dx;
+            for (int64_t g = 8 * s; g < 8 * s + 8; ++g) {
+                const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * g), _mm512_set1_ps(inv)));
+                const __m512i ic = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * g + 16), _mm512_set1_ps(inv)));
+                const int64_t pos = group_pos(order, g);
+                _mm_storeu_si128((__m128i *)(q->xq + pos), _mm512_cvtepi32_epi8(ia));
+                _mm_storeu_si128((__m128i *)(q->xq + pos + 16), _mm512_cvtepi32_epi8(ic));
+                if (order == ORDER_K4) {
+                    q->xs32[g] = dx * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(ia, ic));
+                } else {
+                    q->xs16[2 * g] = dx * (float)_mm512_reduce_add_epi32(ia);
+                    q->xs16[2 * g + 1] = dx * (float)_mm512_reduce_add_epi32(ic);
+                }
+            }
+        }
+        return;
+    }
     memset(q->dxl, 0, (size_t)kpad / 4 * sizeof(float));
     memset(q->xs16, 0, (size_t)kpad / 16 * sizeof(float));
     for (int64_t g = 0; g < k / 32; ++g) {
@@ -71,96 +109,132 @@ static inline __m512i srl_halves(__m512i v, int a, int b) {
     return _mm512_srlv_epi16(v, join256(_mm256_set1_epi16((short)a), _mm256_set1_epi16((short)b)));
 }
 
-/* One super-chunk s (values [256s, 256s + 256)) of a row: its 256 unsigned weight
- * integers as four 64-value vectors in x's order (x_order), each vector's per-lane
- * weight scale, and per 16 values (natural order) the offset/min that multiplies the x
- * sum. Values at or past k are zero. */
+/* One super-chunk s (values [256s, 256s + 256)) of a Q4_0 or Q8_0 row: its 256
+ * unsigned weight integers as four 64-value vectors (natural order), each vector's
+ * per-lane weight scale, and per 16 values the offset that multiplies the x sum. Values
+ * at or past k are zero. */
 static inline __attribute__((always_inline)) void unpack_256(int qtype, const uint8_t *row, int64_t s, int64_t k,
                                                              __m512i w[4], __m512 ws[4], __m512 *gmin) {
     /* lanes of 4 values: 64c + 4l, whose 16-value group is 4c + l / 4 */
     const __m512i by16 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1);
-    if (qtype == T_Q4_0 || qtype == T_Q8_0) {
-        const int bb = qtype == T_Q4_0 ? 18 : 34;
-        __m256i half[8];
-        const int nb = 256 * s + 256 <= k ? 8 : (int)((k - 256 * s) / 32); /* blocks in this 256 */
-        const uint8_t *b0 = row + 8 * s * bb;
-        /* the eight fp16 d, put together in a register (eight scalar stores read back as
-         * one vector miss store forwarding: that stall was half a Q8_0 block's time) */
-        __m128i dh = _mm_setzero_si128();
+    const int bb = qtype == T_Q4_0 ? 18 : 34;
+    __m256i half[8];
+    const int nb = 256 * s + 256 <= k ? 8 : (int)((k - 256 * s) / 32); /* blocks in this 256 */
+    const uint8_t *b0 = row + 8 * s * bb;
+    /* the eight fp16 d, put together in a register (eight scalar stores read back as
+     * one vector miss store forwarding: that stall was half a Q8_0 block's time) */
+    __m128i dh = _mm_setzero_si128();
 #define D16(i) if ((i) < nb) dh = _mm_insert_epi16(dh, fp16_bits(b0 + (i) * bb), (i))
-        D16(0); D16(1); D16(2); D16(3); D16(4); D16(5); D16(6); D16(7);
+    D16(0); D16(1); D16(2); D16(3); D16(4); D16(5); D16(6); D16(7);
 #undef D16
-        for (int i = 0; i < 8; ++i) {
-            half[i] = _mm256_setzero_si256();
-            if (i >= nb) continue;
-            const uint8_t *b = b0 + i * bb;
-            if (qtype == T_Q4_0) {
-                const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 2)), m = _mm_set1_epi8(15);
-                half[i] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m), _mm_and_si128(qs, m));
-            } else { /* int8 + 128, as unsigned */
-                half[i] = _mm256_xor_si256(load256(b + 2), _mm256_set1_epi8((char)0x80));
+    for (int i = 0; i < 8; ++i) {
+        half[i] = _mm256_setzero_si256();
+        if (i >= nb) continue;
+        const uint8_t *b = b0 + i * bb;
+        if (qtype == T_Q4_0) {
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 2)), m = _mm_set1_epi8(15);
+            half[i] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m), _mm_and_si128(qs, m));
+        } else { /* int8 + 128, as unsigned */
+            half[i] = _mm256_xor_si256(load256(b + 2), _mm256_set1_epi8((char)0x80));
+        }
+    }
+    /* each 32-block's d for the 8 lanes of its values (exact: fp16 -> float) */
+    const __m512 dv = _mm512_castps256_ps512(_mm256_cvtph_ps(dh));
+    for (int c = 0; c < 4; ++c) {
+        w[c] = join256(half[2 * c], half[2 * c + 1]);
+        ws[c] = _mm512_permutexvar_ps(
+            _mm512_add_epi32(_mm512_srli_epi32(by16, 1), _mm512_set1_epi32(2 * c)), dv);
+    }
+    /* per 16 values: 8 d or 128 d, each 32-block's for its two 16s */
+    *gmin = _mm512_mul_ps(_mm512_set1_ps(qtype == T_Q4_0 ? 8.f : 128.f),
+                          _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), dv));
+}
+
+/* One K-quant row (Q4_K, Q5_K, Q6_K) times nt tokens of per-256 int8 x (ORDER_K4 or
+ * ORDER_NATURAL256). Per super-block: each group's integer dot products (vpdpbusd, 4
+ * values a lane, at most 4 * 63 * 127 in magnitude: they fit 16 bits), packed to 16 bits
+ * and multiplied by the group scales with the pairs summed (vpdpwssd), then once in
+ * float by d * dx; minus the offsets' term, per group offset * (dx * sum of x in it):
+ * Q4_K/Q5_K's dmin * min_j per 32 values, Q6_K's 32 * d * scale_j per 16.
+ * vpackssdw(a, b) interleaves per 128-bit lane L: four 32-bit lanes of a, then four of
+ * b; so the scale vector of a pair holds, per L, four of a's group's scale then four of
+ * b's. Q4_K/Q5_K vectors 0-3 hold 32-groups (0, 2), (1, 3), (4, 6), (5, 7) (ORDER_K4);
+ * Q6_K's hold values in order, so lane L of a pair holds 16-groups L and 4 + L (then
+ * 8 + L and 12 + L). Inlined per constant nt. */
+static inline __attribute__((always_inline)) void row_k_n(int qtype, const uint8_t *row, int64_t k,
+                                                          const qx_t *qx, const int nt, float *y, int64_t ldy) {
+    const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1);
+    const __m512i zero = _mm512_setzero_si512();
+    const __m256i k4_idx = _mm256_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m256i q6_idx = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 1, 1, 1, 1, 5, 5, 5, 5,
+                                            2, 2, 2, 2, 6, 6, 6, 6, 3, 3, 3, 3, 7, 7, 7, 7);
+    const int bb = block_bytes(qtype), q6 = qtype == T_Q6_K;
+    __m512 acc[MAX_TOKENS], corr[MAX_TOKENS];
+    for (int t = 0; t < nt; ++t) acc[t] = corr[t] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < k / 256; ++s) {
+        const uint8_t *b = row + s * bb;
+        /* into L2, 4 KiB ahead (this row's later blocks, then the next rows'): the core's
+         * own misses alone kept fewer lines in flight than the memory could serve (a
+         * 5632x2048 Q4_K product streamed about 23 GB/s without, 27-30 with) */
+        for (int off = 0; off < bb; off += 64) _mm_prefetch((const char *)b + PREFETCH_BYTES + off, _MM_HINT_T1);
+        __m512i w[4], s01, s23;
+        __m512 offsets; /* per group: 8 lanes (32-groups) or 16 (16-groups) */
+        float d;
+        if (q6) { /* ql's 64 bytes per 128 values: [0, 64) low nibbles, [64, 128) high; qh's 32 bytes their top two bits */
+            const __m256i sc = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 192)));
+            s01 = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(q6_idx, sc));
+            s23 = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(_mm256_add_epi8(q6_idx, _mm256_set1_epi8(8)), sc));
+            d = load_fp16(b + 208);
+            offsets = _mm512_mul_ps(_mm512_set1_ps(32.f * d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                                  _mm256_castsi256_si128(sc))));
+            for (int n = 0; n < 2; ++n) {
+                const __m512i q = _mm512_loadu_si512(b + 64 * n), h = _mm512_broadcast_i64x4(load256(b + 128 + 32 * n));
+                w[2 * n] = _mm512_or_si512(_mm512_and_si512(q, m4),
+                                           _mm512_slli_epi16(_mm512_and_si512(srl_halves(h, 0, 2), m2), 4));
+                w[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4),
+                                               _mm512_slli_epi16(_mm512_and_si512(srl_halves(h, 4, 6), m2), 4));
+            }
+        } else { /* the eight 6-bit (scale, min) pairs (scale_min_k4's rule), four to a 32-bit word */
+            uint32_t u0, u1, u2; /* loads from the block, not a copy through the stack */
+            memcpy(&u0, b + 4, 4);
+            memcpy(&u1, b + 8, 4);
+            memcpy(&u2, b + 12, 4);
+            const uint32_t six = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, two = 0x03030303u;
+            const uint64_t sc = (uint64_t)(u0 & six) | (uint64_t)((u2 & lo4) | (((u0 >> 6) & two) << 4)) << 32;
+            const uint64_t mn = (uint64_t)(u1 & six) | (uint64_t)(((u2 >> 4) & lo4) | (((u1 >> 6) & two) << 4)) << 32;
+            const __m256i scb = _mm256_castsi128_si256(_mm_cvtsi64_si128((long long)sc));
+            s01 = _mm512_cvtepu8_epi16(_mm256_permutexvar_epi8(k4_idx, scb));
+            s23 = _mm512_cvtepu8_epi16(_mm256_permutexvar_epi8(_mm256_add_epi8(k4_idx, _mm256_set1_epi8(4)), scb));
+            d = load_fp16(b);
+            offsets = _mm512_mul_ps(_mm512_set1_ps(load_fp16(b + 2)),
+                                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
+            const __m512i qh = qtype == T_Q5_K ? _mm512_broadcast_i64x4(load256(b + 16)) : zero;
+            const uint8_t *qs = b + (qtype == T_Q4_K ? 16 : 48);
+            for (int n = 0; n < 2; ++n) {
+                const __m512i q = _mm512_loadu_si512(qs + 64 * n);
+                w[2 * n] = _mm512_and_si512(q, m4);
+                w[2 * n + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+                if (qtype == T_Q5_K) { /* the fifth bit of the value in 64-run j, low/high nibble: bit 2j / 2j + 1 */
+                    w[2 * n] = _mm512_or_si512(
+                        w[2 * n], _mm512_slli_epi16(_mm512_and_si512(srl_halves(qh, 4 * n, 4 * n + 2), m1), 4));
+                    w[2 * n + 1] = _mm512_or_si512(
+                        w[2 * n + 1], _mm512_slli_epi16(_mm512_and_si512(srl_halves(qh, 4 * n + 1, 4 * n + 3), m1), 4));
+                }
             }
         }
-        /* each 32-block's d for the 8 lanes of its values (exact: fp16 -> float) */
-        const __m512 dv = _mm512_castps256_ps512(_mm256_cvtph_ps(dh));
-        for (int c = 0; c < 4; ++c) {
-            w[c] = join256(half[2 * c], half[2 * c + 1]);
-            ws[c] = _mm512_permutexvar_ps(
-                _mm512_add_epi32(_mm512_srli_epi32(by16, 1), _mm512_set1_epi32(2 * c)), dv);
+        for (int t = 0; t < nt; ++t) {
+            const int8_t *x = qx[t].xq + 256 * s;
+            __m512i dp[4];
+            for (int v = 0; v < 4; ++v) dp[v] = _mm512_dpbusd_epi32(zero, w[v], _mm512_loadu_si512(x + 64 * v));
+            const __m512i sum = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(zero, _mm512_packs_epi32(dp[0], dp[1]), s01),
+                                                    _mm512_packs_epi32(dp[2], dp[3]), s23);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * qx[t].dxs[s]), acc[t]);
+            corr[t] = _mm512_fmadd_ps(offsets, q6 ? _mm512_loadu_ps(qx[t].xs16 + 16 * s)
+                                                  : _mm512_maskz_loadu_ps(0xff, qx[t].xs32 + 8 * s), corr[t]);
         }
-        /* per 16 values: 8 d or 128 d, each 32-block's for its two 16s */
-        *gmin = _mm512_mul_ps(_mm512_set1_ps(qtype == T_Q4_0 ? 8.f : 128.f),
-                              _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), dv));
-        return;
     }
-    const uint8_t *b = row + s * block_bytes(qtype);
-    if (qtype == T_Q4_K || qtype == T_Q5_K) {
-        /* The eight 6-bit (scale, min) pairs, unpacked four at a time in 32-bit words
-         * (scale_min_k4's rule). */
-        uint32_t u[3]; /* three loads from the block, not a copy through the stack */
-        memcpy(&u[0], b + 4, 4);
-        memcpy(&u[1], b + 8, 4);
-        memcpy(&u[2], b + 12, 4);
-        const uint32_t six = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, two = 0x03030303u;
-        /* built in registers: a 64-bit load of two 32-bit stores would miss store forwarding */
-        const __m128i scb = _mm_setr_epi32((int)(u[0] & six), (int)((u[2] & lo4) | (((u[0] >> 6) & two) << 4)), 0, 0);
-        const __m128i mnb = _mm_setr_epi32((int)(u[1] & six), (int)(((u[2] >> 4) & lo4) | (((u[1] >> 6) & two) << 4)), 0, 0);
-        const __m512 sc8 = _mm512_mul_ps(_mm512_set1_ps(load_fp16(b)), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scb)));
-        const __m512 mn8 = _mm512_mul_ps(_mm512_set1_ps(load_fp16(b + 2)), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mnb)));
-        *gmin = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), mn8);
-        /* vector v's halves hold 32-groups g and g + 2, g = 4 (v / 2) + v % 2 */
-        const __m512i halves = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-        const __m512i qh = qtype == T_Q5_K ? _mm512_broadcast_i64x4(load256(b + 16)) : _mm512_setzero_si512();
-        const uint8_t *qs = b + (qtype == T_Q4_K ? 16 : 48);
-        for (int n = 0; n < 2; ++n) {
-            const __m512i q = _mm512_loadu_si512(qs + 64 * n);
-            __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
-            if (qtype == T_Q5_K) { /* the fifth bit of the value in 64-run j, low/high nibble: bit 2j / 2j + 1 */
-                lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(srl_halves(qh, 4 * n, 4 * n + 2), m1), 4));
-                hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(srl_halves(qh, 4 * n + 1, 4 * n + 3), m1), 4));
-            }
-            w[2 * n] = lo;
-            w[2 * n + 1] = hi;
-            ws[2 * n] = _mm512_permutexvar_ps(_mm512_add_epi32(halves, _mm512_set1_epi32(4 * n)), sc8);
-            ws[2 * n + 1] = _mm512_permutexvar_ps(_mm512_add_epi32(halves, _mm512_set1_epi32(4 * n + 1)), sc8);
-        }
-        return;
-    }
-    /* Q6_K: per 128 values n, ql's 64 bytes hold values [0, 64) in their low nibbles and
-     * [64, 128) in the high ones; qh's 32 bytes their high two bits, at bits 0-1 (values
-     * [0, 32)), 2-3, 4-5 and 6-7. */
-    const __m512 ds = _mm512_mul_ps(_mm512_set1_ps(load_fp16(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                        _mm_loadu_si128((const __m128i *)(b + 192)))));
-    *gmin = _mm512_mul_ps(_mm512_set1_ps(32.f), ds);
-    for (int n = 0; n < 2; ++n) {
-        const __m512i q = _mm512_loadu_si512(b + 64 * n), h = _mm512_broadcast_i64x4(load256(b + 128 + 32 * n));
-        w[2 * n] = _mm512_or_si512(_mm512_and_si512(q, m4),
-                                   _mm512_slli_epi16(_mm512_and_si512(srl_halves(h, 0, 2), m2), 4));
-        w[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4),
-                                       _mm512_slli_epi16(_mm512_and_si512(srl_halves(h, 4, 6), m2), 4));
-    }
-    for (int c = 0; c < 4; ++c) ws[c] = _mm512_permutexvar_ps(_mm512_add_epi32(by16, _mm512_set1_epi32(4 * c)), ds);
+    for (int t = 0; t < nt; ++t) y[t * ldy] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[t], corr[t]));
 }
 
 /* One row times nt tokens. Inlined into one copy per constant nt (row_times_qx), so the
@@ -223,7 +297,16 @@ static void row_times_qx_many(int qtype, const uint8_t *row, int64_t k, const qx
     for (int t = 0; t < nt; ++t) y[t * ldy] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[t], corr[t]));
 }
 
+#define K_CASE(n) \
+    case n: row_k_n(qtype, row, k, qx, n, y, ldy); break;
+
 static void row_times_qx(int qtype, const uint8_t *row, int64_t k, const qx_t *qx, int nt, float *y, int64_t ldy) {
+    if (x_order(qtype) != ORDER_NATURAL) {
+        switch (nt) {
+            K_CASE(1) K_CASE(2) K_CASE(3) K_CASE(4) K_CASE(5) K_CASE(6) K_CASE(7) K_CASE(8)
+        }
+        return;
+    }
     switch (nt) {
     case 1: row_times_qx_n(qtype, row, k, qx, 1, y, ldy); break;
     case 2: row_times_qx_n(qtype, row, k, qx, 2, y, ldy); break;
@@ -256,7 +339,7 @@ static const float *x_row(const void *x, int x_dtype, int64_t ldx, int64_t t, in
 int gguf_gemm_q8_shards(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
                         const int64_t *row_bytes, int64_t k, const void *x, int x_dtype, int64_t ldx, int64_t m,
                         float *y, int64_t ldy, int num_threads) {
-    int used[2] = {0, 0};
+    int used[N_ORDERS] = {0, 0, 0};
     int64_t total = 0;
     for (int i = 0; i < n; ++i) {
         if (block_bytes(qtypes[i]) == 0) return -1;
@@ -266,21 +349,21 @@ int gguf_gemm_q8_shards(int n, const int *qtypes, const uint8_t *const *w, const
     if (x_dtype < 0 || x_dtype > 2) return -1;
     const int64_t kpad = (k + 255) / 256 * 256;
     const size_t per_token = (size_t)kpad + ((size_t)kpad / 4 + (size_t)kpad / 16) * sizeof(float);
-    uint8_t *scratch = malloc(2 * per_token * (size_t)m + (size_t)k * sizeof(float));
-    qx_t *qx = malloc(2 * sizeof(qx_t) * (size_t)m);
+    uint8_t *scratch = malloc(N_ORDERS * per_token * (size_t)m + (size_t)k * sizeof(float));
+    qx_t *qx = malloc(N_ORDERS * sizeof(qx_t) * (size_t)m);
     if (!scratch || !qx) {
         free(scratch);
         free(qx);
         return -3;
     }
-    float *xbuf = (float *)(scratch + 2 * per_token * (size_t)m);
+    float *xbuf = (float *)(scratch + N_ORDERS * per_token * (size_t)m);
     for (int64_t t = 0; t < m; ++t) {
         const float *xt = x_row(x, x_dtype, ldx, t, k, xbuf);
-        for (int order = 0; order < 2; ++order) {
+        for (int order = 0; order < N_ORDERS; ++order) {
             if (!used[order]) continue;
             uint8_t *base = scratch + ((size_t)order * (size_t)m + (size_t)t) * per_token;
             float *f = (float *)(base + kpad);
-            qx[order * m + t] = (qx_t){(int8_t *)base, f, f + kpad / 4};
+            qx[order * m + t] = (qx_t){(int8_t *)base, f, f + kpad / 4, f, f + kpad / 256};
             quantize_x(xt, k, kpad, order, &qx[order * m + t]);
         }
     }
