@@ -5,24 +5,30 @@ blocks of `qtype`. On the CPU, with the C kernels built:
 - up to `SMALL_BATCH_TOKENS` tokens (decode), OpenMP threads over output rows (the
   process's torch threads), each block read once per 8 tokens:
   - activations in bfloat16/float16 (`INT8_ACTIVATION_DTYPES`; GGUF files load as
-    float16 by default) are quantised to int8 per 32 values, as llama.cpp does, and
-    multiplied with the blocks' integers by AVX-512 VNNI (`gguf_vnni.c`), scales
-    applied in float per 16 values. A fused layer's shards (q, k, v; gate, up) go in one
-    call (`gguf_linear_shards`): x is read in its 16-bit dtype and quantised once, and
-    one parallel loop runs over every shard's rows. Error against float activations: at most
-    sum_i |w_i| * dx_i / 2 per output (dx = the 32-group's max |x| / 127), of the order
-    of the activations' own 16-bit rounding. Where the build has no VNNI, the float path;
+    float16 by default) are quantised to int8 as llama.cpp does, per 32 values for
+    Q4_0/Q8_0 rows and per 256 for the K-quants' (its Q8_K), and multiplied with the
+    blocks' integers by AVX-512 VNNI (`gguf_vnni.c`); Q4_0/Q8_0 scales apply in float per
+    16 values, the K-quants' group scales in integers. A fused layer's shards (q, k, v;
+    gate, up) go in one call (`gguf_linear_shards`): x is read in its 16-bit dtype and
+    quantised once per scheme its shards use, and one parallel loop runs over every
+    shard's rows. Error against float activations: at most sum_i |w_i| * dx_i / 2 per
+    output (dx = the 32- or 256-group's max |x| / 127), of the order of the activations'
+    own 16-bit rounding. Where the build has no VNNI, the float path;
   - float32 activations: each block dequantised into L1 (AVX-512, or portable C the
     compiler vectorises) and multiplied in float32 (`gguf_gemm`): F.linear on the
     dequantised weight up to float32 rounding (16 running sums per token, fused
     multiply-adds).
 - from `BF16_TILE_MIN_TOKENS` to `BF16_TILE_MAX_TOKENS` tokens of 16-bit activations,
-  on a CPU with AVX-512 BF16 (the concurrent decode of a server): each 4-row tile is
+  on a CPU with AVX-512 BF16 (a concurrent decode, a short prefill): each 4-row tile is
   dequantised to bfloat16 into a per-thread buffer and multiplied by every token with
   our bf16 register tile (`gguf_gemm_bf16_shards`; float16 activations are rounded to
-  bfloat16 first, a smaller error than the int8 path's). It overtakes the int8 path at
-  8 tokens: for a 5632x2048 weight on 2 threads, 1.1-1.5x at 8 tokens, 1.5-2.0x at 16
-  and 1.9-2.4x at 32 (Q4_K, Q6_K, Q8_0; 2026-12-05, the Zen 5 VM);
+  bfloat16 first). Its error is the weights' one bfloat16 rounding, well below the int8
+  path's. Against the int8 path (2026-12-05, the Zen 5 VM, a 5632x2048 weight on 2
+  threads): Q8_0 1.4x at 8 tokens, 1.6x at 16, 1.9x at 32; the K-quants, whose int8
+  product is twice as fast, 0.6-0.7x at 8, 0.9-1.0x at 16 and 1.35-1.45x at 32. The
+  tiles still start at 8 for every type: at 8-16 tokens a K-quant layer trades that
+  time for their accuracy (with per-256 int8 activations a prefill of a few tokens
+  flipped a tiny model's greedy tokens, tests/test_gguf_quantised.py);
 - more tokens (prefill): row tiles of `TILE_ROWS` rows are dequantised into one float32
   scratch tile (never the whole weight) and multiplied by torch's GEMM, in the
   activations' dtype (a 16-bit copy of the tile for bf16/fp16 activations).
@@ -68,7 +74,7 @@ LINK_LIBS = ("-lm",)
 SMALL_BATCH_TOKENS = 16
 BF16_TILE_MIN_TOKENS, BF16_TILE_MAX_TOKENS = 8, 64
 TILE_ROWS = 1024  # a float32 tile of 1024 x 5632 is 23 MiB: scratch, reused per layer call
-#: Activation dtypes whose small-batch products quantise x to int8 per 32 values, as
+#: Activation dtypes whose small-batch products quantise x to int8, as
 #: llama.cpp does (where the CPU has AVX-512 VNNI): their own rounding (bfloat16's 8
 #: bits) is of the order of int8's, so it costs them little accuracy and buys the
 #: integer dot products. float32 activations keep the float path (exact products).
@@ -112,7 +118,7 @@ class GGUFKernels:
              int8_activations: bool = False) -> bool:
         """out [m, rows] (rows contiguous, any row stride) = x [m, k] float32 (rows
         contiguous) times the blocks' rows [rows, row_bytes] (contiguous). With
-        `int8_activations`, x is quantised to int8 per 32 values first (VNNI); False,
+        `int8_activations`, x is quantised to int8 first (VNNI); False,
         with nothing written, where this build has no VNNI."""
         if int8_activations:
             return self.gemm_shards(ShardPlan([(qtype, blocks)]), k, x, out)
@@ -126,7 +132,7 @@ class GGUFKernels:
     def gemm_shards(self, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
         """out [m, plan.rows] (rows contiguous, any row stride) = x [m, k] (float32,
         bfloat16 or float16; rows contiguous) times the plan's shards' rows, shard after
-        shard, with x quantised to int8 per 32 values (VNNI). False, with nothing written,
+        shard, with x quantised to int8 (VNNI). False, with nothing written,
         where this build has no VNNI."""
         status = self._shards(len(plan.qtypes), plan.qtypes, plan.pointers, plan.rows_per_shard, plan.row_bytes, k,
                               x.data_ptr(), _X_DTYPES[x.dtype], x.stride(0), x.shape[0], out.data_ptr(),
@@ -144,6 +150,8 @@ class GGUFKernels:
         rows contiguous) times the plan's shards' rows, each 4-row tile dequantised to
         bfloat16 and multiplied by our bf16 register tile. False, with nothing written,
         where this build has no AVX-512 BF16."""
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"gemm_shards_bf16 takes bfloat16 activations, not {x.dtype}")
         status = self._bf16(len(plan.qtypes), plan.qtypes, plan.pointers, plan.rows_per_shard, plan.row_bytes, k,
                             x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), out.stride(0),
                             torch.get_num_threads())
