@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(cpu_bf16_gemm.load() is None,
 
 
 def assert_rounded_once(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """got is the exact product rounded to bfloat16 (half a unit: 2^-9 relative), up to
+    """got is the exact product rounded to bfloat16 (half a unit: at most 2^-8 relative), up to
     float32 accumulation error."""
     exact = x.double() @ weight.double().T
     if bias is not None:

@@ -1,5 +1,5 @@
 /* The register tile of our bf16 products (cpu_bf16_gemm.c; gguf_kernels.c's
- * dequantised tiles): R <= 4 weight rows by T <= 4 tokens, each output a bf16_dot product of
+ * dequantised tiles): R <= 4 weight rows by T <= 4 tokens, each output a dot product of
  * two contiguous bfloat16 runs (a weight row and an activation row), 32 values a
  * VDPBF16PS into 16 float32 partial sums, summed across once at the end. Needs AVX-512
  * BF16 and BW (each includer checks). Static inline: each includer compiles its own copy.
@@ -28,7 +28,6 @@ static inline float bf16_to_float(bf16 v) {
     return c.f;
 }
 
-
 /* The 16 sums of acc[r][t] (r, t < 4), summed across: one register whose lane 4t + r is
  * acc[r][t]'s total, which is the tile's output laid out token by token. Four rounds of
  * shuffle-and-add, each halving the registers, in place of 16 separate reductions. */
@@ -47,14 +46,15 @@ static inline __m512 bf16_reduce_tile(__m512 acc[BF16_TILE_ROWS][BF16_TILE_TOKEN
     return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
 }
 
-/* The R x T bf16_dot products of rows w[0..R) (stride ldw) with tokens x[0..T) (stride ldx),
+/* The R x T dot products of rows w[0..R) (stride ldw) with tokens x[0..T) (stride ldx),
  * lane 4t + r of the result (the other lanes 0). R and T are constants where it is
  * inlined, so the loops unroll and the sums stay in registers. While it runs it
- * prefetches rows pf_first, pf_first + pf_step, ... (< BF16_TILE_ROWS) of the weight tile at
- * `pf` (NULL: none), so that the next tile's rows arrive while this one computes. */
-static inline __attribute__((always_inline)) __m512 bf16_tile(const bf16 *w, int64_t ldw, const bf16 *x, int64_t ldx,
-                                                         int64_t K, const int R, const int T, const bf16 *pf,
-                                                         int pf_first, int pf_step) {
+ * prefetches (into L2) rows pf_first, pf_first + pf_step, ... (< BF16_TILE_ROWS) of the
+ * weight tile at `pf` (NULL: none), so that a later tile's rows arrive while this one
+ * computes. */
+static inline __attribute__((always_inline)) __m512 bf16_tile(const bf16 *w, int64_t ldw, const bf16 *x,
+                                                              int64_t ldx, int64_t K, const int R, const int T,
+                                                              const bf16 *pf, int pf_first, int pf_step) {
     __m512 acc[BF16_TILE_ROWS][BF16_TILE_TOKENS];
     for (int r = 0; r < BF16_TILE_ROWS; r++)
         for (int t = 0; t < BF16_TILE_TOKENS; t++)
@@ -90,8 +90,8 @@ static inline __attribute__((always_inline)) __m512 bf16_tile(const bf16 *w, int
 #define BF16_TILE_CASE(R, T) \
     case (R) * 8 + (T): return bf16_tile(w, ldw, x, ldx, K, R, T, pf, pf_first, pf_step);
 
-static __m512 bf16_run_tile(const bf16 *w, int64_t ldw, const bf16 *x, int64_t ldx, int64_t K, int rows, int tokens,
-                       const bf16 *pf, int pf_first, int pf_step) {
+static __m512 bf16_run_tile(const bf16 *w, int64_t ldw, const bf16 *x, int64_t ldx, int64_t K, int rows,
+                            int tokens, const bf16 *pf, int pf_first, int pf_step) {
     switch (rows * 8 + tokens) {
         BF16_TILE_CASE(4, 4) BF16_TILE_CASE(4, 3) BF16_TILE_CASE(4, 2) BF16_TILE_CASE(4, 1)
         BF16_TILE_CASE(3, 4) BF16_TILE_CASE(3, 3) BF16_TILE_CASE(3, 2) BF16_TILE_CASE(3, 1)

@@ -2,7 +2,7 @@
  * row-major layout, with AVX-512 BF16's VDPBF16PS: float32 sums, one bfloat16 rounding
  * (to nearest even) of each output, as oneDNN's bf16 GEMM rounds.
  *
- * Each row of W and of x is a run of K contiguous values, so an output is a bf16_dot product
+ * Each row of W and of x is a run of K contiguous values, so an output is a dot product
  * of two runs: 32 values a step, 16 float32 partial sums a register, summed across at
  * the end. A tile of R weight rows by T tokens keeps R x T of those registers and loads
  * R + T vectors per R x T products; a thread takes a contiguous range of weight rows
@@ -21,7 +21,9 @@
 /* y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for m < M, n < N; x, w, bias and y bfloat16,
  * rows at strides ldx, ldw, ldy (elements); bias may be NULL. `threads` OpenMP threads
  * split the weight's rows, each a contiguous range of 4-row tiles. A tile's token groups
- * share the prefetching of the tile after it: group g fetches rows g, g + groups, ... */
+ * share the prefetching of the tile two ahead (into L2: 1.2-1.4x at 1-16 rows on the
+ * Zen 5 VM, against no prefetch or one tile ahead into L1): group g fetches rows g,
+ * g + groups, ... */
 void bf16_linear(const bf16 *x, int64_t ldx, int64_t M, const bf16 *w, int64_t ldw, int64_t N, int64_t K,
                  const bf16 *bias, bf16 *y, int64_t ldy, int threads) {
     const int64_t blocks = (N + BF16_TILE_ROWS - 1) / BF16_TILE_ROWS;
@@ -42,7 +44,7 @@ void bf16_linear(const bf16 *x, int64_t ldx, int64_t M, const bf16 *w, int64_t l
             const int tokens = (int)(M - m0 < BF16_TILE_TOKENS ? M - m0 : BF16_TILE_TOKENS);
             const bf16 *pf = g < BF16_TILE_ROWS ? next : NULL;
             __m512 sums = _mm512_add_ps(bf16_run_tile(w + n0 * ldw, ldw, x + m0 * ldx, ldx, K, rows, tokens, pf,
-                                                 (int)g, pf_step), bias_v);
+                                                      (int)g, pf_step), bias_v);
             bf16 out[BF16_TILE_ROWS * BF16_TILE_TOKENS];
             _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(sums));
             for (int t = 0; t < tokens; t++) {

@@ -11,8 +11,9 @@ is a few per cent of the work, F.linear is.
 
 Built on first use like the other CPU kernels (distributed/native_build.py), only on CPUs
 with AVX-512 BF16; `TP_CPU_BF16_GEMM=0` turns it off for the weights loaded after (the
-linear method then packs them with oneDNN, as before). Called on every rank, from `CPUUnquantizedLinearMethod.apply`, with
-this rank's shard; holds no memory beyond the output.
+linear method then packs them with oneDNN, as before). Called on every rank, from
+`CPUUnquantizedLinearMethod.apply`, with this rank's shard; holds no memory beyond the
+output.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ def serves(weight: torch.Tensor) -> bool:
     """Whether `weight` can stay as it is and be multiplied here: a 2-D bfloat16 CPU weight
     with unit stride along its input dimension, on a CPU where the kernel loads, and
     `TP_CPU_BF16_GEMM` is not "0" (read on each call: asked once per weight, at load)."""
-    return (os.environ.get(SWITCH, "1") != "0" and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and weight.stride(1) == 1 and load() is not None)
+    return (os.environ.get(SWITCH, "1") != "0" and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and weight.dim() == 2 and weight.stride(1) == 1 and load() is not None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

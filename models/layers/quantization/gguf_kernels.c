@@ -252,9 +252,10 @@ int gguf_dequantize_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t
 /* ---- bfloat16 activations, a few to a few dozen tokens: each 4-row tile of the weight
  * dequantised to bfloat16 (one rounding of each exact value) into a per-thread buffer
  * in L1/L2, then multiplied by every token with our bf16 register tile (VDPBF16PS,
- * ../bf16_tile.h). Dequantising costs about as much as one token's int8 product, so
- * from a few tokens on this beats the int8 path, whose per-token cost is twice the
- * bf16 tile's. */
+ * ../bf16_tile.h). Dequantising costs about one token's int8 product; after that a
+ * token costs half a Q8_0 int8 product, about as much as a K-quant one (whose group
+ * scales apply in integers), and its error is only the weights' bf16 rounding. Where
+ * each path is taken, and the timings: gguf_kernels.py. */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <stdlib.h>
 
@@ -272,17 +273,20 @@ static void dequantize_tile_bf16(int qtype, const uint8_t *w, int64_t row_bytes,
             for (int64_t kb = 0; kb < k; kb += 32) {
                 const uint8_t *b = row + (kb / 32) * bb;
                 const __m512 d = _mm512_set1_ps(load_fp16(b));
-                const __m512 lo = _mm512_mul_ps(d, to_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))));
-                const __m512 hi = _mm512_mul_ps(d, to_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))));
+                const __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
+                const __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
+                const __m512 lo = _mm512_mul_ps(d, to_ps(_mm512_cvtepi8_epi32(q0)));
+                const __m512 hi = _mm512_mul_ps(d, to_ps(_mm512_cvtepi8_epi32(q1)));
                 _mm512_storeu_si512((void *)(tile + r * ldt + kb), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
             }
             continue;
         }
         for (int64_t kb = 0; kb < k; kb += bs) {
             deq_block(qtype, row + (kb / bs) * bb, buf);
-            for (int i = 0; i < bs; i += 32) /* the low 16 values from the second operand */
-                _mm512_storeu_si512((void *)(tile + r * ldt + kb + i),
-                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(buf + i + 16), _mm512_load_ps(buf + i)));
+            for (int i = 0; i < bs; i += 32) { /* the low 16 values from the second operand */
+                const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(buf + i + 16), _mm512_load_ps(buf + i));
+                _mm512_storeu_si512((void *)(tile + r * ldt + kb + i), (__m512i)v);
+            }
         }
     }
 }

@@ -57,12 +57,14 @@ static void quantize_x(const float *x, int64_t k, int64_t kpad, int order, qx_t 
     if (order != ORDER_NATURAL) { /* per 256 (K-quant rows have k % 256 == 0) */
         for (int64_t s = 0; s < k / 256; ++s) {
             __m512 amax = _mm512_setzero_ps();
-            for (int i = 0; i < 256; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + 256 * s + i)));
+            for (int i = 0; i < 256; i += 16)
+                amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + 256 * s + i)));
             const float m = _mm512_reduce_max_ps(amax), dx = m / 127.f, inv = m > 0.f ? 127.f / m : 0.f;
             q->dxs[s] = dx;
             for (int64_t g = 8 * s; g < 8 * s + 8; ++g) {
-                const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * g), _mm512_set1_ps(inv)));
-                const __m512i ic = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * g + 16), _mm512_set1_ps(inv)));
+                const __m512 scale = _mm512_set1_ps(inv);
+                const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * g), scale));
+                const __m512i ic = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * g + 16), scale));
                 const int64_t pos = group_pos(order, g);
                 _mm_storeu_si128((__m128i *)(q->xq + pos), _mm512_cvtepi32_epi8(ia));
                 _mm_storeu_si128((__m128i *)(q->xq + pos + 16), _mm512_cvtepi32_epi8(ic));
@@ -182,7 +184,7 @@ static inline __attribute__((always_inline)) void row_k_n(int qtype, const uint8
         __m512i w[4], s01, s23;
         __m512 offsets; /* per group: 8 lanes (32-groups) or 16 (16-groups) */
         float d;
-        if (q6) { /* ql's 64 bytes per 128 values: [0, 64) low nibbles, [64, 128) high; qh's 32 bytes their top two bits */
+        if (q6) { /* per 128 values, ql's 64 bytes: [0, 64) low nibbles, [64, 128) high; qh's 32: their top bits */
             const __m256i sc = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 192)));
             s01 = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(q6_idx, sc));
             s23 = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(_mm256_add_epi8(q6_idx, _mm256_set1_epi8(8)), sc));
