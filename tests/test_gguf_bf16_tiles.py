@@ -61,16 +61,29 @@ def test_float16_activations_are_rounded_to_bfloat16_first():
     assert torch.equal(got, expected)
 
 
-def test_fewer_tokens_take_the_int8_path_and_more_the_tiled_gemm():
+def test_fewer_tokens_take_the_int8_path():
     k = 256
     blocks = _blocks("Q6_K", 16, k, 6)
-    weight = dequantize("Q6_K", blocks, k)
     few = torch.randn(gguf_kernels.BF16_TILE_MIN_TOKENS - 1, k, generator=torch.Generator().manual_seed(7)).bfloat16()
     got, int8 = torch.empty(few.shape[0], 16), torch.empty(few.shape[0], 16)
     gguf_kernels.gguf_linear("Q6_K", blocks, k, few, got)
     assert kernel.gemm("Q6_K", blocks, k, few.float(), int8, int8_activations=True)
     assert torch.equal(got, int8)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED_TYPES)
+def test_more_tokens_take_the_tiled_gemm_on_tiles_dequantised_to_bf16(qtype, monkeypatch):
+    """Past BF16_TILE_MAX_TOKENS, torch's GEMM on row tiles (two here) dequantised straight
+    to bf16: exactly the product with gguf-py's values rounded to bf16."""
+    monkeypatch.setattr(gguf_kernels, "TILE_ROWS", 12)
+    k = 256 + (32 if qtype in ("Q4_0", "Q8_0") else 0)
+    blocks = _blocks(qtype, 20, k, 9)
+    weight = dequantize(qtype, blocks, k)
+    tile = torch.empty(20, k, dtype=torch.bfloat16)
+    assert kernel.dequantize_rows_bf16(qtype, blocks, k, tile)
+    assert torch.equal(tile, weight.to(torch.bfloat16))
     many = torch.randn(gguf_kernels.BF16_TILE_MAX_TOKENS + 1, k, generator=torch.Generator().manual_seed(8)).bfloat16()
-    got = torch.empty(many.shape[0], 16)
-    gguf_kernels.gguf_linear("Q6_K", blocks, k, many, got)
-    assert torch.equal(got, (many @ weight.to(torch.bfloat16).t()).float())
+    got = torch.empty(many.shape[0], 20)
+    gguf_kernels.gguf_linear(qtype, blocks, k, many, got)
+    expected = torch.cat([many @ weight[:12].to(torch.bfloat16).t(), many @ weight[12:].to(torch.bfloat16).t()], 1)
+    assert torch.equal(got, expected.float())

@@ -291,6 +291,18 @@ static void dequantize_tile_bf16(int qtype, const uint8_t *w, int64_t row_bytes,
     }
 }
 
+/* out[i * ldo : i * ldo + k] = row i of the block-format weight w dequantised and rounded
+ * to bfloat16, for i < n (a prefill's row tiles, without a float32 copy first). Returns
+ * 0, or -1 for an unknown type. */
+int gguf_dequantize_rows_bf16(int qtype, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n, bf16 *out,
+                              int64_t ldo, int num_threads) {
+    if (block_bytes(qtype) == 0) return -1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= (1 << 16))
+    for (int64_t i = 0; i < n; ++i)
+        dequantize_tile_bf16(qtype, w + i * row_bytes, row_bytes, k, 1, out + i * ldo, ldo);
+    return 0;
+}
+
 /* As gguf_gemm_q8_shards (n shards sharing one input, y[t * ldy + o_i + r] = W_i[r, :] .
  * x[t, :]), for bfloat16 x (row stride ldx) through dequantised bf16 tiles. Returns 0;
  * -1 for an unknown type (nothing written); -3 when a thread's tile cannot be
@@ -338,6 +350,12 @@ int gguf_gemm_bf16_shards(int n, const int *qtypes, const uint8_t *const *w, con
     return failed ? -3 : 0;
 }
 #else
+int gguf_dequantize_rows_bf16(int qtype, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n, uint16_t *out,
+                              int64_t ldo, int num_threads) {
+    (void)qtype; (void)w; (void)row_bytes; (void)k; (void)n; (void)out; (void)ldo; (void)num_threads;
+    return -2;
+}
+
 int gguf_gemm_bf16_shards(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
                           const int64_t *row_bytes, int64_t k, const uint16_t *x, int64_t ldx, int64_t m, float *y,
                           int64_t ldy, int num_threads) {

@@ -29,9 +29,10 @@ blocks of `qtype`. On the CPU, with the C kernels built:
   tiles still start at 8 for every type: at 8-16 tokens a K-quant layer trades that
   time for their accuracy (with per-256 int8 activations a prefill of a few tokens
   flipped a tiny model's greedy tokens, tests/test_gguf_quantised.py);
-- more tokens (prefill): row tiles of `TILE_ROWS` rows are dequantised into one float32
-  scratch tile (never the whole weight) and multiplied by torch's GEMM, in the
-  activations' dtype (a 16-bit copy of the tile for bf16/fp16 activations).
+- more tokens (prefill): row tiles of `TILE_ROWS` rows are dequantised into one scratch
+  tile (never the whole weight) and multiplied by torch's GEMM in the activations' dtype:
+  for bf16 activations dequantised straight to bf16 (AVX-512 BF16 builds), otherwise a
+  float32 tile (with a 16-bit copy for bf16/fp16 activations).
 Elsewhere (CUDA, no C compiler, `TP_CPU_GGUF_KERNELS=0`), `gguf_dequant.dequantize`
 per call then a matmul: plain torch, on the tensor's device. The choice is made once per
 process, and logged when the C kernels are unavailable.
@@ -107,8 +108,10 @@ class GGUFKernels:
         self.path = path
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._gemm, self._shards, self._rows = lib.gguf_gemm, lib.gguf_gemm_q8_shards, lib.gguf_dequantize_rows
-        self._bf16 = lib.gguf_gemm_bf16_shards
+        self._bf16, self._rows_bf16 = lib.gguf_gemm_bf16_shards, lib.gguf_dequantize_rows_bf16
         self._gemm.restype = self._shards.restype = self._rows.restype = self._bf16.restype = ctypes.c_int
+        self._rows_bf16.restype = ctypes.c_int
+        self._rows_bf16.argtypes = [i32, p, i64, i64, i64, p, i64, i32]
         self._gemm.argtypes = [i32, p, i64, i64, i64, p, i64, i64, p, i64, i32]
         self._shards.argtypes = [i32, p, p, p, p, i64, p, i32, i64, i64, p, i64, i32]
         self._bf16.argtypes = [i32, p, p, p, p, i64, p, i64, i64, p, i64, i32]
@@ -163,6 +166,18 @@ class GGUFKernels:
             raise ValueError(f"GGUF kernel: unknown type among {plan.names}")
         return True
 
+    def dequantize_rows_bf16(self, qtype: str, blocks: torch.Tensor, k: int, out: torch.Tensor) -> bool:
+        """out [n, k] bfloat16 (rows contiguous) = every row of `blocks`, rounded once to
+        bfloat16 (nearest even, as `.to(torch.bfloat16)` rounds). False, with nothing
+        written, where this build has no AVX-512 BF16."""
+        status = self._rows_bf16(GGUF_FORMATS[qtype].type_id, blocks.data_ptr(), blocks.stride(0), k, blocks.shape[0],
+                                 out.data_ptr(), out.stride(0), torch.get_num_threads())
+        if status == -2:
+            return False
+        if status:
+            raise ValueError(f"GGUF kernel: unknown type {qtype}")
+        return True
+
     def dequantize_rows(self, qtype: str, blocks: torch.Tensor, k: int, ids: torch.Tensor | None,
                         out: torch.Tensor) -> None:
         """out [n, k] float32 (rows contiguous) = rows `ids` (int64, contiguous; None: all)."""
@@ -211,8 +226,19 @@ def gguf_linear(qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: 
             kernel.gemm(qtype, blocks, k, x, out)
         return
     # 16-bit activations multiply a 16-bit copy of each tile (the CPU's bf16/fp16 GEMM:
-    # 2.4x the float32 one at 128 tokens, 2026-12-05); float32 ones stay exact.
+    # 2.4x the float32 one at 128 tokens, 2026-12-05); float32 ones stay exact. A bf16
+    # tile is dequantised straight to bf16 where the build can (the same values: one
+    # rounding to nearest even), skipping a float32 tile and its conversion.
     x = x.contiguous() if half else x.float().contiguous()
+    if x.dtype == torch.bfloat16:
+        tile16 = torch.empty(min(TILE_ROWS, rows), k, dtype=torch.bfloat16)
+        if kernel.dequantize_rows_bf16(qtype, blocks[:tile16.shape[0]], k, tile16):
+            for r0 in range(0, rows, TILE_ROWS):
+                n = min(TILE_ROWS, rows - r0)
+                if r0:
+                    kernel.dequantize_rows_bf16(qtype, blocks[r0:r0 + n], k, tile16[:n])
+                out[:, r0:r0 + n].copy_(x @ tile16[:n].t())
+            return
     tile = torch.empty(min(TILE_ROWS, rows), k, dtype=torch.float32)
     for r0 in range(0, rows, TILE_ROWS):
         n = min(TILE_ROWS, rows - r0)
