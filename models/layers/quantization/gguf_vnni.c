@@ -9,15 +9,16 @@
  * (amax / 127, rounded to nearest), the weights' integers multiplied by them with AVX-512
  * VNNI (vpdpbusd: 64 u8 x s8 products per instruction).
  *
- * Q4_0, Q8_0 and Q6_K: x quantised per 32 values, scales applied per 16 values in float.
- * Q4_K and Q5_K: x quantised per 256 values (llama.cpp's Q8_K), so a super-block's
- * eight 32-value sums are scaled by its 6-bit integer scales in integer arithmetic
- * (vpdpwssd) and converted to float once: about 17 cycles a super-block on one core
- * where float scales per 16 values took 31 (2026-12-05, the Zen 5 VM). Their rows are
- * read in their own order: a 64-byte load of nibbles holds, in its low nibbles, values
- * [0, 32) and [64, 96) of its 128 (and the high nibbles the two 32s between), so x is
- * quantised into that order once per call (ORDER_K4) and each load feeds two dot
- * products without shuffles. The other types read x in natural order.
+ * Q4_0 and Q8_0: x quantised per 32 values, scales applied per 16 values in float.
+ * The K-quants (Q4_K, Q5_K, Q6_K): x quantised per 256 values (llama.cpp's Q8_K), so a
+ * super-block's group sums are scaled by its integer group scales in integer
+ * arithmetic (vpdpwssd) and converted to float once: a Q4_K super-block takes about 17
+ * cycles on one core where float scales per 16 values took 31 (2026-12-05, the Zen 5
+ * VM). Q4_K and Q5_K rows are read in their own order: a 64-byte load of nibbles holds,
+ * in its low nibbles, values [0, 32) and [64, 96) of its 128 (and the high nibbles the
+ * two 32s between), so x is quantised into that order once per call (ORDER_K4) and each
+ * load feeds two dot products without shuffles. The other types read x in natural
+ * order.
  *
  * Error against float activations: at most sum_i |w_i| * dx_i / 2 per output (the
  * activations' rounding, dx that of the value's 32 or 256), plus float rounding. */
