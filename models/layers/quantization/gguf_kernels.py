@@ -116,6 +116,8 @@ class GGUFKernels:
         self._shards.argtypes = [i32, p, p, p, p, i64, p, i32, i64, i64, p, i64, i32]
         self._bf16.argtypes = [i32, p, p, p, p, i64, p, i64, i64, p, i64, i32]
         self._rows.argtypes = [i32, p, i64, i64, p, i64, p, i64, i32]
+        # Whether this build has AVX-512 BF16 (the bf16 entry points answer -2 where not).
+        self.has_bf16 = self._rows_bf16(GGUF_FORMATS["Q8_0"].type_id, None, 0, 32, 0, None, 0, 1) != -2
 
     def gemm(self, qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
              int8_activations: bool = False) -> bool:
@@ -140,13 +142,7 @@ class GGUFKernels:
         status = self._shards(len(plan.qtypes), plan.qtypes, plan.pointers, plan.rows_per_shard, plan.row_bytes, k,
                               x.data_ptr(), _X_DTYPES[x.dtype], x.stride(0), x.shape[0], out.data_ptr(),
                               out.stride(0), torch.get_num_threads())
-        if status == -2:
-            return False
-        if status == -3:
-            raise MemoryError("GGUF kernel: no memory for the quantised activations")
-        if status:
-            raise ValueError(f"GGUF kernel: unknown type among {plan.names}")
-        return True
+        return _succeeded(status, plan.names, "the quantised activations")
 
     def gemm_shards_bf16(self, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
         """out [m, plan.rows] (rows contiguous, any row stride) = x [m, k] (bfloat16,
@@ -158,13 +154,7 @@ class GGUFKernels:
         status = self._bf16(len(plan.qtypes), plan.qtypes, plan.pointers, plan.rows_per_shard, plan.row_bytes, k,
                             x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), out.stride(0),
                             torch.get_num_threads())
-        if status == -2:
-            return False
-        if status == -3:
-            raise MemoryError("GGUF kernel: no memory for a dequantised tile")
-        if status:
-            raise ValueError(f"GGUF kernel: unknown type among {plan.names}")
-        return True
+        return _succeeded(status, plan.names, "a dequantised tile")
 
     def dequantize_rows_bf16(self, qtype: str, blocks: torch.Tensor, k: int, out: torch.Tensor) -> bool:
         """out [n, k] bfloat16 (rows contiguous) = every row of `blocks`, rounded once to
@@ -172,11 +162,7 @@ class GGUFKernels:
         written, where this build has no AVX-512 BF16."""
         status = self._rows_bf16(GGUF_FORMATS[qtype].type_id, blocks.data_ptr(), blocks.stride(0), k, blocks.shape[0],
                                  out.data_ptr(), out.stride(0), torch.get_num_threads())
-        if status == -2:
-            return False
-        if status:
-            raise ValueError(f"GGUF kernel: unknown type {qtype}")
-        return True
+        return _succeeded(status, [qtype], "")
 
     def dequantize_rows(self, qtype: str, blocks: torch.Tensor, k: int, ids: torch.Tensor | None,
                         out: torch.Tensor) -> None:
@@ -187,6 +173,19 @@ class GGUFKernels:
                             torch.get_num_threads())
         if status:
             raise ValueError(f"GGUF kernel: unknown type {qtype}")
+
+
+def _succeeded(status: int, names: list[str], scratch: str) -> bool:
+    """A C entry point's status: True (0), False (-2: this build lacks the instructions),
+    or the error: MemoryError (-3: no memory for `scratch`), ValueError (-1: a type among
+    `names` that the library does not know)."""
+    if status == -2:
+        return False
+    if status == -3:
+        raise MemoryError(f"GGUF kernel: no memory for {scratch}")
+    if status:
+        raise ValueError(f"GGUF kernel: unknown type among {names}")
+    return True
 
 
 @functools.cache
@@ -230,19 +229,14 @@ def gguf_linear(qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: 
     # tile is dequantised straight to bf16 where the build can (the same values: one
     # rounding to nearest even), skipping a float32 tile and its conversion.
     x = x.contiguous() if half else x.float().contiguous()
-    if x.dtype == torch.bfloat16:
-        tile16 = torch.empty(min(TILE_ROWS, rows), k, dtype=torch.bfloat16)
-        if kernel.dequantize_rows_bf16(qtype, blocks[:tile16.shape[0]], k, tile16):
-            for r0 in range(0, rows, TILE_ROWS):
-                n = min(TILE_ROWS, rows - r0)
-                if r0:
-                    kernel.dequantize_rows_bf16(qtype, blocks[r0:r0 + n], k, tile16[:n])
-                out[:, r0:r0 + n].copy_(x @ tile16[:n].t())
-            return
-    tile = torch.empty(min(TILE_ROWS, rows), k, dtype=torch.float32)
+    direct = x.dtype == torch.bfloat16 and kernel.has_bf16
+    tile = torch.empty(min(TILE_ROWS, rows), k, dtype=torch.bfloat16 if direct else torch.float32)
     for r0 in range(0, rows, TILE_ROWS):
         n = min(TILE_ROWS, rows - r0)
-        kernel.dequantize_rows(qtype, blocks[r0:r0 + n], k, None, tile[:n])
+        if direct:
+            kernel.dequantize_rows_bf16(qtype, blocks[r0:r0 + n], k, tile[:n])
+        else:
+            kernel.dequantize_rows(qtype, blocks[r0:r0 + n], k, None, tile[:n])
         out[:, r0:r0 + n].copy_(x @ (tile[:n].to(x.dtype) if half else tile[:n]).t())
 
 
