@@ -283,6 +283,33 @@ def test_16bit_activations_go_through_int8_within_their_rounding(qtype, tokens):
         assert ((out.double() - rounded @ weight.t()).abs() <= 1e-6 * magnitude + 1e-6).all()
 
 
+@pytest.mark.parametrize("qtype", QUANTIZED_TYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_outputs_are_the_float32_ones_rounded_once(qtype, dtype):
+    """A 16-bit layer's product is written in its dtype, each output its float32 value
+    rounded once to nearest even (what `.to(dtype)` of the float32 output gives), on
+    every path: int8 (up to 7 tokens), bf16 tiles (8-64), the tiled prefill GEMM (more),
+    into a shard's columns of a wider output, and in one call over a fused layer's
+    shards of two types."""
+    g = torch.Generator().manual_seed(8)
+    k = 512
+    blocks = torch.from_numpy(quantize_blocks((torch.randn(30, k, generator=g) * 0.3).numpy(), qtype))
+    other = torch.from_numpy(quantize_blocks((torch.randn(6, k, generator=g) * 0.3).numpy(), "Q8_0"))
+    plan = gguf_kernels.shard_plan([(qtype, blocks), ("Q8_0", other)])
+    for tokens in (1, 7, 8, 40, 100):
+        x = (torch.randn(tokens, k, generator=g) * 2).to(dtype)
+        exact = torch.full((tokens, 40), float("nan"))
+        rounded = torch.full((tokens, 40), float("nan"), dtype=dtype)
+        gguf_kernels.gguf_linear(qtype, blocks, k, x, exact[:, 3:33])
+        gguf_kernels.gguf_linear(qtype, blocks, k, x, rounded[:, 3:33])
+        assert torch.equal(rounded[:, 3:33], exact[:, 3:33].to(dtype)), tokens
+        assert rounded[:, :3].isnan().all() and rounded[:, 33:].isnan().all()
+        exact, rounded = torch.empty(tokens, 36), torch.empty(tokens, 36, dtype=dtype)
+        if gguf_kernels.gguf_linear_shards(plan, k, x, exact):
+            assert gguf_kernels.gguf_linear_shards(plan, k, x, rounded)
+            assert torch.equal(rounded, exact.to(dtype)), tokens
+
+
 def test_portable_build_matches_gguf_py(tmp_path, monkeypatch):
     """The kernels built without -march (no AVX-512: the portable C dequantisers, no
     VNNI) give the same dequantised values and float products."""

@@ -63,6 +63,13 @@ def _as_blocks(loaded: torch.Tensor, qtype: str) -> torch.Tensor:
     return loaded.to(FLOAT_TYPES[qtype]).contiguous().view(torch.uint8)
 
 
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """A product's output dtype: the kernels round each float sum once to x's dtype where
+    they can write it (as `.to` would round a float32 output), so a 16-bit layer needs no
+    float32 output and cast; other dtypes get float32, cast after."""
+    return x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+
+
 class GGUFLinearMethod(LinearMethodBase):
     """One layer's weight as runs of GGUF blocks, one run per shard (`shard_types`, in
     the layer's shard order: q, k, v; gate, up; or one). Built per layer by
@@ -133,7 +140,7 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, self.input_size)
-        out = torch.empty(x2.shape[0], sum(rows for _, rows, _, _ in self.shards), dtype=torch.float32,
+        out = torch.empty(x2.shape[0], sum(rows for _, rows, _, _ in self.shards), dtype=_out_dtype(x),
                           device=x.device)
         if not gguf_linear_shards(self.shard_plan(layer), self.input_size, x2, out):
             start = 0
@@ -174,7 +181,7 @@ class GGUFEmbeddingMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, layer.embedding_dim)
-        out = torch.empty(x2.shape[0], layer.qweight.shape[0], dtype=torch.float32, device=x.device)
+        out = torch.empty(x2.shape[0], layer.qweight.shape[0], dtype=_out_dtype(x), device=x.device)
         gguf_linear(self.qtype, layer.qweight, layer.embedding_dim, x2, out)
         y = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[1])
         return y + bias if bias is not None else y

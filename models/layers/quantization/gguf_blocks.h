@@ -47,6 +47,33 @@ static inline float load_fp16(const uint8_t *p) {
 #endif
 }
 
+#if defined(__F16C__)
+/* Where a product's outputs go: element (t, c) at p + t * ld + c, as float32 (dtype 0),
+ * bfloat16 (1) or float16 (2), each rounded once to nearest even from the float sum as
+ * torch's .to() rounds it (a NaN becomes torch's bfloat16 NaN), so that a 16-bit layer
+ * gets its output without a float32 copy and a cast. */
+typedef struct {
+    void *p;
+    int dtype;
+    int64_t ld;
+} out_t;
+
+static inline uint16_t float_to_bf16(float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline void out_store(const out_t *y, int64_t t, int64_t c, float v) {
+    const int64_t i = t * y->ld + c;
+    if (y->dtype == 0)
+        ((float *)y->p)[i] = v;
+    else
+        ((uint16_t *)y->p)[i] = y->dtype == 1 ? float_to_bf16(v) : _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+}
+#endif
+
 static inline int block_size(int qtype) { return (qtype == T_Q4_0 || qtype == T_Q8_0) ? 32 : 256; }
 static inline int block_bytes(int qtype) {
     switch (qtype) {

@@ -304,12 +304,14 @@ int gguf_dequantize_rows_bf16(int qtype, const uint8_t *w, int64_t row_bytes, in
 }
 
 /* As gguf_gemm_q8_shards (n shards sharing one input, y[t * ldy + o_i + r] = W_i[r, :] .
- * x[t, :]), for bfloat16 x (row stride ldx) through dequantised bf16 tiles. Returns 0;
+ * x[t, :], y_dtype as out_t's), for bfloat16 x (row stride ldx) through dequantised bf16 tiles. Returns 0;
  * -1 for an unknown type (nothing written); -3 when a thread's tile cannot be
  * allocated. */
 int gguf_gemm_bf16_shards(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
-                          const int64_t *row_bytes, int64_t k, const bf16 *x, int64_t ldx, int64_t m, float *y,
-                          int64_t ldy, int num_threads) {
+                          const int64_t *row_bytes, int64_t k, const bf16 *x, int64_t ldx, int64_t m, void *y,
+                          int y_dtype, int64_t ldy, int num_threads) {
+    if (y_dtype < 0 || y_dtype > 2) return -1;
+    const out_t yo = {y, y_dtype, ldy};
     int64_t tiles = 0;
     for (int i = 0; i < n; ++i) {
         if (block_bytes(qtypes[i]) == 0) return -1;
@@ -342,7 +344,7 @@ int gguf_gemm_bf16_shards(int n, const int *qtypes, const uint8_t *const *w, con
                 _mm512_storeu_ps(out, bf16_run_tile(tile, ldt, x + m0 * ldx, ldx, k, nr, nt, NULL, 0, 1));
                 for (int t = 0; t < nt; ++t)
                     for (int r = 0; r < nr; ++r)
-                        y[(m0 + t) * ldy + offset + r0 + r] = out[t * BF16_TILE_ROWS + r]; /* lane 4t + r */
+                        out_store(&yo, m0 + t, offset + r0 + r, out[t * BF16_TILE_ROWS + r]); /* lane 4t + r */
             }
         }
         free(tile);
@@ -357,10 +359,10 @@ int gguf_dequantize_rows_bf16(int qtype, const uint8_t *w, int64_t row_bytes, in
 }
 
 int gguf_gemm_bf16_shards(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
-                          const int64_t *row_bytes, int64_t k, const uint16_t *x, int64_t ldx, int64_t m, float *y,
-                          int64_t ldy, int num_threads) {
+                          const int64_t *row_bytes, int64_t k, const uint16_t *x, int64_t ldx, int64_t m, void *y,
+                          int y_dtype, int64_t ldy, int num_threads) {
     (void)n; (void)qtypes; (void)w; (void)rows; (void)row_bytes; (void)k; (void)x; (void)ldx; (void)m; (void)y;
-    (void)ldy; (void)num_threads;
+    (void)y_dtype; (void)ldy; (void)num_threads;
     return -2;
 }
 #endif

@@ -82,7 +82,7 @@ TILE_ROWS = 1024  # a float32 tile of 1024 x 5632 is 23 MiB: scratch, reused per
 INT8_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 
 
-_X_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # gguf_vnni.c's x_dtype
+_X_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # gguf_vnni.c's x_dtype, out_t's dtype
 
 
 class ShardPlan:
@@ -113,18 +113,18 @@ class GGUFKernels:
         self._rows_bf16.restype = ctypes.c_int
         self._rows_bf16.argtypes = [i32, p, i64, i64, i64, p, i64, i32]
         self._gemm.argtypes = [i32, p, i64, i64, i64, p, i64, i64, p, i64, i32]
-        self._shards.argtypes = [i32, p, p, p, p, i64, p, i32, i64, i64, p, i64, i32]
-        self._bf16.argtypes = [i32, p, p, p, p, i64, p, i64, i64, p, i64, i32]
+        self._shards.argtypes = [i32, p, p, p, p, i64, p, i32, i64, i64, p, i32, i64, i32]
+        self._bf16.argtypes = [i32, p, p, p, p, i64, p, i64, i64, p, i32, i64, i32]
         self._rows.argtypes = [i32, p, i64, i64, p, i64, p, i64, i32]
         # Whether this build has AVX-512 BF16 (the bf16 entry points answer -2 where not).
         self.has_bf16 = self._rows_bf16(GGUF_FORMATS["Q8_0"].type_id, None, 0, 32, 0, None, 0, 1) != -2
 
     def gemm(self, qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
              int8_activations: bool = False) -> bool:
-        """out [m, rows] (rows contiguous, any row stride) = x [m, k] float32 (rows
-        contiguous) times the blocks' rows [rows, row_bytes] (contiguous). With
-        `int8_activations`, x is quantised to int8 first (VNNI); False,
-        with nothing written, where this build has no VNNI."""
+        """out [m, rows] (float32; rows contiguous, any row stride) = x [m, k] float32
+        (rows contiguous) times the blocks' rows [rows, row_bytes] (contiguous). With
+        `int8_activations`, x is quantised to int8 first (VNNI) and out may also be
+        bfloat16 or float16; False, with nothing written, where this build has no VNNI."""
         if int8_activations:
             return self.gemm_shards(ShardPlan([(qtype, blocks)]), k, x, out)
         status = self._gemm(GGUF_FORMATS[qtype].type_id, blocks.data_ptr(), blocks.shape[0], k, blocks.stride(0),
@@ -135,25 +135,24 @@ class GGUFKernels:
         return True
 
     def gemm_shards(self, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
-        """out [m, plan.rows] (rows contiguous, any row stride) = x [m, k] (float32,
-        bfloat16 or float16; rows contiguous) times the plan's shards' rows, shard after
-        shard, with x quantised to int8 (VNNI). False, with nothing written,
-        where this build has no VNNI."""
+        """out [m, plan.rows] (float32, bfloat16 or float16, each output rounded once;
+        rows contiguous, any row stride) = x [m, k] (float32, bfloat16 or float16; rows
+        contiguous) times the plan's shards' rows, shard after shard, with x quantised
+        to int8 (VNNI). False, with nothing written, where this build has no VNNI."""
         status = self._shards(len(plan.qtypes), plan.qtypes, plan.pointers, plan.rows_per_shard, plan.row_bytes, k,
                               x.data_ptr(), _X_DTYPES[x.dtype], x.stride(0), x.shape[0], out.data_ptr(),
-                              out.stride(0), torch.get_num_threads())
+                              _X_DTYPES[out.dtype], out.stride(0), torch.get_num_threads())
         return _succeeded(status, plan.names, "the quantised activations")
 
     def gemm_shards_bf16(self, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
-        """out [m, plan.rows] (rows contiguous, any row stride) = x [m, k] (bfloat16,
-        rows contiguous) times the plan's shards' rows, each 4-row tile dequantised to
+        """out [m, plan.rows] (as gemm_shards') = x [m, k] (bfloat16, rows contiguous) times the plan's shards' rows, each 4-row tile dequantised to
         bfloat16 and multiplied by our bf16 register tile. False, with nothing written,
         where this build has no AVX-512 BF16."""
         if x.dtype != torch.bfloat16:
             raise ValueError(f"gemm_shards_bf16 takes bfloat16 activations, not {x.dtype}")
         status = self._bf16(len(plan.qtypes), plan.qtypes, plan.pointers, plan.rows_per_shard, plan.row_bytes, k,
-                            x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), out.stride(0),
-                            torch.get_num_threads())
+                            x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), _X_DTYPES[out.dtype],
+                            out.stride(0), torch.get_num_threads())
         return _succeeded(status, plan.names, "a dequantised tile")
 
     def dequantize_rows_bf16(self, qtype: str, blocks: torch.Tensor, k: int, out: torch.Tensor) -> bool:
@@ -204,9 +203,10 @@ def _kernel_for(blocks: torch.Tensor, qtype: str) -> GGUFKernels | None:
 
 
 def gguf_linear(qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor) -> None:
-    """out [m, rows] (a float32 view whose rows are contiguous: a shard's columns of the
-    layer's output) = x [m, k] W^T, W the `qtype` rows `blocks` [rows, row_bytes].
-    Activations in a 16-bit dtype go through int8 (`INT8_ACTIVATION_DTYPES`)."""
+    """out [m, rows] (a view whose rows are contiguous: a shard's columns of the layer's
+    output; float32, or x's 16-bit dtype, each output rounded once from its float sum) =
+    x [m, k] W^T, W the `qtype` rows `blocks` [rows, row_bytes]. Activations in a 16-bit
+    dtype go through int8 (`INT8_ACTIVATION_DTYPES`)."""
     kernel = _kernel_for(blocks, qtype)
     if kernel is None:
         weight = dequantize(qtype, blocks, k)
@@ -221,8 +221,12 @@ def gguf_linear(qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: 
         if out.stride(1) != 1:
             raise ValueError("gguf_linear: the output's rows must be contiguous")
         x = x.float().contiguous()
-        if not (half and kernel.gemm(qtype, blocks, k, x, out, int8_activations=True)):
-            kernel.gemm(qtype, blocks, k, x, out)
+        if half and kernel.gemm(qtype, blocks, k, x, out, int8_activations=True):
+            return
+        exact = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
+        kernel.gemm(qtype, blocks, k, x, exact)
+        if exact is not out:
+            out.copy_(exact)
         return
     # 16-bit activations multiply a 16-bit copy of each tile (the CPU's bf16/fp16 GEMM:
     # 2.4x the float32 one at 128 tokens, 2026-12-05); float32 ones stay exact. A bf16
@@ -249,8 +253,8 @@ def shard_plan(shards: list[tuple[str, torch.Tensor]]) -> ShardPlan | None:
 
 
 def gguf_linear_shards(plan: ShardPlan | None, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
-    """out [m, plan.rows] (float32, rows contiguous) = x [m, k] times every shard of
-    `plan` in one C call, for 16-bit activations (`INT8_ACTIVATION_DTYPES`): the int8
+    """out [m, plan.rows] (float32 or x's dtype, rows contiguous) = x [m, k] times every
+    shard of `plan` in one C call, for 16-bit activations (`INT8_ACTIVATION_DTYPES`): the int8
     path's (at most `SMALL_BATCH_TOKENS` tokens, a VNNI build) and the bf16 tiles' (up
     to `BF16_TILE_MAX_TOKENS`). Same values as `gguf_linear` shard by shard. False, with
     nothing written, where neither applies (the caller then calls `gguf_linear` per shard)."""
@@ -270,7 +274,8 @@ def gguf_linear_shards(plan: ShardPlan | None, k: int, x: torch.Tensor, out: tor
 
 def _bf16_tiles(kernel: GGUFKernels, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
     """The dequantised-bf16-tile product for BF16_TILE_MIN_TOKENS..BF16_TILE_MAX_TOKENS
-    tokens of 16-bit x into out (float32, rows contiguous); False, with nothing written,
+    tokens of 16-bit x into out (float32 or x's dtype, rows contiguous); False, with
+    nothing written,
     for other token counts or where the build has no AVX-512 BF16."""
     if not BF16_TILE_MIN_TOKENS <= x.shape[0] <= BF16_TILE_MAX_TOKENS or out.stride(1) != 1:
         return False
