@@ -74,6 +74,17 @@ static inline void out_store(const out_t *y, int64_t t, int64_t c, float v) {
 }
 #endif
 
+/* The K-quants' j-th (scale, min) pair of 6 bits each, from their 12 packed bytes. */
+static inline void scale_min_k4(int j, const uint8_t *s, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
 static inline int block_size(int qtype) { return (qtype == T_Q4_0 || qtype == T_Q8_0) ? 32 : 256; }
 static inline int block_bytes(int qtype) {
     switch (qtype) {

@@ -1,4 +1,5 @@
-"""The products and lookups GGUF layers compute from their blocks (`gguf_kernels.c`).
+"""The products and lookups GGUF layers compute from their blocks (`gguf_kernels.c`: float
+products and dequantisers; `gguf_vnni.c`: int8 products; `gguf_bf16.c`: bf16 tiles).
 
 `gguf_linear(qtype, blocks, k, x, out)`: out = x W^T for W held as [rows, row_bytes]
 blocks of `qtype`. On the CPU, with the C kernels built:
@@ -65,10 +66,10 @@ from models.layers.quantization.gguf_dequant import (
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_kernels.c")
-#: What the library is built from: the float path and dequantisers, the int8 path, and
-#: the header both include.
-SOURCES = (SOURCE, SOURCE.with_name("gguf_vnni.c"), SOURCE.with_name("gguf_blocks.h"),
-           SOURCE.parent.parent / "bf16_tile.h")
+#: What the library is built from: the float path and dequantisers, the int8 path, the
+#: bf16 tiles, and the headers they include.
+SOURCES = (SOURCE, SOURCE.with_name("gguf_vnni.c"), SOURCE.with_name("gguf_bf16.c"),
+           SOURCE.with_name("gguf_blocks.h"), SOURCE.parent.parent / "bf16_tile.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
