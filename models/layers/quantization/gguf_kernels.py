@@ -25,11 +25,11 @@ blocks of `qtype`. On the CPU, with the C kernels built:
   our bf16 register tile (`gguf_gemm_bf16_shards`; float16 activations are rounded to
   bfloat16 first). Its error is the weights' one bfloat16 rounding, well below the int8
   path's. Against the int8 path (2026-12-05, the Zen 5 VM, a 5632x2048 weight on 2
-  threads): Q8_0 1.4x at 8 tokens, 1.6x at 16, 1.9x at 32; the K-quants, whose int8
-  product is twice as fast, 0.6-0.7x at 8, 0.9-1.0x at 16 and 1.35-1.45x at 32. The
-  tiles still start at 8 for every type: at 8-16 tokens a K-quant layer trades that
-  time for their accuracy (with per-256 int8 activations a prefill of a few tokens
-  flipped a tiny model's greedy tokens, tests/test_gguf_quantised.py);
+  threads, two runs): Q8_0 1.9-2.2x at 8 tokens, 2.7x at 16, 2.6-2.9x at 32; Q4_K
+  0.7-0.85x at 8, 0.95-1.15x at 16, 1.1-1.3x at 32; Q6_K 0.65-0.7x at 8, 0.85-0.95x at
+  16, 1.05x at 32. The tiles still start at 8 for every type: at 8-16 tokens a K-quant
+  layer trades that time for their accuracy (with per-256 int8 activations a prefill of
+  a few tokens flipped a tiny model's greedy tokens, tests/test_gguf_quantised.py);
 - more tokens (prefill): row tiles of `TILE_ROWS` rows are dequantised into one scratch
   tile (never the whole weight) and multiplied by torch's GEMM in the activations' dtype:
   for bf16 activations dequantised straight to bf16 (AVX-512 BF16 builds), otherwise a
@@ -41,10 +41,12 @@ process, and logged when the C kernels are unavailable.
 `gguf_dequantize_rows(qtype, blocks, k, ids)`: the rows `ids` as float32 (an
 embedding's lookups), the same two paths.
 
-Dequantised values equal gguf-py's bit for bit on every path. Called by the layers on
-every rank; the GIL is released during each C call; the int8 path holds the quantised
-activations (about 1.3 bytes per input value per token, twice where a layer's shards
-read two orders) for the call.
+Outputs are float32 or the activations' 16-bit dtype (the layers ask for the latter):
+each is rounded once from its float32 sum, to nearest even, as `.to()` rounds a float32
+output. Dequantised values equal gguf-py's bit for bit on every path. Called by the
+layers on every rank; the GIL is released during each C call; the int8 path holds the
+quantised activations (about 1.3 bytes per input value per token, twice where a layer's
+shards read two orders) for the call.
 """
 
 from __future__ import annotations
