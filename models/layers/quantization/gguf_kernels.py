@@ -85,7 +85,8 @@ TILE_ROWS = 1024  # a float32 tile of 1024 x 5632 is 23 MiB: scratch, reused per
 INT8_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 
 
-_X_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # gguf_vnni.c's x_dtype, out_t's dtype
+# gguf_vnni.c's x_dtype, and gguf_blocks.h's out_t dtype
+_X_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class ShardPlan:
@@ -148,9 +149,10 @@ class GGUFKernels:
         return _succeeded(status, plan.names, "the quantised activations")
 
     def gemm_shards_bf16(self, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
-        """out [m, plan.rows] (as gemm_shards') = x [m, k] (bfloat16, rows contiguous) times the plan's shards' rows, each 4-row tile dequantised to
-        bfloat16 and multiplied by our bf16 register tile. False, with nothing written,
-        where this build has no AVX-512 BF16."""
+        """out [m, plan.rows] (as gemm_shards') = x [m, k] (bfloat16, rows contiguous)
+        times the plan's shards' rows, each 4-row tile dequantised to bfloat16 and
+        multiplied by our bf16 register tile. False, with nothing written, where this
+        build has no AVX-512 BF16."""
         if x.dtype != torch.bfloat16:
             raise ValueError(f"gemm_shards_bf16 takes bfloat16 activations, not {x.dtype}")
         status = self._bf16(len(plan.qtypes), plan.qtypes, plan.pointers, plan.rows_per_shard, plan.row_bytes, k,
@@ -257,10 +259,11 @@ def shard_plan(shards: list[tuple[str, torch.Tensor]]) -> ShardPlan | None:
 
 def gguf_linear_shards(plan: ShardPlan | None, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
     """out [m, plan.rows] (float32 or x's dtype, rows contiguous) = x [m, k] times every
-    shard of `plan` in one C call, for 16-bit activations (`INT8_ACTIVATION_DTYPES`): the int8
-    path's (at most `SMALL_BATCH_TOKENS` tokens, a VNNI build) and the bf16 tiles' (up
-    to `BF16_TILE_MAX_TOKENS`). Same values as `gguf_linear` shard by shard. False, with
-    nothing written, where neither applies (the caller then calls `gguf_linear` per shard)."""
+    shard of `plan` in one C call, for 16-bit activations (`INT8_ACTIVATION_DTYPES`): the
+    int8 path's (at most `SMALL_BATCH_TOKENS` tokens, a VNNI build) and the bf16 tiles'
+    (up to `BF16_TILE_MAX_TOKENS`). Same values as `gguf_linear` shard by shard. False,
+    with nothing written, where neither applies (the caller then calls `gguf_linear` per
+    shard)."""
     if plan is None or x.dtype not in INT8_ACTIVATION_DTYPES or x.shape[0] > BF16_TILE_MAX_TOKENS:
         return False
     kernel = load()
@@ -278,8 +281,7 @@ def gguf_linear_shards(plan: ShardPlan | None, k: int, x: torch.Tensor, out: tor
 def _bf16_tiles(kernel: GGUFKernels, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
     """The dequantised-bf16-tile product for BF16_TILE_MIN_TOKENS..BF16_TILE_MAX_TOKENS
     tokens of 16-bit x into out (float32 or x's dtype, rows contiguous); False, with
-    nothing written,
-    for other token counts or where the build has no AVX-512 BF16."""
+    nothing written, for other token counts or where the build has no AVX-512 BF16."""
     if not BF16_TILE_MIN_TOKENS <= x.shape[0] <= BF16_TILE_MAX_TOKENS or out.stride(1) != 1:
         return False
     x = x.to(torch.bfloat16)

@@ -155,9 +155,10 @@ static inline __attribute__((always_inline)) void unpack_256(int qtype, const ui
 }
 
 /* One K-quant row (Q4_K, Q5_K, Q6_K) times nt tokens of per-256 int8 x (ORDER_K4 or
- * ORDER_NATURAL256). Per super-block: each group's integer dot products (vpdpbusd, 4
- * values a lane, at most 4 * 63 * 127 in magnitude: they fit 16 bits), packed to 16 bits
- * and multiplied by the group scales with the pairs summed (vpdpwssd), then once in
+ * ORDER_NATURAL256), into column col of y's rows t0 .. t0 + nt - 1. Per super-block:
+ * each group's integer dot products (vpdpbusd, 4 values a lane, at most 4 * 63 * 127 in
+ * magnitude: they fit 16 bits), packed to 16 bits and multiplied by the group scales
+ * with the pairs summed (vpdpwssd), then once in
  * float by d * dx; minus the offsets' term, per group offset * (dx * sum of x in it):
  * Q4_K/Q5_K's dmin * min_j per 32 values, Q6_K's 32 * d * scale_j per 16.
  * vpackssdw(a, b) interleaves per 128-bit lane L: four 32-bit lanes of a, then four of
@@ -167,7 +168,7 @@ static inline __attribute__((always_inline)) void unpack_256(int qtype, const ui
  * 8 + L and 12 + L). Inlined per constant qtype and nt (rows_times_qx). */
 static inline __attribute__((always_inline)) void row_k_n(int qtype, const uint8_t *row, int64_t k,
                                                           const qx_t *qx, const int nt, const out_t *y, int64_t t0,
-                                                          int64_t c) {
+                                                          int64_t col) {
     const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1);
     const __m512i zero = _mm512_setzero_si512();
     const __m256i k4_idx = _mm256_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1,
@@ -240,15 +241,16 @@ static inline __attribute__((always_inline)) void row_k_n(int qtype, const uint8
                                                   : _mm512_maskz_loadu_ps(0xff, qx[t].xs32 + 8 * s), corr[t]);
         }
     }
-    for (int t = 0; t < nt; ++t) out_store(y, t0 + t, c, _mm512_reduce_add_ps(_mm512_sub_ps(acc[t], corr[t])));
+    for (int t = 0; t < nt; ++t) out_store(y, t0 + t, col, _mm512_reduce_add_ps(_mm512_sub_ps(acc[t], corr[t])));
 }
 
-/* One row times nt tokens. Inlined into one copy per constant nt (rows_times_qx), so the
- * running sums stay in registers instead of a stack array indexed at run time (whose
- * store-to-load forwarding, on every fused multiply-add, set the pace before). */
+/* One row times nt tokens, into column col of y's rows t0 .. t0 + nt - 1. Inlined into
+ * one copy per constant nt (rows_times_qx), so the running sums stay in registers
+ * instead of a stack array indexed at run time (whose store-to-load forwarding, on every
+ * fused multiply-add, set the pace before). */
 static inline __attribute__((always_inline)) void row_times_qx_n(int qtype, const uint8_t *row, int64_t k,
                                                                  const qx_t *qx, const int nt, const out_t *y,
-                                                                 int64_t t0, int64_t c) {
+                                                                 int64_t t0, int64_t col) {
     /* one running sum per 64-value chunk c: four independent chains of fused
      * multiply-adds, where one chain (four per super-chunk) set the pace */
     __m512 acc[4][MAX_TOKENS], corr[MAX_TOKENS];
@@ -272,7 +274,7 @@ static inline __attribute__((always_inline)) void row_times_qx_n(int qtype, cons
     }
     for (int t = 0; t < nt; ++t) {
         const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0][t], acc[1][t]), _mm512_add_ps(acc[2][t], acc[3][t]));
-        out_store(y, t0 + t, c, _mm512_reduce_add_ps(_mm512_sub_ps(sum, corr[t])));
+        out_store(y, t0 + t, col, _mm512_reduce_add_ps(_mm512_sub_ps(sum, corr[t])));
     }
 }
 
@@ -281,7 +283,7 @@ static inline __attribute__((always_inline)) void row_times_qx_n(int qtype, cons
  * and stored once per super-chunk. Unrolling every token instead (row_times_qx_n) runs
  * out of registers past two tokens and spills in the inner loop. */
 static void row_times_qx_many(int qtype, const uint8_t *row, int64_t k, const qx_t *qx, int nt, const out_t *y,
-                              int64_t t0, int64_t c) {
+                              int64_t t0, int64_t col) {
     __m512 acc[MAX_TOKENS], corr[MAX_TOKENS];
     for (int t = 0; t < nt; ++t) acc[t] = corr[t] = _mm512_setzero_ps();
     for (int64_t s = 0; s < (k + 255) / 256; ++s) {
@@ -300,13 +302,14 @@ static void row_times_qx_many(int qtype, const uint8_t *row, int64_t k, const qx
             corr[t] = _mm512_fmadd_ps(gm, _mm512_loadu_ps(qx[t].xs16 + 16 * s), corr[t]);
         }
     }
-    for (int t = 0; t < nt; ++t) out_store(y, t0 + t, c, _mm512_reduce_add_ps(_mm512_sub_ps(acc[t], corr[t])));
+    for (int t = 0; t < nt; ++t) out_store(y, t0 + t, col, _mm512_reduce_add_ps(_mm512_sub_ps(acc[t], corr[t])));
 }
 
 /* Rows [r0, r1) of one shard (row r at w + r * row_bytes, its outputs column c0 + r of
- * y's rows t0, t0 + 1, ...) times nt tokens: type and token count chosen once per call, so each row runs a loop compiled
- * for them (constant block layout and prefetches, no type tests, the sums in registers;
- * a Q4_K super-block 6.4 -> 5.7 ns on one core, Q6_K 9.2 -> 7.7, 2026-12-05). */
+ * y's rows t0 .. t0 + nt - 1) times nt tokens: type and token count chosen once per
+ * call, so each row runs a loop compiled for them (constant block layout and prefetches,
+ * no type tests, the sums in registers; a Q4_K super-block 6.4 -> 5.7 ns on one core,
+ * Q6_K 9.2 -> 7.7, 2026-12-05). */
 #define ROWS(call) for (int64_t r = r0; r < r1; ++r) call; break;
 #define K_CASE(qt, n) case n: ROWS(row_k_n(qt, w + r * row_bytes, k, qx, n, y, t0, c0 + r))
 #define K_TYPE(qt) \
