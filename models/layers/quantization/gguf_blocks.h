@@ -1,6 +1,7 @@
 /* What the GGUF kernels (gguf_kernels.c: float products and dequantisers; gguf_vnni.c:
- * int8 products) share: ggml's type ids, the blocks' sizes and their fp16 scales. The
- * block layouts are described in gguf_kernels.c. */
+ * int8 products; gguf_bf16.c: bf16 tiles) share: ggml's type ids, the blocks' sizes,
+ * their fp16 scales and the K-quants' 6-bit scale pairs, and how a product's outputs are
+ * stored. The block layouts are described in gguf_kernels.c. */
 #ifndef GGUF_BLOCKS_H
 #define GGUF_BLOCKS_H
 

@@ -2,7 +2,7 @@
  * time into a float buffer in L1 and multiplies it with every token's activations
  * (gguf_gemm), and a row dequantiser (a tiled larger-batch GEMM's tiles, an embedding's
  * looked-up rows). The product with int8-quantised activations (AVX-512 VNNI) is in
- * gguf_vnni.c; the type ids and block sizes both use are in gguf_blocks.h.
+ * gguf_vnni.c, the bf16 tiles in gguf_bf16.c; what they share is in gguf_blocks.h.
  *
  * The contract (types, shapes, strides, who calls) is in gguf_kernels.py, which compiles
  * this file and is its only caller. The block layouts are llama.cpp's (ggml-common.h),

@@ -68,10 +68,10 @@ from models.layers.quantization.gguf_dequant import (
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_kernels.c")
-#: What the library is built from: the float path and dequantisers, the int8 path, the
-#: bf16 tiles, and the headers they include.
-SOURCES = (SOURCE, SOURCE.with_name("gguf_vnni.c"), SOURCE.with_name("gguf_bf16.c"),
-           SOURCE.with_name("gguf_blocks.h"), SOURCE.parent.parent / "bf16_tile.h")
+#: What the library is built from: the float path and dequantisers, the int8 path (and
+#: its activations' quantisation), the bf16 tiles, and the headers they share.
+SOURCES = (SOURCE, SOURCE.with_name("gguf_vnni.c"), SOURCE.with_name("gguf_quantize_x.h"),
+           SOURCE.with_name("gguf_bf16.c"), SOURCE.with_name("gguf_blocks.h"), SOURCE.parent.parent / "bf16_tile.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
@@ -85,7 +85,7 @@ TILE_ROWS = 1024  # a float32 tile of 1024 x 5632 is 23 MiB: scratch, reused per
 INT8_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 
 
-# gguf_vnni.c's x_dtype, and gguf_blocks.h's out_t dtype
+# gguf_quantize_x.h's x_dtype (x_row), and gguf_blocks.h's out_t dtype
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
