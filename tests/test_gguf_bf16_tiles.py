@@ -26,14 +26,7 @@ def _blocks(qtype: str, rows: int, k: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(quantize_blocks((torch.randn(rows, k, generator=g) * 0.3).numpy(), qtype))
 
 
-def _has_bf16_tiles() -> bool:
-    if kernel is None:
-        return False
-    plan = gguf_kernels.ShardPlan([("Q8_0", _blocks("Q8_0", 4, 32, 0))])
-    return kernel.gemm_shards_bf16(plan, 32, torch.zeros(8, 32, dtype=torch.bfloat16), torch.empty(8, 4))
-
-
-pytestmark = pytest.mark.skipif(not _has_bf16_tiles(), reason="no AVX-512 BF16 in this CPU or build")
+pytestmark = pytest.mark.skipif(kernel is None or not kernel.has_bf16, reason="no AVX-512 BF16 in this CPU or build")
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED_TYPES)

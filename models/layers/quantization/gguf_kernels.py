@@ -282,7 +282,7 @@ def _bf16_tiles(kernel: GGUFKernels, plan: ShardPlan, k: int, x: torch.Tensor, o
     """The dequantised-bf16-tile product for BF16_TILE_MIN_TOKENS..BF16_TILE_MAX_TOKENS
     tokens of 16-bit x into out (float32 or x's dtype, rows contiguous); False, with
     nothing written, for other token counts or where the build has no AVX-512 BF16."""
-    if not BF16_TILE_MIN_TOKENS <= x.shape[0] <= BF16_TILE_MAX_TOKENS or out.stride(1) != 1:
+    if not (kernel.has_bf16 and BF16_TILE_MIN_TOKENS <= x.shape[0] <= BF16_TILE_MAX_TOKENS and out.stride(1) == 1):
         return False
     x = x.to(torch.bfloat16)
     return kernel.gemm_shards_bf16(plan, k, x if x.stride(1) == 1 else x.contiguous(), out)
