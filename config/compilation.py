@@ -1,4 +1,4 @@
-"""CompilationConfig: CUDA graphs for decode steps (vLLM's names)."""
+"""CompilationConfig: CUDA graphs for decode steps (vLLM's names), and the CPU's graphs."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ class CompilationConfig:
     # Ascending batch sizes (decode sequences) captured at start-up; a batch is padded to
     # the smallest size that holds it. Empty when graphs are off.
     cudagraph_capture_sizes: list[int] = field(default_factory=list)
+    # The CPU's counterpart (worker/cpu_graph.py): pure-decode steps of up to this many
+    # sequences replay their recorded forward, each batch size recorded on first use and
+    # never padded; 0 when off (enforce_eager, CUDA, another attention backend).
+    cpu_graph_max_batch: int = 0
 
     @property
     def max_capture_size(self) -> int:

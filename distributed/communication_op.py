@@ -2,16 +2,19 @@
 
 Each one runs on every rank of the TP group, in the same order on every rank (the
 layers guarantee it: every rank runs the same forward). At world size 1 they return
-their input untouched.
+their input untouched. A CPU graph records each call whole and makes it again at every
+replay (`recorded_as_call`): the communicators keep round numbers and waits in Python.
 """
 
 from __future__ import annotations
 
 import torch
 
+from distributed.native_calls import recorded_as_call
 from distributed.parallel_state import get_tp_group
 
 
+@recorded_as_call
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the TP ranks, in place; returns `x`."""
     group = get_tp_group()
@@ -20,6 +23,7 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return group.communicator.all_reduce(x)
 
 
+@recorded_as_call
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Every rank's `x` concatenated along `dim`, in rank order."""
     group = get_tp_group()
@@ -28,6 +32,7 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     return group.communicator.all_gather(x, dim)
 
 
+@recorded_as_call
 def tensor_model_parallel_all_reduce_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, norm_kernel: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:

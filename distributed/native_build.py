@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from distributed.native_calls import NativeLibrary
+
 logger = logging.getLogger(__name__)
 
 _BUILD_TIMEOUT_S = 120
@@ -117,16 +119,18 @@ def build_or_load_library(source: Path | Sequence[Path], compile_flags: Sequence
 
 
 def load_kernel(source: Path | Sequence[Path], compile_flags: Sequence[str], link_flags: Sequence[str], link_libs: Sequence[str],
-                wrap: Callable[[ctypes.CDLL, Path], T], unavailable: str, switch: str | None = None) -> T | None:
+                wrap: Callable[[NativeLibrary, Path], T], unavailable: str, switch: str | None = None) -> T | None:
     """`wrap(library, path)` for the library built from `source` (`build_or_load_library`;
-    `wrap` also checks a fresh build), or None where it cannot be built or loaded, logged
+    `wrap` also checks a fresh build; its functions are `NativeFunction`s, which a CPU
+    graph can record: native_calls.py), or None where it cannot be built or loaded, logged
     as the warning `unavailable` with the reason in its one %s. None, with nothing built,
     when the environment variable `switch` is "0" (read on each call)."""
     if switch is not None and os.environ.get(switch, "1") == "0":
         return None
     try:
-        lib, path = build_or_load_library(source, compile_flags, link_flags, link_libs, lambda lib: wrap(lib, Path()))
-        return wrap(lib, path)
+        lib, path = build_or_load_library(source, compile_flags, link_flags, link_libs,
+                                          lambda lib: wrap(NativeLibrary(lib), Path()))
+        return wrap(NativeLibrary(lib), path)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         logger.warning(unavailable, e)
         return None

@@ -175,7 +175,12 @@ def _compilation_config(config: EngineConfig, device: str, attention_backend: st
     """CUDA graphs only where they can be captured: on CUDA, with TRITON_ATTN (whose
     kernels read every step's lengths from device buffers) and NCCL or no collectives
     (gloo stages through the host). Sizes sorted, deduplicated, and capped at
-    max_num_seqs, the largest decode batch."""
+    max_num_seqs, the largest decode batch. On the CPU, its graphs (worker/cpu_graph.py)
+    with CPU_ATTN, for batches up to max_num_seqs (and max_cudagraph_capture_size, when
+    given)."""
+    if not config.enforce_eager and device == "cpu" and attention_backend == "CPU_ATTN":
+        ceiling = config.max_cudagraph_capture_size or DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE
+        return CompilationConfig(enforce_eager=False, cpu_graph_max_batch=min(ceiling, config.max_num_seqs))
     graphs = (not config.enforce_eager and device == "cuda" and attention_backend == "TRITON_ATTN"
               and (tp_communicator == "nccl" or config.tensor_parallel_size == 1))
     if not graphs:

@@ -44,10 +44,11 @@ def test_graphs_resolve_on_cuda_with_triton_attn_only(tiny_models) -> None:
     for off in (
         _resolve(model, device="cuda", attention_backend="TRITON_ATTN", enforce_eager=True),
         _resolve(model, device="cuda", attention_backend="TORCH_SDPA"),
-        _resolve(model, device="cpu"),
         _resolve(model, device="cuda", tensor_parallel_size=2, tp_communicator="gloo"),
     ):
         assert off.compilation_config.enforce_eager and off.compilation_config.cudagraph_capture_sizes == []
+    # The CPU captures no CUDA graph; its own graphs are tests/test_cpu_graph.py's.
+    assert _resolve(model, device="cpu").compilation_config.cudagraph_capture_sizes == []
     chosen = _resolve(model, device="cuda", attention_backend="TRITON_ATTN", max_num_seqs=32,
                       cudagraph_capture_sizes=[16, 1, 64, 16, 3])
     assert chosen.compilation_config.cudagraph_capture_sizes == [1, 3, 16]  # sorted, once, <= max_num_seqs

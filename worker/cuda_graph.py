@@ -54,17 +54,19 @@ class DecodeInputs:
 class DecodeBuffers:
     """The persistent device tensors a captured graph reads: the model's inputs and the
     attention metadata of up to `max_batch` decode sequences of up to `max_blocks`
-    KV blocks each."""
+    KV blocks each; lengths and block tables in `index_dtype` (int32 for the Triton
+    kernels, int64 for the CPU's paged decode kernel)."""
 
-    def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device,
+                 index_dtype: torch.dtype = torch.int32) -> None:
         self.max_batch = max_batch
         self.max_blocks = max_blocks
         # Rows: input ids, positions, slots, sequence lengths; filled by one copy per step.
         self.rows = torch.zeros(4, max_batch, dtype=torch.long, device=device)
         self.rows[2].fill_(-1)
-        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_batch, dtype=index_dtype, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=index_dtype, device=device)
         self._pin = device.type == "cuda"
 
     @property
@@ -101,7 +103,7 @@ class DecodeBuffers:
         for blocks in inputs.block_tables:
             flat.extend(blocks)
             flat.extend([0] * (width - len(blocks)))
-        table = torch.tensor(flat, dtype=torch.int32, pin_memory=self._pin).view(n, width)
+        table = torch.tensor(flat, dtype=self.block_tables.dtype, pin_memory=self._pin).view(n, width)
         self.block_tables[:n, :width].copy_(table, non_blocking=True)
 
     def metadata(self, backend: AttentionBackend, size: int, block_size: int) -> AttentionMetadata:

@@ -34,6 +34,7 @@ from distributed.utils import cdiv
 from model_loader import get_model, get_model_loader
 from model_loader.utils import process_weights_after_loading
 from models.layers.attention import Attention, AttentionBackend, AttentionMetadata, get_attn_backend
+from worker.cpu_graph import CpuGraphRunner
 from worker.cuda_graph import CudaGraphRunner
 from worker.grammar_bitmask import GrammarBitmask
 from worker.kv_cache import KVCacheConfig, KVCacheMemory, KVCacheSpec, allocate_kv_cache
@@ -60,6 +61,8 @@ class ModelRunner:
         # Pure-decode steps by CUDA graph (or the same padded buffers, eagerly): set up
         # by `capture_model` where the config enables graphs.
         self.cuda_graphs: CudaGraphRunner | None = None
+        # The CPU's: each decode batch size recorded on first use, then replayed.
+        self.cpu_graphs: CpuGraphRunner | None = None
         # Each running request's SamplingParams, sent once at admission (ScheduledRequest).
         self._sampling_params: dict[str, SamplingParams] = {}
         # The token each request sampled in its latest step: what a placeholder stands for.
@@ -101,6 +104,8 @@ class ModelRunner:
         else:
             model.load_weights(source)
         process_weights_after_loading(model)
+        if self.cpu_graphs is not None:  # recorded with the weights' old tensors: record again
+            self.cpu_graphs.release()
 
     def _require_model(self) -> nn.Module:
         if self.model is None:
@@ -165,8 +170,16 @@ class ModelRunner:
 
     def capture_model(self) -> float:
         """Capture the decode CUDA graphs the config enables (CUDA only; TRITON_ATTN),
-        after the KV cache is bound; returns the seconds it took (0.0 with none)."""
+        after the KV cache is bound; returns the seconds it took (0.0 with none). On the
+        CPU, set up its graphs, which record each batch size at its first step."""
         sizes = self.config.compilation_config.cudagraph_capture_sizes
+        cpu_max_batch = self.config.compilation_config.cpu_graph_max_batch
+        if self.device.type == "cpu" and cpu_max_batch and getattr(self.attn_backend, "supports_cpu_graphs", False):
+            assert self.kv_cache_config is not None and self.attn_backend is not None
+            block_size = self.kv_cache_config.block_size
+            self.cpu_graphs = CpuGraphRunner(self._require_model(), self.attn_backend, cpu_max_batch,
+                                             cdiv(self.config.model_config.max_model_len, block_size), block_size)
+            return 0.0
         if not sizes or self.device.type != "cuda":
             return 0.0
         assert self.kv_cache_config is not None and self.attn_backend is not None
@@ -186,11 +199,15 @@ class ModelRunner:
         return int(peak_bytes * min(1.0, sizes[-1] / profiled_tokens))
 
     def release_cuda_graphs(self) -> None:
-        """Drop the captured graphs: they hold the addresses of the weights and the KV
-        cache, which sleep mode is about to release (wake-up captures again)."""
+        """Drop the captured graphs (CUDA's and the CPU's): they hold the addresses of
+        the weights and the KV cache, which sleep mode is about to release (wake-up
+        captures again)."""
         if self.cuda_graphs is not None:
             self.cuda_graphs.release()
             self.cuda_graphs = None
+        if self.cpu_graphs is not None:
+            self.cpu_graphs.release()
+            self.cpu_graphs = None
 
     def release_model(self) -> None:
         """Drop the model and the backend's per-request state (sleep level 2); the
@@ -304,6 +321,12 @@ class ModelRunner:
         """The step's hidden states (a replayed CUDA graph's for a pure-decode step that
         fits one, else an eager forward) and the rows that sample."""
         step = self._step_inputs(scheduler_output)
+        if self.cpu_graphs is not None and step.is_pure_decode:
+            decode = step.as_decode_inputs()
+            if self.cpu_graphs.accepts(decode):
+                hidden = self.cpu_graphs.run(decode)
+                if hidden is not None:
+                    return hidden, step.sample_rows
         graphs = self.cuda_graphs
         if graphs is not None and step.is_pure_decode:
             decode = step.as_decode_inputs()

@@ -305,7 +305,7 @@ class Worker:
         start = time.perf_counter()
         runner = self._runner()
         # Processing after loading may replace tensors whose addresses a graph holds.
-        captured = runner.cuda_graphs is not None
+        captured = runner.cuda_graphs is not None or runner.cpu_graphs is not None
         runner.release_cuda_graphs()
         runner.update_weights(source)
         if captured:

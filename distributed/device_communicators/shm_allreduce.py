@@ -63,7 +63,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from distributed.native_build import load_kernel
+from distributed.native_build import NativeLibrary, load_kernel
 from distributed.shm_utils import attach_shm, memory_fence
 
 # dtypes the fast path covers; anything else goes to gloo.
@@ -386,7 +386,7 @@ def load_all_reduce_kernel() -> AllReduceKernel | None:
     """The C rounds, built or loaded for this CPU; None where they cannot be (logged), or
     with TP_CPU_SHM_ALLREDUCE_KERNEL=0."""
 
-    def wrap(lib: ctypes.CDLL, path: Path) -> AllReduceKernel:
+    def wrap(lib: NativeLibrary, path: Path) -> AllReduceKernel:
         i64, i32, p, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
         round_fn, norm_fn, gather_fn = lib.shm_allreduce_round, lib.shm_allreduce_norm_round, lib.shm_allgather_round
         round_fn.argtypes = [p, p, i64, i64, i32, i64, i32, i64]

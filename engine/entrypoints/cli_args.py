@@ -88,13 +88,14 @@ def build_parser(prog: str = "python -m engine.serve", description: str | None =
                    help="fp8: quantise a full-precision checkpoint's weights online; the others name the method a "
                         "pre-quantised checkpoint already says it uses (default: the checkpoint's, else none)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs: every decode step runs eagerly (CUDA graphs are used only on CUDA "
-                        "with TRITON_ATTN)")
+                   help="no graphs: every decode step runs eagerly (CUDA graphs on CUDA with TRITON_ATTN; the "
+                        "CPU's recorded decode steps with CPU_ATTN)")
     p.add_argument("--cudagraph-capture-sizes", type=positive_int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes captured as CUDA graphs (default 1 2 4 8 16 ... up to "
                         "--max-cudagraph-capture-size)")
     p.add_argument("--max-cudagraph-capture-size", type=positive_int, default=None, metavar="N",
-                   help="the largest decode batch captured (default min(512, --max-num-seqs))")
+                   help="the largest decode batch captured, or on the CPU recorded (default min(512, "
+                        "--max-num-seqs))")
     p.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
                    help="default: TRITON_ATTN on CUDA, CPU_ATTN on the CPU (TRITON_ATTN on the CPU needs "
                         "TRITON_INTERPRET=1)")

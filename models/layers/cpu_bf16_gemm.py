@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed.native_build import cpu_flags, load_kernel
+from distributed.native_calls import NativeLibrary
 
 SOURCE = Path(__file__).with_name("cpu_bf16_gemm.c")
 SWITCH = "TP_CPU_BF16_GEMM"
@@ -39,7 +40,7 @@ MAX_ROWS = 64
 class Bf16GemmKernel:
     """The loaded library's `bf16_linear`."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+    def __init__(self, lib: NativeLibrary, path: Path) -> None:
         self.path = path
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._linear = lib.bf16_linear

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from distributed.native_build import load_kernel
+from distributed.native_calls import NativeLibrary
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC")
@@ -43,7 +44,7 @@ def _rows(t: torch.Tensor) -> bool:
 class CpuOpsKernel:
     """The loaded library; each method checks what it is given and says whether it ran."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+    def __init__(self, lib: NativeLibrary, path: Path) -> None:
         self.path = path
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         self._norm, self._rotary, self._argmax = lib.cpu_rms_norm, lib.cpu_rotary_neox, lib.cpu_argmax_rows
@@ -52,7 +53,7 @@ class CpuOpsKernel:
         self._norm.argtypes = [i32, p, i64, p, i64, p, p, i64, i64, i64, f32, i32]
         self._rotary.argtypes = [i32, p, i64, i64, p, i64, i64, i64, p, p, p, i64, i64, i64, i32]
         # For the communicator's fused all-reduce + norm, which calls it from its own kernel.
-        self.norm_address: int = ctypes.cast(lib.cpu_rms_norm, ctypes.c_void_p).value
+        self.norm_address: int = ctypes.cast(lib.cpu_rms_norm.fn, ctypes.c_void_p).value
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor | None:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from distributed.native_build import cpu_flags, load_kernel
+from distributed.native_calls import NativeLibrary
 
 SOURCE = Path(__file__).with_name("cpu_sgemm.c")
 COMPILE_FLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-fPIC")
@@ -43,7 +44,7 @@ def cpu_has_avx512() -> bool:
 class CpuSgemmKernel:
     """The loaded library: `pack` a weight once, then `linear` with it."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+    def __init__(self, lib: NativeLibrary, path: Path) -> None:
         self.path = path
         self._pack, self._gemm = lib.cpu_sgemm_pack, lib.cpu_sgemm
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

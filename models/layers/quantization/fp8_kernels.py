@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed.native_build import load_kernel
+from distributed.native_calls import NativeLibrary
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 class Fp8DequantKernel:
     """The loaded fp8_kernels.c."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+    def __init__(self, lib: NativeLibrary, path: Path) -> None:
         self.path = path
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._dequant = lib.fp8_dequant_rows

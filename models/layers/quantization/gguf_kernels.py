@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 
 from distributed.native_build import load_kernel
+from distributed.native_calls import NativeLibrary
 from models.layers.quantization.gguf_dequant import (
     FLOAT_TYPES,
     GGUF_FORMATS,
@@ -108,7 +109,7 @@ class ShardPlan:
 class GGUFKernels:
     """The loaded library."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+    def __init__(self, lib: NativeLibrary, path: Path) -> None:
         self.path = path
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._gemm, self._shards, self._rows = lib.gguf_gemm, lib.gguf_gemm_q8_shards, lib.gguf_dequantize_rows

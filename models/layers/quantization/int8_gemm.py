@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from distributed.native_build import load_kernel
+from distributed.native_calls import NativeLibrary
 
 INT8_MAX = 127.0
 _MIN_SCALE = 1e-12  # an all-zero row gets this scale: its values stay exactly 0
@@ -43,7 +44,7 @@ _C_DTYPES = (torch.float32, torch.bfloat16)  # what the C passes read and write
 class Int8Kernel:
     """The loaded library's two passes."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+    def __init__(self, lib: NativeLibrary, path: Path) -> None:
         self.path = path
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._quantize, self._scale = lib.int8_quantize_per_token, lib.int8_scale_output

@@ -179,6 +179,19 @@ class CPUAttentionMetadata(TorchSDPAMetadata):
         return cache[dtype]
 
 
+@dataclass
+class CPUGraphDecodeMetadata:
+    """A decode batch over a CPU graph's persistent buffers (`make_decode_metadata`):
+    one query token per sequence; slot_mapping int64 [n], block_tables int64 [n,
+    max_blocks], seq_lens int64 [n]. Nothing in it is a Python value of the step, so a
+    recorded forward that read it reads the next step's buffers when replayed."""
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    block_size: int
+
+
 class CPUAttentionImpl(TorchSDPAImpl):
     def __init__(self, layer: Attention, decode_context_bytes: int, kernel: PagedDecodeKernel | None) -> None:
         super().__init__(layer)
@@ -194,8 +207,15 @@ class CPUAttentionImpl(TorchSDPAImpl):
     ) -> torch.Tensor:
         """A step with prefill chunks: every query token by the kernel, in one call, where
         it takes them (see the module docstring); anything else as the SDPA backend
-        does, with decode batches through `decode_attention`."""
+        does, with decode batches through `decode_attention`. A CPU graph's decode batch
+        (`CPUGraphDecodeMetadata`) goes to the kernel, which reads every length from
+        the buffers."""
         kernel = self.kernel
+        if isinstance(md, CPUGraphDecodeMetadata):
+            if kernel is None or not kernel.write_kv(k, v, kv_cache, md.slot_mapping):
+                raise RuntimeError("a CPU graph's decode step needs the paged decode kernel, which declined it")
+            return kernel(q, kv_cache, md.block_tables, md.seq_lens, self.scale, sliding_window=self.sliding_window,
+                          soft_cap=self.logits_soft_cap)[0]
         if (kernel is None or not isinstance(md, CPUAttentionMetadata) or len(md.decode_seqs) == len(md.seq_lens)
                 or not kernel.supports(q, kv_cache)):
             return super().forward(q, k, v, kv_cache, md)
@@ -318,6 +338,33 @@ class CPUAttentionBackend(TorchSDPABackend):
         self.impls: list[CPUAttentionImpl] = []
         self._seq_keys: dict[str, int] = {}
         self._next_seq_key = 0
+
+    @property
+    def supports_cpu_graphs(self) -> bool:
+        """Whether a decode step can be recorded and replayed (worker/cpu_graph.py): the
+        paged decode kernel reads every length and block from the graph's buffers."""
+        return self.kernel is not None
+
+    def make_decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                             query_start_loc: torch.Tensor, block_size: int) -> CPUGraphDecodeMetadata:
+        """A decode batch over a CPU graph's buffers (int64 tables and lengths, refilled
+        before every replay; no padding rows: the CPU graph runs each batch size as it
+        is). `query_start_loc` is implied: one token per sequence."""
+        return CPUGraphDecodeMetadata(slot_mapping, block_tables, seq_lens, block_size)
+
+    @staticmethod
+    def decode_shares_prefix(block_tables: list[list[int]], seq_lens: list[int], block_size: int) -> bool:
+        """Whether a decode batch (host lists) would be attended in cascade: the host-side
+        twin of `CPUAttentionMetadata.decode_shared_prefix`, so that such a step runs
+        eagerly rather than replayed without its cascade."""
+        if len(seq_lens) < 2:
+            return False
+        max_shared = min((n - 1) // block_size for n in seq_lens)
+        shared = 0
+        first = block_tables[0]
+        while shared < max_shared and all(table[shared] == first[shared] for table in block_tables):
+            shared += 1
+        return shared * block_size >= CASCADE_MIN_TOKENS
 
     def make_impl(self, layer: Attention) -> AttentionImpl:
         impl = CPUAttentionImpl(layer, self.per_layer_bytes, self.kernel)

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from distributed.native_build import load_kernel
+from distributed.native_calls import NativeLibrary
 
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
@@ -55,7 +56,7 @@ _INPUT_ERRORS = {
 class PagedDecodeKernel:
     """The loaded library; `__call__` runs it."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+    def __init__(self, lib: NativeLibrary, path: Path) -> None:
         self.path = path
         # Whether head sizes 64 and 128 take the AVX-512 path (compiled for this CPU).
         self.avx512 = bool(lib.paged_decode_avx512())

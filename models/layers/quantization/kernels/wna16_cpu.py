@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from distributed.native_build import load_kernel
+from distributed.native_calls import NativeLibrary
 
 if TYPE_CHECKING:
     from models.layers.quantization.kernels.wna16_layout import WNA16Layout
@@ -53,7 +54,7 @@ _TILE_BYTES = 4 << 20  # float32 scratch per dequantised tile of rows
 class Wna16Kernel:
     """The loaded library: the GEMV and the tile dequantiser."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+    def __init__(self, lib: NativeLibrary, path: Path) -> None:
         self.path = path
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._gemv, self._dequant = lib.wna16_gemv, lib.wna16_dequant
