@@ -9,7 +9,7 @@ Only the output rank's result travels back to the engine. Platform-specific atte
 lives in the attention backend named by the config; the runner only lays the step out
 (`StepInputs`, `AttentionMetadata`) and tells the backend which requests finished.
 A pure-decode step that fits a captured size replays a CUDA graph instead
-(`worker/cuda_graph.py`). Logits are sampled where they are; only the sampled ids and
+(`worker/cuda_graph.py`); on the CPU, its recorded ops (`worker/cpu_graph.py`). Logits are sampled where they are; only the sampled ids and
 the logprobs asked for come to the host, and that is where a rank waits for the step's
 NCCL collectives (`device_sync_point`, so liveness sees a rank waiting for its peers).
 A step with structured-output requests carries their grammar bitmask, or is told it
@@ -318,8 +318,8 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids, tokens, logprobs, prompt_logprobs)
 
     def _forward(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """The step's hidden states (a replayed CUDA graph's for a pure-decode step that
-        fits one, else an eager forward) and the rows that sample."""
+        """The step's hidden states (a replayed CUDA graph's or CPU graph's for a
+        pure-decode step that fits one, else an eager forward) and the rows that sample."""
         step = self._step_inputs(scheduler_output)
         if self.cpu_graphs is not None and step.is_pure_decode:
             decode = step.as_decode_inputs()
