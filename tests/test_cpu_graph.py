@@ -64,6 +64,16 @@ def test_data_dependent_forwards_are_refused(bad):
     assert cpu_ops.load().rms_norm(x, None, torch.ones(8), 1e-6) is not None
 
 
+def test_integer_indexing_replays_and_boolean_masks_are_refused():
+    table = torch.randn(10, 4)
+    ids = torch.tensor([3, 1, 7])
+    _, graph = record(lambda: table[ids * 1] * 2)  # an index computed in the step, then gathered
+    ids.copy_(torch.tensor([0, 9, 2]))
+    torch.testing.assert_close(graph.replay(), table[ids] * 2, rtol=0, atol=0)
+    with pytest.raises(NotCapturable, match="aten.index"):
+        record(lambda: table[table[:, 0] > 0] * 2)
+
+
 def test_a_kernel_status_that_changes_at_replay_raises():
     kernel = cpu_ops.load()
     q, k = torch.randn(1, 8), torch.randn(1, 8)

@@ -93,6 +93,14 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
+def _integer_indexing(func: Any, args: tuple[Any, ...]) -> bool:
+    """`x[indices]` with integer index tensors: its output's shape is the indices', so
+    it replays (the op is tagged data-dependent for the boolean masks it also takes)."""
+    return func is aten.index.Tensor and all(
+        i is None or (isinstance(i, torch.Tensor) and not i.is_floating_point() and i.dtype not in (torch.bool, torch.uint8))
+        for i in args[1])
+
+
 class _Storage:
     """One storage the step allocated: its size, the op that made it and the last op
     that reads or writes it (where its bytes in the arena may be reused after)."""
@@ -133,7 +141,8 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _REFUSED or any(tag in func.tags for tag in _DATA_DEPENDENT_TAGS):
+        if func in _REFUSED or (any(tag in func.tags for tag in _DATA_DEPENDENT_TAGS)
+                                and not _integer_indexing(func, args)):
             raise NotCapturable(f"{func} reads tensor data into Python or has a data-dependent shape")
         out = func(*args, **kwargs)
         replayed = self._track(func, args, kwargs, out, func._schema.is_mutable)
@@ -351,13 +360,13 @@ class CpuGraphRunner:
         self.buffers = DecodeBuffers(max_batch, max_blocks, torch.device("cpu"), index_dtype=torch.int64)
         self._modules = list(model.modules())
         self._graphs: dict[int, CpuGraph] = {}
-        self._eager_sizes: set[int] = set()  # batch sizes that could not be recorded
+        self.eager_sizes: dict[int, str] = {}  # batch size -> why it could not be recorded
 
     def accepts(self, inputs: DecodeInputs) -> bool:
         """Whether this step replays (or records): a batch size that records, within the
         buffers, and not one the backend attends in cascade (which only eager does)."""
         n = inputs.num_seqs
-        if n in self._eager_sizes or not self.buffers.fits(inputs) or self._hooked():
+        if n in self.eager_sizes or not self.buffers.fits(inputs) or self._hooked():
             return False
         shares = getattr(self.backend, "decode_shares_prefix", None)
         return shares is None or not shares(inputs.block_tables, inputs.seq_lens, self.block_size)
@@ -395,6 +404,6 @@ class CpuGraphRunner:
                 lambda: self.model(self.buffers.input_ids[:n], self.buffers.positions[:n], md))
         except NotCapturable as e:
             logger.info("decode batches of %d run eagerly: %s", n, e)
-            self._eager_sizes.add(n)
+            self.eager_sizes[n] = str(e)
             return None
         return hidden
