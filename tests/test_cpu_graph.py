@@ -151,6 +151,15 @@ def test_replayed_decode_steps_match_eager(tiny_models, name, dtype):
     assert replayed == eager
 
 
+def test_a_cache_dtype_the_kernel_does_not_take_runs_eagerly(tiny_models):
+    """float16: the paged decode kernel takes float32 and bfloat16 only, so no graph is
+    set up and every step runs as before."""
+    eager, none = _generate(str(tiny_models["llama"]), True, dtype="float16")
+    got, sizes = _generate(str(tiny_models["llama"]), False, dtype="float16")
+    assert none == sizes == [[]]
+    assert got == eager
+
+
 def test_replayed_gguf_blocks_match_eager(tmp_path):
     """A Q4_K_M-style GGUF file in bfloat16: int8 products from the blocks, the
     embedding dequantised by row, the LM head from Q6_K blocks."""

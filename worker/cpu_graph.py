@@ -1,71 +1,50 @@
-"""CPU graphs: a decode step's operations recorded once per batch size, then replayed.
+"""CPU graphs: a forward's operations recorded once, then replayed without its Python.
 
 What CUDA graphs do for a GPU's kernel launches, this does for the CPU's Python. A
 decode step of a small model on the CPU spent 3-4 ms (2026-12-05, the 2-core dev VM, a
 16-layer Llama in Q4_K_M) in the Python around its kernels (module calls, argument
-checks, ctypes conversions), against about 16 ms in the kernels. The first pure-decode
-step of each batch size runs the model once under a recorder, which keeps, in order:
+checks, ctypes conversions), against about 16 ms in the kernels. `record(forward)` runs
+`forward()` once under a recorder, which keeps, in order:
 - every torch operation (a `TorchDispatchMode` sees each aten op) with its arguments;
 - every C kernel call (`distributed/native_calls.py`);
 - every collective (`recorded_as_call`: kept whole, its Python run again at each replay,
   since the communicators keep round numbers and waits there).
-Views and allocations are not kept. Every storage the step allocates gets a place in
+Views and allocations are not kept. Every storage the forward allocates gets a place in
 one arena, two storages sharing bytes only when their lifetimes (first to last op that
 touches them) do not overlap; the kept ops are rewritten to read and write the same
-views of the arena, and the C calls' pointers into the step's storages are moved by the
-same offsets. A replay runs the rewritten list and nothing else: no module calls, no
-argument checks, no allocations.
+views of the arena, and the C calls' pointers into those storages are moved by the same
+offsets. `CpuGraph.replay()` runs the rewritten list and nothing else: no module calls,
+no argument checks, no allocations. Tensors from outside the forward (weights, the KV
+cache, the caller's input buffers) are read as they are at each replay.
 
-Inputs come from persistent buffers (`DecodeBuffers`: ids, positions, slots, int64
-lengths and block tables), refilled before each replay, and the attention metadata is
-the backend's `make_decode_metadata` over them, so nothing a replay reads is a Python
-value of the recorded step. Each batch size is recorded as it first occurs (no
-padding: a padding row on the CPU costs real compute), up to `max_batch`; the recording
-is itself that step's forward, so it costs no extra pass.
+What cannot be replayed is refused while recording (`NotCapturable`): an operation that
+reads tensor data into Python (`.item()`, `.tolist()`), makes a tensor from Python data
+(`torch.tensor`), has a data-dependent output shape (`nonzero`, boolean-mask indexing:
+a mixture of experts' routing), or a C call given an array of pointers into the
+forward's tensors. A C call whose status differs from the recorded one raises
+RuntimeError at replay. Every C call must go through `NativeFunction` (every kernel
+loaded by `load_kernel` does); one around it would not be replayed, which
+tests/test_cpu_graph.py checks against the eager forward on the CPU's layer paths, at
+TP 1 and 2. The decode steps' use of it: `worker/cpu_graph_runner.py`.
 
-What cannot be replayed is refused while recording (`NotCapturable`), and that batch
-size then runs eagerly for good: an operation that reads tensor data into Python
-(`.item()`, `.tolist()`), makes a tensor from Python data (`torch.tensor`), has a
-data-dependent output shape (`nonzero`: a mixture of experts' routing), or a C call
-given an array of pointers into the step's tensors. A C call whose status differs from
-the recorded one raises RuntimeError at replay. Every C call must go through
-`NativeFunction` (every kernel loaded by `load_kernel` does); one around it would not be
-replayed, which tests/test_cpu_graph.py checks against the eager forward on the CPU's
-layer paths, at TP 1 and 2.
-
-Owned by a CPU engine's ModelRunner on every rank (each records the same sizes at the
-same steps, so the collectives line up). A graph holds the weights and the KV cache it
-read; the runner drops every graph before sleep mode releases them, and when new
-weights are loaded. Memory: the buffers (a few KiB per row), and per batch size its
-arena (the most the step's tensors need at once: 34 KiB at 1 token, 0.5 MiB at 16, for
-that Llama) and a list of about 180 ops. Its output is a view of the arena, valid until
-the next replay (the runner samples from it first). A model with a forward hook
-registered (a user's probe, a test's injected fault) runs eagerly while it has one: a
-replay would skip it.
+Memory: a graph holds the tensors from outside that it read, its arena (the most the
+forward's tensors need at once: 34 KiB at 1 token, 0.5 MiB at 16, for that Llama) and
+its list of ops (about 180). Its output is a view of the arena, overwritten by the next
+replay. Recording imports nothing beyond torch.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch.nn.modules import module as nn_module
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from distributed.native_calls import paused_recording, recording_native_calls
-from worker.cuda_graph import DecodeBuffers, DecodeInputs
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from models.layers.attention import AttentionBackend
-
-logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 # Operations whose result depends on tensor data in a way a replay would not redo.
@@ -343,67 +322,3 @@ def record(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, CpuGraph]
     with recorder, recording_native_calls(recorder):
         out = forward()
     return out, recorder.finish(out)
-
-
-class CpuGraphRunner:
-    """Runs pure-decode steps of up to `max_batch` sequences from the buffers: each batch
-    size recorded on first use, replayed after (module docstring)."""
-
-    def __init__(self, model: nn.Module, backend: AttentionBackend, max_batch: int, max_blocks: int,
-                 block_size: int) -> None:
-        if not getattr(backend, "supports_cpu_graphs", False):
-            raise ValueError(f"attention backend {backend.name!r} cannot run a CPU graph's decode step")
-        self.model = model
-        self.backend = backend
-        self.max_batch = max_batch
-        self.block_size = block_size
-        self.buffers = DecodeBuffers(max_batch, max_blocks, torch.device("cpu"), index_dtype=torch.int64)
-        self._modules = list(model.modules())
-        self._graphs: dict[int, CpuGraph] = {}
-        self.eager_sizes: dict[int, str] = {}  # batch size -> why it could not be recorded
-
-    def accepts(self, inputs: DecodeInputs) -> bool:
-        """Whether this step replays (or records): a batch size that records, within the
-        buffers, and not one the backend attends in cascade (which only eager does)."""
-        n = inputs.num_seqs
-        if n in self.eager_sizes or not self.buffers.fits(inputs) or self._hooked():
-            return False
-        shares = getattr(self.backend, "decode_shares_prefix", None)
-        return shares is None or not shares(inputs.block_tables, inputs.seq_lens, self.block_size)
-
-    def _hooked(self) -> bool:
-        """Whether a forward hook is registered (on a module of the model, or globally): a
-        replay runs no module's Python, so such a step runs eagerly, hooks and all (about
-        20 µs a step to ask, for a 16-layer model)."""
-        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-            return True
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self._modules)
-
-    @property
-    def captured_sizes(self) -> list[int]:
-        return sorted(self._graphs)
-
-    def release(self) -> None:
-        """Drop every graph (they hold the weights and KV cache they read)."""
-        self._graphs.clear()
-
-    def run(self, inputs: DecodeInputs) -> torch.Tensor | None:
-        """The hidden states [num_seqs, hidden] of one decode step (`accepts` said yes):
-        replayed, or recorded as this step's forward; None when recording was refused
-        (nothing of the step is kept: the caller runs it eagerly)."""
-        n = inputs.num_seqs
-        self.buffers.fill(inputs, n)
-        graph = self._graphs.get(n)
-        if graph is not None:
-            return graph.replay()
-        md = self.backend.make_decode_metadata(self.buffers.slot_mapping[:n], self.buffers.block_tables[:n],
-                                               self.buffers.seq_lens[:n], self.buffers.query_start_loc[:n + 1],
-                                               self.block_size)
-        try:
-            hidden, self._graphs[n] = record(
-                lambda: self.model(self.buffers.input_ids[:n], self.buffers.positions[:n], md))
-        except NotCapturable as e:
-            logger.info("decode batches of %d run eagerly: %s", n, e)
-            self.eager_sizes[n] = str(e)
-            return None
-        return hidden

@@ -9,7 +9,7 @@ Only the output rank's result travels back to the engine. Platform-specific atte
 lives in the attention backend named by the config; the runner only lays the step out
 (`StepInputs`, `AttentionMetadata`) and tells the backend which requests finished.
 A pure-decode step that fits a captured size replays a CUDA graph instead
-(`worker/cuda_graph.py`); on the CPU, its recorded ops (`worker/cpu_graph.py`). Logits are sampled where they are; only the sampled ids and
+(`worker/cuda_graph.py`); on the CPU, its recorded ops (`worker/cpu_graph_runner.py`). Logits are sampled where they are; only the sampled ids and
 the logprobs asked for come to the host, and that is where a rank waits for the step's
 NCCL collectives (`device_sync_point`, so liveness sees a rank waiting for its peers).
 A step with structured-output requests carries their grammar bitmask, or is told it
@@ -34,7 +34,7 @@ from distributed.utils import cdiv
 from model_loader import get_model, get_model_loader
 from model_loader.utils import process_weights_after_loading
 from models.layers.attention import Attention, AttentionBackend, AttentionMetadata, get_attn_backend
-from worker.cpu_graph import CpuGraphRunner
+from worker.cpu_graph_runner import CpuGraphRunner
 from worker.cuda_graph import CudaGraphRunner
 from worker.grammar_bitmask import GrammarBitmask
 from worker.kv_cache import KVCacheConfig, KVCacheMemory, KVCacheSpec, allocate_kv_cache
@@ -174,8 +174,11 @@ class ModelRunner:
         CPU, set up its graphs, which record each batch size at its first step."""
         sizes = self.config.compilation_config.cudagraph_capture_sizes
         cpu_max_batch = self.config.compilation_config.cpu_graph_max_batch
-        if self.device.type == "cpu" and cpu_max_batch and getattr(self.attn_backend, "supports_cpu_graphs", False):
+        supports = getattr(self.attn_backend, "supports_cpu_graphs", None)
+        if self.device.type == "cpu" and cpu_max_batch and supports is not None:
             assert self.kv_cache_config is not None and self.attn_backend is not None
+            if not supports(self.kv_cache_config.dtype):
+                return 0.0
             block_size = self.kv_cache_config.block_size
             self.cpu_graphs = CpuGraphRunner(self._require_model(), self.attn_backend, cpu_max_batch,
                                              cdiv(self.config.model_config.max_model_len, block_size), block_size)

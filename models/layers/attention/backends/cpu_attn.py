@@ -212,8 +212,10 @@ class CPUAttentionImpl(TorchSDPAImpl):
         the buffers."""
         kernel = self.kernel
         if isinstance(md, CPUGraphDecodeMetadata):
-            if kernel is None or not kernel.write_kv(k, v, kv_cache, md.slot_mapping):
-                raise RuntimeError("a CPU graph's decode step needs the paged decode kernel, which declined it")
+            if (kernel is None or not kernel.supports(q, kv_cache)
+                    or not kernel.write_kv(k, v, kv_cache, md.slot_mapping)):
+                raise RuntimeError("a CPU graph's decode step needs the paged decode kernel, which declined it "
+                                   "(the runner asks supports_cpu_graphs first)")
             return kernel(q, kv_cache, md.block_tables, md.seq_lens, self.scale, sliding_window=self.sliding_window,
                           soft_cap=self.logits_soft_cap)[0]
         if (kernel is None or not isinstance(md, CPUAttentionMetadata) or len(md.decode_seqs) == len(md.seq_lens)
@@ -339,11 +341,11 @@ class CPUAttentionBackend(TorchSDPABackend):
         self._seq_keys: dict[str, int] = {}
         self._next_seq_key = 0
 
-    @property
-    def supports_cpu_graphs(self) -> bool:
-        """Whether a decode step can be recorded and replayed (worker/cpu_graph.py): the
-        paged decode kernel reads every length and block from the graph's buffers."""
-        return self.kernel is not None
+    def supports_cpu_graphs(self, kv_dtype: torch.dtype) -> bool:
+        """Whether a decode step over a cache of `kv_dtype` can be recorded and replayed
+        (worker/cpu_graph.py): the paged decode kernel, which reads every length and
+        block from the graph's buffers, takes that dtype."""
+        return self.kernel is not None and self.kernel.supports_dtype(kv_dtype)
 
     def make_decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                              query_start_loc: torch.Tensor, block_size: int) -> CPUGraphDecodeMetadata:

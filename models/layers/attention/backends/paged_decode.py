@@ -96,6 +96,10 @@ class PagedDecodeKernel:
         return True
 
     @staticmethod
+    def supports_dtype(dtype: torch.dtype) -> bool:
+        return dtype in _DTYPES
+
+    @staticmethod
     def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return (q.device.type == "cpu" and kv_cache.device.type == "cpu" and q.dtype == kv_cache.dtype
                 and q.dtype in _DTYPES and kv_cache.is_contiguous())
