@@ -6,6 +6,10 @@ once."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,7 +17,10 @@ from config import SamplingParams
 from engine.arg_utils import create_engine_config
 from engine.core import EngineCore
 from models.layers import cpu_ops
-from models.layers.attention.backends.cpu_attn import CASCADE_MIN_TOKENS, CPUAttentionBackend
+from models.layers.attention.backends.cpu_attn import (
+    CASCADE_MIN_TOKENS,
+    CPUAttentionBackend,
+)
 from worker.cpu_graph import NotCapturable, record
 
 # ------------------------------------------------------------------ the recorder
@@ -42,8 +49,9 @@ def test_a_recorded_forward_replays_on_new_inputs():
         expected = _norm_then_torch_ops(x.clone(), weight)
         got = graph.replay()
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    # The arena holds fewer bytes than the step's tensors together: dead ones share.
-    assert graph.arena.numel() < 6 * x.numel() * x.element_size()
+    # The step makes three [4, 8] tensors (h, normed, joined); joined takes h's place,
+    # dead once the norm has read it, so the arena holds two.
+    assert graph.arena.numel() == 2 * x.numel() * x.element_size()
 
 
 @pytest.mark.parametrize("bad", ["item", "tensor", "nonzero"])
@@ -106,7 +114,7 @@ def test_shared_prefixes_are_left_to_the_eager_cascade():
 # ------------------------------------------------------------------ the engine
 
 
-def test_cpu_graphs_resolve_for_cpu_attn_at_tp1(tiny_models):
+def test_cpu_graphs_resolve_for_cpu_attn(tiny_models):
     model = str(tiny_models["llama"])
 
     def resolve(**kwargs):
@@ -192,9 +200,6 @@ def test_replayed_decode_steps_match_eager_at_tp2(tiny_models, dtype):
 def test_recording_imports_no_compiler_stack():
     """A dispatch mode's handler is wrapped in torch._dynamo.disable by default, which
     imports dynamo, fx and sympy (about 150 MiB resident); the recorder opts out."""
-    import subprocess
-    import sys
-
     code = ("import sys, torch\n"
             "from worker.cpu_graph import record\n"
             "x = torch.ones(4)\n"
@@ -202,8 +207,6 @@ def test_recording_imports_no_compiler_stack():
             "x.fill_(3)\n"
             "assert graph.replay().tolist() == [6.0] * 4\n"
             "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'sympy'))))\n")
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -238,6 +241,38 @@ def test_a_forward_hook_makes_steps_run_eagerly(tiny_models):
         assert core.collective_rpc(_unhook) == [6]  # the prefill and five decode steps
         (after,) = core.generate([[5, 9, 13]], params)
     assert before.token_ids == hooked.token_ids == after.token_ids
+
+
+def _replace_last_layers_forward(worker) -> None:
+    layer = worker.model_runner.model.model.layers[-1]
+    original = type(layer).forward
+    worker.replaced_calls = 0
+
+    def forward(*args, **kwargs):
+        worker.replaced_calls += 1
+        return original(layer, *args, **kwargs)
+
+    layer.forward = forward
+
+
+def _restore_last_layers_forward(worker) -> int:
+    del worker.model_runner.model.model.layers[-1].forward
+    return worker.replaced_calls
+
+
+def test_a_replaced_forward_makes_steps_run_eagerly(tiny_models):
+    """A module's forward replaced on the instance (a test's fault injection, a user's
+    probe) runs at every step while it is there."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with EngineCore(model=str(tiny_models["llama"]), device="cpu", max_model_len=128, kv_cache_memory_bytes=1 << 22,
+                    use_tqdm_on_load=False) as core:
+        (before,) = core.generate([[5, 9, 13]], params)
+        core.collective_rpc(_replace_last_layers_forward)
+        (replaced,) = core.generate([[5, 9, 13]], params)
+        assert core.collective_rpc(_restore_last_layers_forward) == [6]
+        (after,) = core.generate([[5, 9, 13]], params)
+        assert core.collective_rpc(_captured_sizes) == [[1]]
+    assert before.token_ids == replaced.token_ids == after.token_ids
 
 
 def test_new_weights_are_recorded_again(tiny_models):
