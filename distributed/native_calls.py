@@ -40,21 +40,8 @@ class NativeFunction:
     def __init__(self, fn: Any) -> None:
         self.fn = fn
 
-    @property
-    def restype(self) -> Any:
-        return self.fn.restype
-
-    @restype.setter
-    def restype(self, value: Any) -> None:
-        self.fn.restype = value
-
-    @property
-    def argtypes(self) -> Any:
-        return self.fn.argtypes
-
-    @argtypes.setter
-    def argtypes(self, value: Any) -> None:
-        self.fn.argtypes = value
+    restype = property(lambda self: self.fn.restype, lambda self, value: setattr(self.fn, "restype", value))
+    argtypes = property(lambda self: self.fn.argtypes, lambda self, value: setattr(self.fn, "argtypes", value))
 
     def __call__(self, *args: Any) -> Any:
         recorder = _recorder

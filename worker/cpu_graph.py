@@ -80,6 +80,14 @@ def _integer_indexing(func: Any, args: tuple[Any, ...]) -> bool:
         for i in args[1])
 
 
+def _pointer_args(fn: Any, args: tuple[Any, ...]) -> list[int]:
+    """The positions of a C call's non-null pointer arguments (`c_void_p` in its
+    argtypes, passed as an int)."""
+    argtypes = fn.argtypes or ()
+    return [i for i, (arg, argtype) in enumerate(zip(args, argtypes))
+            if argtype is ctypes.c_void_p and isinstance(arg, int) and arg]
+
+
 class _Storage:
     """One storage the step allocated: its size, the op that made it and the last op
     that reads or writes it (where its bytes in the arena may be reused after)."""
@@ -170,17 +178,22 @@ class _Recorder(TorchDispatchMode):
     def native(self, fn: Any, args: tuple[Any, ...]) -> Any:
         """The hook for `recording_native_calls`: run the C call, keep it."""
         status = fn(*args)
-        for arg, argtype in zip(args, fn.argtypes or ()):
-            if argtype is ctypes.c_void_p and isinstance(arg, int) and arg:
-                for start, end in self.extents:
-                    if start <= arg < end:
-                        self._use(start)
-                        break
-            elif isinstance(arg, ctypes.Array) and any(
-                    isinstance(p, int) and start <= p < end for p in arg for start, end in self.extents):
-                raise NotCapturable(f"{fn.__name__} takes an array of pointers into the step's tensors")
+        for i in _pointer_args(fn, args):
+            start = self._extent(args[i])
+            if start is not None:
+                self._use(start)
+        if any(isinstance(arg, ctypes.Array) and any(isinstance(p, int) and self._extent(p) is not None for p in arg)
+               for arg in args):
+            raise NotCapturable(f"{fn.__name__} takes an array of pointers into the step's tensors")
         self.ops.append((fn, args, status))
         return status
+
+    def _extent(self, address: int) -> int | None:
+        """The first byte of the step's storage holding `address`, or None."""
+        for start, end in self.extents:
+            if start <= address < end:
+                return start
+        return None
 
     def finish(self, out: torch.Tensor) -> CpuGraph:
         """The graph: every storage the step made given a place in one arena (two share
@@ -205,22 +218,20 @@ class _Recorder(TorchDispatchMode):
                 static[id(x)] = base.as_strided(x.shape, x.stride(), base.storage_offset() + x.storage_offset())
             return static[id(x)]
 
-        def move(arg: Any, argtype: Any) -> Any:
-            if argtype is ctypes.c_void_p and isinstance(arg, int) and arg:
-                for start, end in self.extents:
-                    if start <= arg < end:
-                        return arena.data_ptr() + self.storages[start].offset + arg - start
-            return arg
-
         steps: list[Any] = []
         for op in self.ops:
             if len(op) == 3:
                 fn, args, status = op
-                steps.append(_NativeStep(fn, [move(a, t) for a, t in zip(args, fn.argtypes or ())], status))
+                moved = list(args)
+                for i in _pointer_args(fn, args):
+                    start = self._extent(args[i])
+                    if start is not None:
+                        moved[i] = arena.data_ptr() + self.storages[start].offset + args[i] - start
+                steps.append(_NativeStep(fn, moved, status))
                 continue
             func, args, kwargs, result = op
-            inputs = {_storage(x)[0] for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)}
             leaves, spec = tree_flatten((args, kwargs))
+            inputs = {_storage(x)[0] for x in leaves if isinstance(x, torch.Tensor)}
             args, kwargs = tree_unflatten([remap(x) for x in leaves], spec)
             if isinstance(func, _WholeCall):
                 # Each new tensor it returns is copied into the graph's; aliases need nothing.
