@@ -1,6 +1,10 @@
 """GGUF products for 8 to 64 tokens of 16-bit activations: dequantised bfloat16 tiles
 (`gguf_kernels.gguf_gemm_bf16_shards`, a concurrent decode's batch sizes).
 
+Q4_0 and Q8_0 rows take them; K-quant rows take them, and the tiled prefill GEMM, where
+the build has no int8 tiles (tests/test_gguf_int8_tiles.py), which every test here
+switches off (`no_int8_tiles`) so that each type's bf16 tiles are what it checks.
+
 Each 4-row tile is dequantised exactly (as gguf-py does), rounded once to bfloat16 and
 multiplied by the bfloat16 activations with float32 sums: the result is the product of
 the activations with the bf16-rounded weights up to float32 accumulation, so within
@@ -27,6 +31,13 @@ def _blocks(qtype: str, rows: int, k: int, seed: int) -> torch.Tensor:
 
 
 pytestmark = pytest.mark.skipif(kernel is None or not kernel.has_bf16, reason="no AVX-512 BF16 in this CPU or build")
+
+
+@pytest.fixture(autouse=True)
+def no_int8_tiles(monkeypatch):
+    """The kernels as a build without the int8 tiles routes them (AVX-512 BF16, no VNNI)."""
+    if kernel is not None:
+        monkeypatch.setattr(kernel, "has_int8_tiles", False)
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED_TYPES)

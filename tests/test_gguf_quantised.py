@@ -252,7 +252,7 @@ def test_quantised_gguf_tp2_matches_oracle_and_halves_memory(kquant_llamas, tmp_
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED_TYPES)
-@pytest.mark.parametrize("tokens", [1, 7])  # 8 and more: bf16 tiles (tests/test_gguf_bf16_tiles.py)
+@pytest.mark.parametrize("tokens", [1, 7])  # 8 and more: tests/test_gguf_int8_tiles.py, test_gguf_bf16_tiles.py
 def test_16bit_activations_go_through_int8_within_their_rounding(qtype, tokens):
     """bfloat16 activations are quantised to int8 (dx = max|x| / 127) per 32 values, or
     per 256 for the K-quants (llama.cpp's Q8_K): the result is the float product with
@@ -328,6 +328,7 @@ def test_portable_build_matches_gguf_py(tmp_path, monkeypatch):
         assert torch.equal(out, expected), qtype
         x, y = torch.randn(3, 256, generator=g), torch.empty(3, 8)
         assert not portable.gemm(qtype, blocks, 256, x, y, int8_activations=True)  # no VNNI in this build
+        assert not portable.has_int8_tiles
         assert portable.gemm(qtype, blocks, 256, x, y)
         torch.testing.assert_close(y, F.linear(x, expected), atol=1e-5, rtol=1e-5)
 

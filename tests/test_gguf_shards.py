@@ -2,8 +2,10 @@
 
 A Q4_K_M layer mixes types per shard (q and k in Q4_K, v in Q6_K; gate in Q4_K, up in
 Q6_K): the one call must give, bit for bit, what `gguf_linear` gives each shard, for
-every token count the int8 path and the bf16 tiles take and for both 16-bit activation
-dtypes.
+every token count the int8 path, the int8 tiles (K-quants) and the bf16 tiles (Q4_0,
+Q8_0) take and for both 16-bit activation dtypes. A layer mixing K-quants with Q4_0/Q8_0
+shards is left to `gguf_linear` shard by shard where their paths differ (8 tokens and
+more).
 """
 
 from __future__ import annotations
@@ -27,18 +29,27 @@ def _blocks(qtype: str, rows: int, k: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(quantize_blocks((torch.randn(rows, k, generator=g) * 0.3).numpy(), qtype))
 
 
+KQUANTS = [("Q4_K", 40), ("Q5_K", 24), ("Q6_K", 16)]
+LEGACY = [("Q8_0", 8), ("Q4_0", 8)]
+
+
 @needs_vnni
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens", [1, 3, 8, 16, 40])
-def test_shards_in_one_call_equal_one_call_each(dtype, tokens):
+@pytest.mark.parametrize("tokens", [1, 3, 8, 16, 40, 100])
+@pytest.mark.parametrize("types", [KQUANTS, LEGACY, KQUANTS + LEGACY], ids=["kquants", "legacy", "mixed"])
+def test_shards_in_one_call_equal_one_call_each(types, dtype, tokens):
     k = 512
-    shards = [(qtype, _blocks(qtype, rows, k, seed))
-              for seed, (qtype, rows) in enumerate([("Q4_K", 40), ("Q5_K", 24), ("Q6_K", 16), ("Q8_0", 8), ("Q4_0", 8)])]
+    shards = [(qtype, _blocks(qtype, rows, k, seed)) for seed, (qtype, rows) in enumerate(types)]
     x = (torch.randn(tokens, k, generator=torch.Generator().manual_seed(9)) * 2).to(dtype)
     plan = gguf_kernels.shard_plan(shards)
-    assert plan is not None and plan.rows == 96
+    assert plan is not None and plan.rows == sum(rows for _, rows in types)
     out = torch.full((tokens, plan.rows), float("nan"))
-    assert gguf_kernels.gguf_linear_shards(plan, k, x, out)
+    one_call = types == KQUANTS or tokens < gguf_kernels.INT8_TILE_MIN_TOKENS or (
+        types == LEGACY and tokens <= gguf_kernels.BF16_TILE_MAX_TOKENS)
+    assert gguf_kernels.gguf_linear_shards(plan, k, x, out) == one_call
+    if not one_call:
+        assert out.isnan().all()  # declined: nothing written
+        return
     start = 0
     for qtype, blocks in shards:
         one = torch.empty(tokens, blocks.shape[0])
@@ -49,15 +60,18 @@ def test_shards_in_one_call_equal_one_call_each(dtype, tokens):
 
 @needs_vnni
 def test_shards_path_declines_what_it_does_not_take():
-    """float32 activations (the exact float path), more tokens than the bf16 tiles take
-    (the tiled GEMM) and a shard held as floats each leave it to `gguf_linear`."""
+    """float32 activations (the exact float path), more Q4_0/Q8_0 tokens than the bf16
+    tiles take (the tiled GEMM) and a shard held as floats each leave it to
+    `gguf_linear`; K-quant shards take any number of tokens (the int8 tiles)."""
     k = 256
     shards = [("Q4_K", _blocks("Q4_K", 8, k, 1))]
     plan = gguf_kernels.shard_plan(shards)
     many = gguf_kernels.BF16_TILE_MAX_TOKENS + 1
     out = torch.empty(many, 8)
     assert not gguf_kernels.gguf_linear_shards(plan, k, torch.randn(1, k), out[:1])
-    assert not gguf_kernels.gguf_linear_shards(plan, k, torch.randn(many, k).bfloat16(), out)
+    assert gguf_kernels.gguf_linear_shards(plan, k, torch.randn(many, k).bfloat16(), out) == kernel.has_int8_tiles
+    legacy = gguf_kernels.shard_plan([("Q8_0", _blocks("Q8_0", 8, k, 2))])
+    assert not gguf_kernels.gguf_linear_shards(legacy, k, torch.randn(many, k).bfloat16(), out)
     floats = torch.randn(8, k).view(torch.uint8)
     assert gguf_kernels.shard_plan([*shards, ("F32", floats)]) is None
 

@@ -1,5 +1,6 @@
 """The products and lookups GGUF layers compute from their blocks (`gguf_kernels.c`: float
-products and dequantisers; `gguf_vnni.c`: int8 products; `gguf_bf16.c`: bf16 tiles).
+products and dequantisers; `gguf_vnni.c`: int8 products; `gguf_vnni_tiles.c`: int8
+tiles; `gguf_bf16.c`: bf16 tiles).
 
 `gguf_linear(qtype, blocks, k, x, out)`: out = x W^T for W held as [rows, row_bytes]
 blocks of `qtype`. On the CPU, with the C kernels built:
@@ -19,21 +20,28 @@ blocks of `qtype`. On the CPU, with the C kernels built:
     compiler vectorises) and multiplied in float32 (`gguf_gemm`): F.linear on the
     dequantised weight up to float32 rounding (16 running sums per token, fused
     multiply-adds).
+- from `INT8_TILE_MIN_TOKENS` tokens of 16-bit activations on, every count (a
+  concurrent decode's batches and every prefill), K-quant rows (`INT8_TILE_TYPES`) on a
+  VNNI build: the int8 tiles (`gguf_vnni_tiles.c`): x quantised to int8 per 32 values
+  (vLLM's GGUF granularity), each 16-row tile of the weight unpacked once per call to
+  bytes with one row per 32-bit lane and multiplied by every token with vpdpbusd. Error:
+  at most sum_i |w_i| * dx_i / 2 per output, dx that of the value's 32. Against the bf16
+  tiles and the prefill GEMM below (2026-12-05, the Zen 5 VM, 2 threads): 1.4-1.55x at
+  8 tokens, 1.3-1.5x at 16, 1.3x at 2048 for Q4_K and Q6_K weights of the 853M Llama.
+  A fused layer's K-quant shards go in one call; a layer mixing them with Q4_0/Q8_0
+  shards computes shard by shard from 8 tokens on;
 - from `BF16_TILE_MIN_TOKENS` to `BF16_TILE_MAX_TOKENS` tokens of 16-bit activations,
-  on a CPU with AVX-512 BF16 (a concurrent decode, a short prefill): each 4-row tile is
-  dequantised to bfloat16 into a per-thread buffer and multiplied by every token with
-  our bf16 register tile (`gguf_gemm_bf16_shards`; float16 activations are rounded to
-  bfloat16 first). Its error is the weights' one bfloat16 rounding, well below the int8
-  path's. Against the int8 path (2026-12-05, the Zen 5 VM, a 5632x2048 weight on 2
-  threads, two runs): Q8_0 1.9-2.2x at 8 tokens, 2.7x at 16, 2.6-2.9x at 32; Q4_K
-  0.7-0.85x at 8, 0.95-1.15x at 16, 1.1-1.3x at 32; Q6_K 0.65-0.7x at 8, 0.85-0.95x at
-  16, 1.05x at 32. The tiles still start at 8 for every type: at 8-16 tokens a K-quant
-  layer trades that time for their accuracy (with per-256 int8 activations a prefill of
-  a few tokens flipped a tiny model's greedy tokens, tests/test_gguf_quantised.py);
-- more tokens (prefill): row tiles of `TILE_ROWS` rows are dequantised into one scratch
-  tile (never the whole weight) and multiplied by torch's GEMM in the activations' dtype:
-  for bf16 activations dequantised straight to bf16 (AVX-512 BF16 builds), otherwise a
-  float32 tile (with a 16-bit copy for bf16/fp16 activations).
+  on a CPU with AVX-512 BF16, the other rows (Q4_0, Q8_0; K-quants where the build has
+  no int8 tiles): each 4-row tile is dequantised to bfloat16 into a per-thread buffer and
+  multiplied by every token with our bf16 register tile (`gguf_gemm_bf16_shards`;
+  float16 activations are rounded to bfloat16 first). Its error is the weights' one
+  bfloat16 rounding, well below the int8 path's. Against the int8 path (2026-12-05, the
+  Zen 5 VM, a 5632x2048 weight on 2 threads, two runs): Q8_0 1.9-2.2x at 8 tokens, 2.7x
+  at 16, 2.6-2.9x at 32;
+- more tokens (prefill) of those rows: row tiles of `TILE_ROWS` rows are dequantised
+  into one scratch tile (never the whole weight) and multiplied by torch's GEMM in the
+  activations' dtype: for bf16 activations dequantised straight to bf16 (AVX-512 BF16
+  builds), otherwise a float32 tile (with a 16-bit copy for bf16/fp16 activations).
 Elsewhere (CUDA, no C compiler, `TP_CPU_GGUF_KERNELS=0`), `gguf_dequant.dequantize`
 per call then a matmul: plain torch, on the tensor's device. The choice is made once per
 process, and logged when the C kernels are unavailable.
@@ -46,7 +54,8 @@ each is rounded once from its float32 sum, to nearest even, as `.to()` rounds a 
 output. Dequantised values equal gguf-py's bit for bit on every path. Called by the
 layers on every rank; the GIL is released during each C call; the int8 path holds the
 quantised activations (about 1.3 bytes per input value per token, twice where a layer's
-shards read two orders) for the call.
+shards read two orders) for the call, the int8 tiles 1.5 bytes per input value per
+token and, per thread, a 16-row tile of bytes (16 bytes per input value) and its scales.
 """
 
 from __future__ import annotations
@@ -72,12 +81,17 @@ SOURCE = Path(__file__).with_name("gguf_kernels.c")
 #: What the library is built from: the float path and dequantisers, the int8 path (and
 #: its activations' quantisation), the bf16 tiles, and the headers they share.
 SOURCES = (SOURCE, SOURCE.with_name("gguf_vnni.c"), SOURCE.with_name("gguf_quantize_x.h"),
+           SOURCE.with_name("gguf_vnni_tiles.c"),
            SOURCE.with_name("gguf_bf16.c"), SOURCE.with_name("gguf_blocks.h"), SOURCE.parent.parent / "bf16_tile.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
 SMALL_BATCH_TOKENS = 16
 BF16_TILE_MIN_TOKENS, BF16_TILE_MAX_TOKENS = 8, 64
+#: K-quant rows times this many tokens or more of 16-bit activations: the int8 tiles
+#: (`gguf_vnni_tiles.c`), in place of the bf16 tiles and the prefill's bf16 GEMM.
+INT8_TILE_MIN_TOKENS = 8
+INT8_TILE_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 TILE_ROWS = 1024  # a float32 tile of 1024 x 5632 is 23 MiB: scratch, reused per layer call
 #: Activation dtypes whose small-batch products quantise x to int8, as
 #: llama.cpp does (where the CPU has AVX-512 VNNI): their own rounding (bfloat16's 8
@@ -114,6 +128,9 @@ class GGUFKernels:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._gemm, self._shards, self._rows = lib.gguf_gemm, lib.gguf_gemm_q8_shards, lib.gguf_dequantize_rows
         self._bf16, self._rows_bf16 = lib.gguf_gemm_bf16_shards, lib.gguf_dequantize_rows_bf16
+        self._int8_tiles = lib.gguf_gemm_vnni_tiles
+        self._int8_tiles.restype = ctypes.c_int
+        self._int8_tiles.argtypes = [i32, p, p, p, p, i64, p, i32, i64, i64, p, i32, i64, i32]
         self._gemm.restype = self._shards.restype = self._rows.restype = self._bf16.restype = ctypes.c_int
         self._rows_bf16.restype = ctypes.c_int
         self._rows_bf16.argtypes = [i32, p, i64, i64, i64, p, i64, i32]
@@ -121,8 +138,10 @@ class GGUFKernels:
         self._shards.argtypes = [i32, p, p, p, p, i64, p, i32, i64, i64, p, i32, i64, i32]
         self._bf16.argtypes = [i32, p, p, p, p, i64, p, i64, i64, p, i32, i64, i32]
         self._rows.argtypes = [i32, p, i64, i64, p, i64, p, i64, i32]
-        # Whether this build has AVX-512 BF16 (the bf16 entry points answer -2 where not).
+        # Whether this build has AVX-512 BF16 (the bf16 entry points answer -2 where not),
+        # and the int8 tiles' AVX-512 VNNI (-2 where not; -1 here: float32 x is refused).
         self.has_bf16 = self._rows_bf16(GGUF_FORMATS["Q8_0"].type_id, None, 0, 32, 0, None, 0, 1) != -2
+        self.has_int8_tiles = self._int8_tiles(0, None, None, None, None, 256, None, 0, 0, 0, None, 0, 0, 1) != -2
 
     def gemm(self, qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
              int8_activations: bool = False) -> bool:
@@ -160,6 +179,16 @@ class GGUFKernels:
                             x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), _X_DTYPES[out.dtype],
                             out.stride(0), torch.get_num_threads())
         return _succeeded(status, plan.names, "a dequantised tile")
+
+    def gemm_shards_int8_tiles(self, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
+        """out [m, plan.rows] (as gemm_shards') = x [m, k] (bfloat16 or float16, rows
+        contiguous) times the plan's K-quant shards (`INT8_TILE_TYPES`), x quantised to
+        int8 per 256 values and each 16-row tile of the weight unpacked to bytes for
+        VNNI. False, with nothing written, where this build has no AVX-512 VNNI."""
+        status = self._int8_tiles(len(plan.qtypes), plan.qtypes, plan.pointers, plan.rows_per_shard, plan.row_bytes,
+                                  k, x.data_ptr(), _X_DTYPES[x.dtype], x.stride(0), x.shape[0], out.data_ptr(),
+                                  _X_DTYPES[out.dtype], out.stride(0), torch.get_num_threads())
+        return _succeeded(status, plan.names, "the quantised activations or a tile")
 
     def dequantize_rows_bf16(self, qtype: str, blocks: torch.Tensor, k: int, out: torch.Tensor) -> bool:
         """out [n, k] bfloat16 (rows contiguous) = every row of `blocks`, rounded once to
@@ -220,6 +249,8 @@ def gguf_linear(qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: 
         return
     half = x.dtype in INT8_ACTIVATION_DTYPES
     m, rows = x.shape[0], blocks.shape[0]
+    if half and qtype in INT8_TILE_TYPES and _int8_tiles(kernel, ShardPlan([(qtype, blocks)]), k, x, out):
+        return
     if half and BF16_TILE_MIN_TOKENS <= m <= BF16_TILE_MAX_TOKENS and _bf16_tiles(
             kernel, ShardPlan([(qtype, blocks)]), k, x, out):
         return
@@ -261,22 +292,39 @@ def shard_plan(shards: list[tuple[str, torch.Tensor]]) -> ShardPlan | None:
 def gguf_linear_shards(plan: ShardPlan | None, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
     """out [m, plan.rows] (float32 or x's dtype, rows contiguous) = x [m, k] times every
     shard of `plan` in one C call, for 16-bit activations (`INT8_ACTIVATION_DTYPES`): the
-    int8 path's (at most `SMALL_BATCH_TOKENS` tokens, a VNNI build) and the bf16 tiles'
-    (up to `BF16_TILE_MAX_TOKENS`). Same values as `gguf_linear` shard by shard. False,
-    with nothing written, where neither applies (the caller then calls `gguf_linear` per
-    shard)."""
-    if plan is None or x.dtype not in INT8_ACTIVATION_DTYPES or x.shape[0] > BF16_TILE_MAX_TOKENS:
+    int8 tiles' (K-quant shards, from `INT8_TILE_MIN_TOKENS` tokens), the int8 path's
+    (fewer tokens, at most `SMALL_BATCH_TOKENS`, a VNNI build) and the bf16 tiles' (up to
+    `BF16_TILE_MAX_TOKENS`). Same values as `gguf_linear` shard by shard. False, with
+    nothing written, where none applies or the shards' paths differ (the caller then
+    calls `gguf_linear` per shard)."""
+    if plan is None or x.dtype not in INT8_ACTIVATION_DTYPES:
         return False
     kernel = load()
     if kernel is None:
         return False
     if out.stride(1) != 1:
         raise ValueError("gguf_linear_shards: the output's rows must be contiguous")
+    if _int8_tiles(kernel, plan, k, x, out):
+        return True
+    if x.shape[0] > BF16_TILE_MAX_TOKENS or (  # K-quant shards among others: int8 tiles shard by shard
+            kernel.has_int8_tiles and x.shape[0] >= INT8_TILE_MIN_TOKENS and INT8_TILE_TYPES.intersection(plan.names)):
+        return False
     if _bf16_tiles(kernel, plan, k, x, out):
         return True
     if x.shape[0] > SMALL_BATCH_TOKENS:
         return False
     return kernel.gemm_shards(plan, k, x if x.stride(1) == 1 else x.contiguous(), out)
+
+
+def _int8_tiles(kernel: GGUFKernels, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
+    """The int8 tiles' product for `INT8_TILE_MIN_TOKENS` or more tokens of 16-bit x into
+    out (float32 or x's dtype, rows contiguous) where every shard is a K-quant
+    (`INT8_TILE_TYPES`); False, with nothing written, otherwise or where the build has no
+    AVX-512 VNNI."""
+    if not (kernel.has_int8_tiles and x.shape[0] >= INT8_TILE_MIN_TOKENS and out.stride(1) == 1
+            and INT8_TILE_TYPES.issuperset(plan.names)):
+        return False
+    return kernel.gemm_shards_int8_tiles(plan, k, x if x.stride(1) == 1 else x.contiguous(), out)
 
 
 def _bf16_tiles(kernel: GGUFKernels, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -298,3 +346,4 @@ def gguf_dequantize_rows(qtype: str, blocks: torch.Tensor, k: int, ids: torch.Te
     out = torch.empty(ids.numel(), k, dtype=torch.float32)
     kernel.dequantize_rows(qtype, blocks, k, ids, out)
     return out
+

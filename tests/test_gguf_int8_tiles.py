@@ -1,0 +1,131 @@
+"""K-quant products for 8 or more tokens of 16-bit activations: the int8 tiles
+(`gguf_kernels.gguf_gemm_vnni_tiles`, gguf_vnni_tiles.c), a concurrent decode's batches
+and every prefill.
+
+The activations are quantised per token and per 32 values to int8 (dx = max|x| / 127,
+rounded to nearest even); the result is the product of the weights with those rounded
+activations up to float32 rounding, so within sum |w| * dx / 2 of the product with the
+activations themselves. Checked for every K-quant, float16 and bfloat16 activations,
+float32 and 16-bit outputs, row counts that leave a partial 16-row tile, token counts
+around the 8-token register block, a shard's columns of a wider output, and where the
+kernel is chosen.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from models.layers.quantization import gguf_kernels
+from models.layers.quantization.gguf_dequant import dequantize
+from tests.gguf_kquants import quantize as quantize_blocks
+
+kernel = gguf_kernels.load()
+pytestmark = pytest.mark.skipif(kernel is None or not kernel.has_int8_tiles,
+                                reason="no AVX-512 VNNI in this CPU or build (the int8 tiles)")
+
+KQUANTS = sorted(gguf_kernels.INT8_TILE_TYPES)
+
+
+def _blocks(qtype: str, rows: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.from_numpy(quantize_blocks((torch.randn(rows, k, generator=g) * 0.3).numpy(), qtype))
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel quantises it, back in float64: round(x * (127 / amax)) * (amax /
+    127) per 32 values, in IEEE float32 arithmetic (numpy's; torch's vectorised division
+    is not always correctly rounded)."""
+    tokens, k = x.shape
+    xf = x.float().reshape(tokens, -1, 32).numpy()
+    amax = np.abs(xf).max(-1, keepdims=True)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    q = np.rint(xf * inv).astype(np.float64) * (amax / np.float32(127)).astype(np.float64)
+    return torch.from_numpy(q).reshape(tokens, k)
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [8, 9, 16, 17, 100])
+def test_product_with_the_activations_rounded_per_32(qtype, dtype, tokens):
+    rows, k = 37, 768  # 37: two whole 16-row tiles and a tile of 5
+    blocks = _blocks(qtype, rows, k, tokens)
+    weight = dequantize(qtype, blocks, k).double()
+    x = (torch.randn(tokens, k, generator=torch.Generator().manual_seed(3)) * 2).to(dtype)
+    x[0, :32] = 0  # an all-zero 32 (dx 0)
+    x[-1, 40] = 300  # an outlier widens only its own 32's step
+    out = torch.full((tokens, rows + 5), float("nan"))
+    gguf_kernels.gguf_linear(qtype, blocks, k, x, out[:, 2:2 + rows])
+    assert out[:, :2].isnan().all() and out[:, 2 + rows:].isnan().all()
+    got = out[:, 2:2 + rows].double()
+    rounded = _rounded(x)
+    magnitude = rounded.abs() @ weight.abs().t()
+    assert ((got - rounded @ weight.t()).abs() <= 1e-6 * magnitude + 1e-6).all()
+    groups = x.double().reshape(tokens, -1, 32)
+    dx = groups.abs().amax(-1) / 127
+    bound = (weight.abs().reshape(1, rows, -1, 32).sum(-1) * dx.reshape(tokens, 1, -1) / 2).sum(-1)
+    assert ((got - x.double() @ weight.t()).abs() <= bound + 1e-5).all()
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_output_is_the_float32_one_rounded_once(qtype, dtype):
+    k = 512
+    blocks = _blocks(qtype, 20, k, 1)
+    x = (torch.randn(24, k, generator=torch.Generator().manual_seed(4)) * 2).to(dtype)
+    exact, rounded = torch.empty(24, 20), torch.empty(24, 20, dtype=dtype)
+    gguf_kernels.gguf_linear(qtype, blocks, k, x, exact)
+    gguf_kernels.gguf_linear(qtype, blocks, k, x, rounded)
+    assert torch.equal(rounded, exact.to(dtype))
+
+
+def test_a_q4_k_m_layer_in_one_call():
+    """Q4_K and Q6_K shards (a Q4_K_M attention's q, k, v) in one call: each shard's
+    columns as its own call gives them."""
+    k = 512
+    shards = [("Q4_K", _blocks("Q4_K", 32, k, 5)), ("Q4_K", _blocks("Q4_K", 16, k, 6)), ("Q6_K", _blocks("Q6_K", 16, k, 7))]
+    plan = gguf_kernels.shard_plan(shards)
+    x = torch.randn(12, k, generator=torch.Generator().manual_seed(8)).bfloat16()
+    out = torch.empty(12, 64, dtype=torch.bfloat16)
+    assert kernel.gemm_shards_int8_tiles(plan, k, x, out)
+    start = 0
+    for qtype, blocks in shards:
+        one = torch.empty(12, blocks.shape[0], dtype=torch.bfloat16)
+        assert kernel.gemm_shards_int8_tiles(gguf_kernels.ShardPlan([(qtype, blocks)]), k, x, one)
+        assert torch.equal(out[:, start:start + blocks.shape[0]], one)
+        start += blocks.shape[0]
+
+
+def test_where_the_tiles_are_taken():
+    """From INT8_TILE_MIN_TOKENS tokens of 16-bit activations on, K-quant rows take the
+    int8 tiles at every count (the prefill's too); fewer take the int8 rows (x per 256),
+    float32 activations the exact float path, and Q4_0/Q8_0 rows keep the bf16 tiles."""
+    k = 512
+    blocks = _blocks("Q4_K", 16, k, 9)
+    g = torch.Generator().manual_seed(10)
+    for tokens in (gguf_kernels.INT8_TILE_MIN_TOKENS, gguf_kernels.BF16_TILE_MAX_TOKENS + 1):
+        x = torch.randn(tokens, k, generator=g).bfloat16()
+        got, tiles = torch.empty(tokens, 16), torch.empty(tokens, 16)
+        gguf_kernels.gguf_linear("Q4_K", blocks, k, x, got)
+        assert kernel.gemm_shards_int8_tiles(gguf_kernels.ShardPlan([("Q4_K", blocks)]), k, x, tiles)
+        assert torch.equal(got, tiles)
+    few = torch.randn(gguf_kernels.INT8_TILE_MIN_TOKENS - 1, k, generator=g).bfloat16()
+    got, rows = torch.empty(few.shape[0], 16), torch.empty(few.shape[0], 16)
+    gguf_kernels.gguf_linear("Q4_K", blocks, k, few, got)
+    assert kernel.gemm("Q4_K", blocks, k, few.float(), rows, int8_activations=True)
+    assert torch.equal(got, rows)
+    exact = torch.randn(gguf_kernels.INT8_TILE_MIN_TOKENS, k, generator=g)
+    got, floats = torch.empty(exact.shape[0], 16), torch.empty(exact.shape[0], 16)
+    gguf_kernels.gguf_linear("Q4_K", blocks, k, exact, got)
+    assert kernel.gemm("Q4_K", blocks, k, exact, floats)
+    assert torch.equal(got, floats)
+    legacy = _blocks("Q8_0", 16, k, 11)
+    x = torch.randn(gguf_kernels.INT8_TILE_MIN_TOKENS, k, generator=g).bfloat16()
+    if kernel.has_bf16:
+        got, bf16 = torch.empty(x.shape[0], 16), torch.empty(x.shape[0], 16)
+        gguf_kernels.gguf_linear("Q8_0", legacy, k, x, got)
+        assert kernel.gemm_shards_bf16(gguf_kernels.ShardPlan([("Q8_0", legacy)]), k, x, bf16)
+        assert torch.equal(got, bf16)
+    with pytest.raises(ValueError, match="unknown type"):
+        kernel.gemm_shards_int8_tiles(gguf_kernels.ShardPlan([("Q8_0", legacy)]), k, x, torch.empty(x.shape[0], 16))
