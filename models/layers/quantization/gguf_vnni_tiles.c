@@ -33,6 +33,10 @@
 #include <stdlib.h>
 
 #define TILE_ROWS 16  /* one row per 32-bit lane */
+/* Each row's blocks are prefetched into L2 this many blocks ahead of the unpacking (16
+ * streams a tile): 16-token products of a Q4_K_M layer 3-15% faster than none, within
+ * the noise between 2 and 16 (2026-12-05). */
+#define PREFETCH_BLOCKS 8
 #define TILE_TOKENS 8 /* tokens sharing each load of the unpacked tile (Q6_K: 24 of 32 registers hold sums) */
 
 /* The quantised activations of every token, read by every thread. */
@@ -163,6 +167,9 @@ static void unpack_tile(int qtype, const uint8_t *w, int64_t row_bytes, int nr, 
 #define GATHER(off) _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, (const void *)(wb + (off)), 1)
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *wb = w + b * bb;
+        for (int r = 0; r < nr; ++r) /* each row's stream PREFETCH_BLOCKS blocks ahead, into L2 */
+            for (int off = 0; off < bb; off += 64)
+                _mm_prefetch((const char *)wb + r * row_bytes + PREFETCH_BLOCKS * bb + off, _MM_HINT_T1);
         if (qtype != T_Q6_K) { /* fp16 d, dmin, then the 12 bytes of (scale, min) pairs (scale_min_k4) */
             k4_scales(GATHER(0), GATHER(4), GATHER(8), GATHER(12), s1 + b * 8 * 16, s2 + b * 8 * 16);
         } else { /* 16 int8 scales at 192, fp16 d at 208 (read from 206: not past the row) */
