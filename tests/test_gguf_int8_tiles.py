@@ -84,7 +84,8 @@ def test_a_q4_k_m_layer_in_one_call():
     """Q4_K and Q6_K shards (a Q4_K_M attention's q, k, v) in one call: each shard's
     columns as its own call gives them."""
     k = 512
-    shards = [("Q4_K", _blocks("Q4_K", 32, k, 5)), ("Q4_K", _blocks("Q4_K", 16, k, 6)), ("Q6_K", _blocks("Q6_K", 16, k, 7))]
+    shards = [("Q4_K", _blocks("Q4_K", 32, k, 5)), ("Q4_K", _blocks("Q4_K", 16, k, 6)),
+              ("Q6_K", _blocks("Q6_K", 16, k, 7))]
     plan = gguf_kernels.shard_plan(shards)
     x = torch.randn(12, k, generator=torch.Generator().manual_seed(8)).bfloat16()
     out = torch.empty(12, 64, dtype=torch.bfloat16)
@@ -127,5 +128,5 @@ def test_where_the_tiles_are_taken():
         gguf_kernels.gguf_linear("Q8_0", legacy, k, x, got)
         assert kernel.gemm_shards_bf16(gguf_kernels.ShardPlan([("Q8_0", legacy)]), k, x, bf16)
         assert torch.equal(got, bf16)
-    with pytest.raises(ValueError, match="unknown type"):
+    with pytest.raises(ValueError, match=r"take \['Q4_K', 'Q5_K', 'Q6_K'\] rows .* not \['Q8_0'\]"):
         kernel.gemm_shards_int8_tiles(gguf_kernels.ShardPlan([("Q8_0", legacy)]), k, x, torch.empty(x.shape[0], 16))

@@ -79,7 +79,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_kernels.c")
 #: What the library is built from: the float path and dequantisers, the int8 path (and
-#: its activations' quantisation), the bf16 tiles, and the headers they share.
+#: its activations' quantisation), the int8 tiles, the bf16 tiles, and the headers they
+#: share.
 SOURCES = (SOURCE, SOURCE.with_name("gguf_vnni.c"), SOURCE.with_name("gguf_quantize_x.h"),
            SOURCE.with_name("gguf_vnni_tiles.c"),
            SOURCE.with_name("gguf_bf16.c"), SOURCE.with_name("gguf_blocks.h"), SOURCE.parent.parent / "bf16_tile.h")
@@ -183,11 +184,14 @@ class GGUFKernels:
     def gemm_shards_int8_tiles(self, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
         """out [m, plan.rows] (as gemm_shards') = x [m, k] (bfloat16 or float16, rows
         contiguous) times the plan's K-quant shards (`INT8_TILE_TYPES`), x quantised to
-        int8 per 256 values and each 16-row tile of the weight unpacked to bytes for
+        int8 per 32 values and each 16-row tile of the weight unpacked to bytes for
         VNNI. False, with nothing written, where this build has no AVX-512 VNNI."""
         status = self._int8_tiles(len(plan.qtypes), plan.qtypes, plan.pointers, plan.rows_per_shard, plan.row_bytes,
                                   k, x.data_ptr(), _X_DTYPES[x.dtype], x.stride(0), x.shape[0], out.data_ptr(),
                                   _X_DTYPES[out.dtype], out.stride(0), torch.get_num_threads())
+        if status == -1:
+            raise ValueError(f"GGUF int8 tiles take {sorted(INT8_TILE_TYPES)} rows and 16-bit activations, "
+                             f"not {plan.names} and {x.dtype}")
         return _succeeded(status, plan.names, "the quantised activations or a tile")
 
     def dequantize_rows_bf16(self, qtype: str, blocks: torch.Tensor, k: int, out: torch.Tensor) -> bool:
@@ -346,4 +350,3 @@ def gguf_dequantize_rows(qtype: str, blocks: torch.Tensor, k: int, ids: torch.Te
     out = torch.empty(ids.numel(), k, dtype=torch.float32)
     kernel.dequantize_rows(qtype, blocks, k, ids, out)
     return out
-
