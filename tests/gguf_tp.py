@@ -27,8 +27,8 @@ def resident_bytes(model: torch.nn.Module) -> int:
 
 
 def gguf_tp_cases(rank: int, world_size: int, port: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
-    """Load each case's GGUF file at TP=`world_size`: {case name: this rank's logits,
-    heads, table rows and resident bytes}."""
+    """Load each case's GGUF file at TP=`world_size` (in `case["dtype"]`, default
+    float32): {case name: this rank's logits, heads, table rows and resident bytes}."""
     from engine.arg_utils import create_engine_config
     from model_loader import get_model
 
@@ -36,7 +36,8 @@ def gguf_tp_cases(rank: int, world_size: int, port: int, cases: list[dict[str, A
     try:
         results: dict[str, Any] = {}
         for case in cases:
-            config = create_engine_config(model=case["model"], dtype="float32", device="cpu", load_format="gguf",
+            config = create_engine_config(model=case["model"], dtype=case.get("dtype", "float32"), device="cpu",
+                                          load_format="gguf",
                                           tensor_parallel_size=world_size, use_tqdm_on_load=False)
             model = get_model(config)
             attn = model.model.layers[0].self_attn

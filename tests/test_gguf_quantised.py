@@ -248,6 +248,22 @@ def test_quantised_gguf_tp2_matches_oracle_and_halves_memory(kquant_llamas, tmp_
             assert got["resident_bytes"] == budgets[name] + extra, (rank, name, got["resident_bytes"], budgets[name])
 
 
+def test_quantised_gguf_tp2_in_bfloat16_tracks_the_oracle(kquant_llamas, tmp_path):
+    """A Q4_K_M-style file at TP=2 in bfloat16: its 10-token prefill through the int8
+    tiles on each rank's shards (a row-parallel layer's K split in whole 256-blocks, so
+    each rank quantises the same 32s of x), its logits within bfloat16's and int8's error
+    of transformers on the dequantised weights, as the TP=1 load's are."""
+    path = write_gguf(kquant_llamas["untied"], tmp_path / "mixed.gguf", "Q4_K_M", tensor_types=MIXED)
+    oracle = dequantised_checkpoint(kquant_llamas["untied"], "Q4_K_M", tmp_path, MIXED)
+    expected = transformers_logits(oracle, IDS)
+    single = compute_logits_on_rank(load(path, dtype="bfloat16"), IDS).float()
+    results = run_tp(gguf_tp_cases, 2, [{"name": "mixed", "model": str(path), "input_ids": IDS, "dtype": "bfloat16"}])
+    for res in results:
+        got = res["mixed"]["logits"].float()
+        assert ((got - expected).norm() / expected.norm()).item() < 0.03
+        assert ((got - single).norm() / single.norm()).item() < 0.03
+
+
 # ------------------------------------------------------------------ int8 activations, the portable build
 
 
