@@ -14,9 +14,11 @@ its waits live in Python) is decorated `recorded_as_call`: the recorder keeps th
 itself, with its tensors, and runs it again at each replay; what it does inside is not
 recorded.
 
-The recorder is process-wide state, like torch's own dispatch-mode stack: set by the
-thread that captures, for the length of one forward pass, and cleared after it (also
-when the forward raises). Every rank's kernels go through here alike.
+The recorder is per thread, as torch's own dispatch-mode stack is: set by the thread
+that captures, for the length of one forward pass, and cleared after it (also when the
+forward raises). A C call another thread makes meanwhile (a background thread of the
+worker) runs as it would outside a capture and is not recorded. Every rank's kernels go
+through here alike.
 """
 
 from __future__ import annotations
@@ -24,12 +26,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-#: While a CPU graph records: the recorder, with `native(ctypes function, args)` and
-#: `call(function, args, kwargs)`, each of which runs the call and returns its result.
-_recorder: Any | None = None
+class _Recording(threading.local):
+    #: While a CPU graph records on this thread: the recorder, with `native(ctypes
+    #: function, args)` and `call(function, args, kwargs)`, each of which runs the call
+    #: and returns its result.
+    recorder: Any | None = None
+
+
+_state = _Recording()
 
 
 class NativeFunction:
@@ -44,7 +52,7 @@ class NativeFunction:
     argtypes = property(lambda self: self.fn.argtypes, lambda self, value: setattr(self.fn, "argtypes", value))
 
     def __call__(self, *args: Any) -> Any:
-        recorder = _recorder
+        recorder = _state.recorder
         if recorder is not None:
             return recorder.native(self.fn, args)
         return self.fn(*args)
@@ -73,7 +81,7 @@ def recorded_as_call(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        recorder = _recorder
+        recorder = _state.recorder
         if recorder is None:
             return fn(*args, **kwargs)
         return recorder.call(fn, args, kwargs)
@@ -85,24 +93,22 @@ def recorded_as_call(fn: Callable[..., Any]) -> Callable[..., Any]:
 def recording_native_calls(recorder: Any) -> Iterator[None]:
     """Route every `NativeFunction` call to `recorder.native(fn, args)` and every
     `recorded_as_call` function to `recorder.call(fn, args, kwargs)` (each must run the
-    call and return its result) inside the block. Not reentrant: raises RuntimeError if
-    a recorder is already installed."""
-    global _recorder
-    if _recorder is not None:
+    call and return its result) inside the block, on this thread. Not reentrant: raises
+    RuntimeError if this thread already has a recorder installed."""
+    if _state.recorder is not None:
         raise RuntimeError("native calls are already being recorded")
-    _recorder = recorder
+    _state.recorder = recorder
     try:
         yield
     finally:
-        _recorder = None
+        _state.recorder = None
 
 
 @contextlib.contextmanager
 def paused_recording() -> Iterator[None]:
     """Calls inside the block run unrecorded (a `recorded_as_call` function's body)."""
-    global _recorder
-    saved, _recorder = _recorder, None
+    saved, _state.recorder = _state.recorder, None
     try:
         yield
     finally:
-        _recorder = saved
+        _state.recorder = saved

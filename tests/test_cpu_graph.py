@@ -21,7 +21,7 @@ from models.layers.attention.backends.cpu_attn import (
     CASCADE_MIN_TOKENS,
     CPUAttentionBackend,
 )
-from worker.cpu_graph import NotCapturable, record
+from worker.cpu_graph import NotCapturable, _NativeStep, record
 
 # ------------------------------------------------------------------ the recorder
 
@@ -80,6 +80,32 @@ def test_integer_indexing_replays_and_boolean_masks_are_refused():
     torch.testing.assert_close(graph.replay(), table[ids] * 2, rtol=0, atol=0)
     with pytest.raises(NotCapturable, match="aten.index"):
         record(lambda: table[table[:, 0] > 0] * 2)
+
+
+def test_a_c_call_on_another_thread_is_not_recorded():
+    """The recorder is per thread: a kernel another thread calls while a forward records
+    runs as usual and stays out of the graph, whose replay computes only its own step."""
+    import threading
+
+    kernel = cpu_ops.load()
+    x, weight = torch.randn(4, 8), torch.rand(8) + 0.5
+    other_in, other_out = torch.randn(2, 8), []
+
+    def forward() -> torch.Tensor:
+        h = x * 2.0
+        thread = threading.Thread(target=lambda: other_out.append(kernel.rms_norm(other_in, None, weight, 1e-6)))
+        thread.start()
+        thread.join()
+        return kernel.rms_norm(h, None, weight, 1e-6)
+
+    out, graph = record(forward)
+    torch.testing.assert_close(other_out[0], kernel.rms_norm(other_in, None, weight, 1e-6), rtol=0, atol=0)
+    other_in.fill_(1e6)  # had the other thread's call been recorded, replay would write to its output
+    before = other_out[0].clone()
+    x.copy_(torch.randn(4, 8))
+    torch.testing.assert_close(graph.replay(), kernel.rms_norm(x * 2.0, None, weight, 1e-6), rtol=0, atol=0)
+    assert torch.equal(other_out[0], before)
+    assert sum(isinstance(step, _NativeStep) for step in graph.steps) == 1  # the step's own norm only
 
 
 def test_a_kernel_status_that_changes_at_replay_raises():
