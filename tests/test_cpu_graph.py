@@ -210,6 +210,21 @@ def test_replayed_gguf_blocks_match_eager(tmp_path):
     assert sizes == [[1, 2, 3]]
     assert replayed == eager
 
+    def batch(eager: bool) -> tuple[list, list[list[int]]]:
+        """Nine sequences at once (the int8 tiles from 8 tokens on) of different budgets."""
+        prompts = [[(7 * i + j) % 320 for j in range(3 + i)] for i in range(9)]
+        with EngineCore(model=path, load_format="gguf", device="cpu", dtype="bfloat16", max_model_len=128,
+                        kv_cache_memory_bytes=1 << 22, block_size=16, enforce_eager=eager,
+                        use_tqdm_on_load=False) as core:
+            outs = core.generate(prompts, [SamplingParams(max_tokens=6 + (i % 3), temperature=0.0, ignore_eos=True,
+                                                          logprobs=2) for i in range(9)])
+            return [(o.token_ids, o.logprobs) for o in outs], core.collective_rpc(_captured_sizes)
+
+    eager, _ = batch(True)
+    replayed, sizes = batch(False)
+    assert sizes == [[3, 6, 9]]  # 9 sequences until the first budgets end, then 6, then 3
+    assert replayed == eager
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
