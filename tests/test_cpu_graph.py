@@ -72,6 +72,23 @@ def test_data_dependent_forwards_are_refused(bad):
     assert cpu_ops.load().rms_norm(x, None, torch.ones(8), 1e-6) is not None
 
 
+def test_ops_with_several_outputs_and_overloads_replay():
+    """A router's ops: topk (two outputs: written through topk.values' values= and
+    indices=), a sum over a dim (whose out overload is sum.IntList_out, not sum.out),
+    a softmax in float32."""
+    logits = torch.randn(5, 8)
+
+    def router() -> torch.Tensor:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, 2, dim=-1)
+        return torch.cat([weights / weights.sum(dim=-1, keepdim=True), ids.float()], dim=-1)
+
+    _, graph = record(router)
+    for _ in range(2):
+        logits.copy_(torch.randn(5, 8))
+        torch.testing.assert_close(graph.replay(), router(), rtol=0, atol=0)
+
+
 def test_integer_indexing_replays_and_boolean_masks_are_refused():
     table = torch.randn(10, 4)
     ids = torch.tensor([3, 1, 7])

@@ -295,15 +295,21 @@ class _WholeCall:
 
 
 def _aten_step(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor]) -> Any:
-    """A replayable call of `func`: in place as recorded, or writing its one new output
-    into the graph's tensor (through its `out` overload, else a copy)."""
+    """A replayable call of `func`: in place as recorded, or writing its new outputs into
+    the graph's tensors (through an overload that takes them, as `out=` or, for several,
+    as `topk.values`' `values=` and `indices=`; else copies)."""
     if func._schema.is_mutable:
         return functools.partial(func, *args, **kwargs)
-    out_op = getattr(func.overloadpacket, "out", None) if len(outs) == 1 else None
-    if out_op is not None and any(a.name == "out" for a in out_op._schema.arguments):
-        return functools.partial(out_op, *args, **kwargs, out=outs[0])
-    if len(outs) != 1:
-        raise NotCapturable(f"{func} makes {len(outs)} new tensors")
+    inputs = [a.name for a in func._schema.arguments]
+    for name in func.overloadpacket.overloads():  # the overload with func's arguments and one to write each output
+        op = getattr(func.overloadpacket, name)
+        written = [a.name for a in op._schema.arguments if a.is_out]
+        if outs and len(written) == len(outs) and [a.name for a in op._schema.arguments if not a.is_out] == inputs:
+            return functools.partial(op, *args, **kwargs, **dict(zip(written, outs)))
+    if len(outs) > 1:
+        return lambda: [target.copy_(got) for target, got in zip(outs, func(*args, **kwargs))]
+    if not outs:
+        raise NotCapturable(f"{func} makes no tensor the graph could hold")
     target = outs[0]
     if func.overloadpacket is aten.to and isinstance(args[0], torch.Tensor):
         return functools.partial(target.copy_, args[0])  # a conversion: copy_ rounds as .to() does

@@ -14,8 +14,10 @@ hidden] holds each expert's gate rows (w1) then its up rows (w3); `w2_weight`
 Either way each rank's output is a partial sum over the ranks: one all-reduce follows
 (here with `reduce_results=True`, else in the next norm, as the dense MLPs do).
 
-The kernel: grouped torch GEMMs on the CPU (`grouped_moe.py`), the Triton fused-MoE
-kernel on CUDA (`fused_moe_triton.py`). Memory: the rank's experts, nothing cached.
+The kernel: on the CPU, a decode step's experts in one C call for bfloat16
+(`cpu_moe.py`: recordable as a CPU graph), grouped torch GEMMs otherwise
+(`grouped_moe.py`); the Triton fused-MoE kernel on CUDA (`fused_moe_triton.py`). Memory:
+the rank's experts, nothing cached.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from distributed import (
     tensor_model_parallel_all_reduce,
 )
 from models.errors import WeightLoadError
+from models.layers.fused_moe import cpu_moe
 from models.layers.fused_moe.expert_map import determine_expert_placement
 from models.layers.fused_moe.grouped_moe import grouped_fused_experts
 from models.layers.fused_moe.router import fused_topk
@@ -129,6 +132,9 @@ class FusedMoE(nn.Module):
 
             out = triton_fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                        self.expert_map)
+        elif (kernel := cpu_moe.serves(hidden_states, self.w13_weight, self.w2_weight)) is not None:
+            out = kernel.experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights.float().contiguous(),
+                                 topk_ids.to(torch.int64).contiguous(), self.expert_map, self.num_experts)
         else:
             out = grouped_fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                         self.expert_map)

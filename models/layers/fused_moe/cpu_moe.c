@@ -1,0 +1,128 @@
+/* A mixture-of-experts block's experts in one C call (cpu_moe_bf16), for bfloat16 on a
+ * CPU with AVX-512 BF16: the grouping grouped_moe.py does in torch (pairs sorted by
+ * expert, each active expert's gate/up and down products over its tokens, the routed
+ * weights, the sum back into each token), with no host read of the counts in between,
+ * so a decode step that holds it can be recorded and replayed (worker/cpu_graph.py).
+ * Its contract is in cpu_moe.py, which compiles it and is its only caller.
+ *
+ * The products are our bf16 register tile (../bf16_tile.h: float32 sums of bf16
+ * products, each output rounded once to bf16, as F.linear's bf16 output is); the gate
+ * is silu(g) * u with each of the two rounded to bf16 as torch's bf16 ops round them;
+ * each pair's output times its routing weight is rounded to bf16 and added into its
+ * token's row in bf16, pairs in expert order (the order grouped_moe.py adds them).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+#if !defined(__AVX512BF16__) || !defined(__AVX512BW__)
+#error "needs AVX-512 BF16 and BW (the loader only builds this where the CPU has them)"
+#endif
+
+#include "../bf16_tile.h"
+
+static inline bf16 float_to_bf16(float v) { /* to nearest even, as torch rounds; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
+
+/* y[m, n] = x[m, :] . w[n, :] rounded to bf16 (x [M, K] stride ldx, w [N, K] stride K,
+ * y stride ldy), for the row tile n0 (BF16_TILE_ROWS rows) and every token group. */
+static void tile_rows(const bf16 *x, int64_t ldx, int64_t M, const bf16 *w, int64_t N, int64_t K, int64_t n0,
+                      bf16 *y, int64_t ldy) {
+    const int rows = (int)(N - n0 < BF16_TILE_ROWS ? N - n0 : BF16_TILE_ROWS);
+    for (int64_t m0 = 0; m0 < M; m0 += BF16_TILE_TOKENS) {
+        const int tokens = (int)(M - m0 < BF16_TILE_TOKENS ? M - m0 : BF16_TILE_TOKENS);
+        float out[BF16_TILE_ROWS * BF16_TILE_TOKENS];
+        _mm512_storeu_ps(out, bf16_run_tile(w + n0 * K, K, x + m0 * ldx, ldx, K, rows, tokens, NULL, 0, 1));
+        for (int t = 0; t < tokens; t++)
+            for (int r = 0; r < rows; r++)
+                y[(m0 + t) * ldy + n0 + r] = float_to_bf16(out[t * BF16_TILE_ROWS + r]);
+    }
+}
+
+/* out [T, H] (bf16, written whole) = sum over the pairs (t, j) whose expert this rank
+ * holds of topk_w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]
+ * mapped through expert_map [E] (NULL: ids are local; -1: another rank's, skipped).
+ * x [T, H] (row stride ldx), w13 [E_local, 2I, H], w2 [E_local, H, I], topk_w float32
+ * [T, K], topk_ids int64 [T, K]. Returns 0; -1 for an id outside [0, E) or a mapped id
+ * outside [0, E_local) (nothing written); -3 without memory for the scratch. */
+int cpu_moe_bf16(const bf16 *x, int64_t ldx, int64_t T, int64_t H, const bf16 *w13, const bf16 *w2,
+                 int64_t E_local, int64_t I, const float *topk_w, const int64_t *topk_ids, int64_t K,
+                 const int64_t *expert_map, int64_t E, bf16 *out, int threads) {
+    const int64_t P = T * K;
+    int64_t *count = calloc((size_t)E_local + 1, sizeof(int64_t)), *pair = malloc((size_t)(P ? P : 1) * sizeof(int64_t));
+    int64_t *local = malloc((size_t)(P ? P : 1) * sizeof(int64_t));
+    if (!count || !pair || !local) {
+        free(count), free(pair), free(local);
+        return -3;
+    }
+    for (int64_t p = 0; p < P; p++) { /* each pair's local expert, or -1 */
+        const int64_t id = topk_ids[p];
+        if (id < 0 || id >= E) {
+            free(count), free(pair), free(local);
+            return -1;
+        }
+        local[p] = expert_map ? expert_map[id] : id;
+        if (local[p] >= E_local) {
+            free(count), free(pair), free(local);
+            return -1;
+        }
+        if (local[p] >= 0) count[local[p] + 1]++;
+    }
+    for (int64_t e = 0; e < E_local; e++) count[e + 1] += count[e]; /* count[e]: expert e's first sorted pair */
+    const int64_t kept = count[E_local];
+    int64_t *fill = malloc((size_t)(E_local ? E_local : 1) * sizeof(int64_t));
+    bf16 *rows = malloc((size_t)(kept ? kept : 1) * (size_t)(H + 2 * I + H) * sizeof(bf16));
+    if (!fill || !rows) {
+        free(count), free(pair), free(local), free(fill), free(rows);
+        return -3;
+    }
+    memcpy(fill, count, (size_t)E_local * sizeof(int64_t));
+    for (int64_t p = 0; p < P; p++) /* stable: an expert's pairs keep their token order */
+        if (local[p] >= 0) pair[fill[local[p]]++] = p;
+    bf16 *xs = rows, *gu = rows + kept * H, *ys = gu + kept * 2 * I; /* [kept, H], [kept, 2I], [kept, H] */
+    for (int64_t s = 0; s < kept; s++) memcpy(xs + s * H, x + (pair[s] / K) * ldx, (size_t)H * sizeof(bf16));
+
+    /* (expert, row tile) work items of each product, over the active experts only */
+    const int64_t tiles13 = (2 * I + BF16_TILE_ROWS - 1) / BF16_TILE_ROWS, tiles2 = (H + BF16_TILE_ROWS - 1) / BF16_TILE_ROWS;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < E_local * tiles13; item++) {
+            const int64_t e = item / tiles13, n = count[e + 1] - count[e];
+            if (n) tile_rows(xs + count[e] * H, H, n, w13 + e * 2 * I * H, 2 * I, H, (item % tiles13) * BF16_TILE_ROWS,
+                             gu + count[e] * 2 * I, 2 * I);
+        }
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < kept; s++) { /* silu(g) * u, each rounded to bf16 as torch's bf16 ops are */
+            bf16 *g = gu + s * 2 * I;
+            for (int64_t i = 0; i < I; i++) {
+                const float a = bf16_to_float(g[i]), silu = round_bf16(a / (1.0f + expf(-a)));
+                g[i] = float_to_bf16(silu * bf16_to_float(g[I + i])); /* the act where the gate was */
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < E_local * tiles2; item++) {
+            const int64_t e = item / tiles2, n = count[e + 1] - count[e];
+            if (n) tile_rows(gu + count[e] * 2 * I, 2 * I, n, w2 + e * H * I, H, I, (item % tiles2) * BF16_TILE_ROWS,
+                             ys + count[e] * H, H);
+        }
+    }
+    for (int64_t t = 0; t < T; t++) memset(out + t * H, 0, (size_t)H * sizeof(bf16));
+    for (int64_t s = 0; s < kept; s++) { /* weighted, rounded, added in expert order */
+        const int64_t p = pair[s];
+        const float wt = topk_w[p];
+        bf16 *o = out + (p / K) * H;
+        const bf16 *y = ys + s * H;
+        for (int64_t h = 0; h < H; h++)
+            o[h] = float_to_bf16(bf16_to_float(o[h]) + round_bf16(bf16_to_float(y[h]) * wt));
+    }
+    free(count), free(pair), free(local), free(fill), free(rows);
+    return 0;
+}

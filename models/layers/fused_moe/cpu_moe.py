@@ -1,0 +1,88 @@
+"""A decode step's experts in one C call on the CPU (`cpu_moe.c`), for bfloat16.
+
+`grouped_moe.grouped_fused_experts` groups a batch's (token, expert) pairs in torch and
+loops over the active experts in Python, reading the per-expert counts on the host: a
+step holding it cannot be recorded as a CPU graph (worker/cpu_graph.py refuses the host
+read), so a MoE model's decode steps ran eagerly, Python and all. `cpu_moe.c` does the
+same grouping and products inside one C call that reads the routing from tensors, so
+the whole step records and replays. Its products are our bf16 register tile, which
+reads the experts' weights as loaded; up to `MAX_TOKENS` tokens (a decode step's batch),
+where that tile is the faster product; a prefill's larger batches keep the grouped
+oneDNN GEMMs.
+
+Built on first use like the other CPU kernels (distributed/native_build.py), only on
+CPUs with AVX-512 BF16; `TP_CPU_MOE_KERNEL=0` turns it off. Called by `FusedMoE.forward`
+on every rank with this rank's experts and the routing every rank computed alike.
+Memory: for the call, the pairs' gathered rows, gate/up products and outputs (bf16,
+(2H + 2I) values a pair) and the sorting's indices; nothing is kept.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from distributed.native_build import load_kernel
+from distributed.native_calls import NativeLibrary
+from models.layers.cpu_bf16_gemm import cpu_has_avx512_bf16
+
+SOURCES = (Path(__file__).with_name("cpu_moe.c"), Path(__file__).parent.parent / "bf16_tile.h")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
+LINK_FLAGS = ("-shared", "-fopenmp")
+LINK_LIBS = ("-lm",)
+#: Up to this many tokens (a decode step's batch) the C call computes the experts.
+MAX_TOKENS = 64
+
+
+class CpuMoeKernel:
+    """The loaded library's `cpu_moe_bf16`."""
+
+    def __init__(self, lib: NativeLibrary, path: Path) -> None:
+        self.path = path
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._moe = lib.cpu_moe_bf16
+        self._moe.restype = ctypes.c_int
+        self._moe.argtypes = [p, i64, i64, i64, p, p, i64, i64, p, p, i64, p, i64, p, i32]
+
+    def experts(self, hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int) -> torch.Tensor:
+        """`grouped_fused_experts`' result ([T, H] bfloat16, a new tensor) for bfloat16
+        `hidden_states` [T, H] (unit stride along H) and contiguous bfloat16 `w13`
+        [E_local, 2I, H], `w2` [E_local, H, I]; float32 `topk_weights` and int64
+        `topk_ids` [T, k], contiguous; `expert_map` [num_experts] int64 or None. Raises
+        ValueError for an expert id outside the model's, MemoryError without scratch."""
+        tokens, hidden = hidden_states.shape
+        out = torch.empty(tokens, hidden, dtype=torch.bfloat16)
+        status = self._moe(hidden_states.data_ptr(), hidden_states.stride(0), tokens, hidden, w13.data_ptr(),
+                           w2.data_ptr(), w13.shape[0], w2.shape[2], topk_weights.data_ptr(), topk_ids.data_ptr(),
+                           topk_ids.shape[1], None if expert_map is None else expert_map.data_ptr(), num_experts,
+                           out.data_ptr(), torch.get_num_threads())
+        if status == -3:
+            raise MemoryError("cpu_moe_bf16: no memory for the pairs' scratch")
+        if status:
+            raise ValueError(f"cpu_moe_bf16: an expert id outside the model's {num_experts} experts, or one the "
+                             f"expert map sends past this rank's {w13.shape[0]}")
+        return out
+
+
+@functools.cache
+def load() -> CpuMoeKernel | None:
+    """The kernel, built if this machine has none cached; None on a CPU without AVX-512
+    BF16, where it cannot be built (logged once) or with `TP_CPU_MOE_KERNEL=0`."""
+    if not cpu_has_avx512_bf16():
+        return None
+    return load_kernel(SOURCES, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBS, CpuMoeKernel,
+                       "CPU MoE kernel unavailable (%s); experts are grouped in torch", switch="TP_CPU_MOE_KERNEL")
+
+
+def serves(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> CpuMoeKernel | None:
+    """The kernel where it computes this call (bfloat16 CPU tensors, contiguous weights,
+    at most MAX_TOKENS tokens), else None."""
+    if not (hidden_states.device.type == "cpu" and hidden_states.dtype == w13.dtype == w2.dtype == torch.bfloat16
+            and 0 < hidden_states.shape[0] <= MAX_TOKENS and hidden_states.stride(1) == 1
+            and w13.is_contiguous() and w2.is_contiguous()):
+        return None
+    return load()

@@ -1,0 +1,101 @@
+"""A decode step's experts in one C call (models/layers/fused_moe/cpu_moe.py): the
+grouped torch kernel's result for bfloat16 (the same roundings, in the same order; only
+the products' float32 summation order differs, and with it an intermediate's bf16
+rounding now and then), under expert parallelism too; where it is taken; refusals; and in
+the engine, bfloat16 MoE decode steps now recorded as CPU graphs, replaying what the
+eager steps compute at TP 1 and 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from config import SamplingParams
+from engine.core import EngineCore
+from models.layers.fused_moe import cpu_moe, fused_topk
+from models.layers.fused_moe.grouped_moe import grouped_fused_experts
+from tests.moe_checkpoints import write_moe_checkpoint
+
+kernel = cpu_moe.load()
+pytestmark = pytest.mark.skipif(kernel is None, reason="no AVX-512 BF16 in this CPU or build")
+
+
+def _case(num_experts: int, hidden: int, inter: int, tokens: int, top_k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.05).bfloat16()
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g) * 0.05).bfloat16()
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    weights, ids = fused_topk(torch.randn(tokens, num_experts, generator=g), top_k, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("num_experts,hidden,inter,tokens,top_k", [
+    (8, 256, 96, 5, 2), (16, 512, 128, 33, 4), (4, 64, 32, 1, 1), (8, 96, 40, 64, 8), (6, 130, 18, 3, 2)])
+def test_the_grouped_kernels_result(num_experts, hidden, inter, tokens, top_k):
+    """Rows, intermediate sizes and token counts off the 4 x 4 register tile included.
+    Each output is a bf16 sum of top_k bf16 terms: it may differ from the torch kernel's
+    by a half ulp per addition and an ulp or two from the terms themselves, so within
+    (top_k + 2) * 2^-8 of its row's largest value."""
+    x, w13, w2, weights, ids = _case(num_experts, hidden, inter, tokens, top_k, tokens)
+    expected = grouped_fused_experts(x, w13, w2, weights, ids).float()
+    got = kernel.experts(x, w13, w2, weights, ids, None, num_experts)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, hidden)
+    scale = expected.abs().amax(-1, keepdim=True)
+    assert ((got.float() - expected).abs() <= (top_k + 2) * 2.0 ** -8 * scale + 1e-6).all()
+
+
+def test_only_this_ranks_experts_under_expert_parallelism():
+    """With an expert map (rank 1 of 2: experts 4-7), the partial sum of the local
+    experts, as the torch kernel gives it; a token none of whose experts is here is 0."""
+    x, w13, w2, weights, ids = _case(8, 128, 64, 9, 2, 3)
+    ids[0] = torch.tensor([0, 1])  # both elsewhere
+    expert_map = torch.full((8,), -1, dtype=torch.int64)
+    expert_map[4:] = torch.arange(4)
+    local13, local2 = w13[4:].contiguous(), w2[4:].contiguous()
+    expected = grouped_fused_experts(x, local13, local2, weights, ids, expert_map).float()
+    got = kernel.experts(x, local13, local2, weights, ids, expert_map, 8).float()
+    assert torch.equal(got[0], torch.zeros(128))
+    assert ((got - expected).abs() <= 4 * 2.0 ** -8 * expected.abs().amax(-1, keepdim=True) + 1e-6).all()
+
+
+def test_where_it_is_taken_and_refusals():
+    x, w13, w2, weights, ids = _case(4, 64, 32, cpu_moe.MAX_TOKENS + 1, 2, 5)
+    assert cpu_moe.serves(x[:cpu_moe.MAX_TOKENS], w13, w2) is kernel
+    assert cpu_moe.serves(x, w13, w2) is None  # a prefill's batch: the grouped GEMMs
+    assert cpu_moe.serves(x[:4].float(), w13.float(), w2.float()) is None
+    assert cpu_moe.serves(x[:0], w13, w2) is None
+    ids[0, 0] = 4
+    with pytest.raises(ValueError, match="outside the model's 4 experts"):
+        kernel.experts(x[:2], w13, w2, weights[:2], ids[:2], None, 4)
+
+
+# ------------------------------------------------------------------ the engine
+
+
+def _captured_sizes(worker) -> list[int]:
+    graphs = worker.model_runner.cpu_graphs
+    return [] if graphs is None else graphs.captured_sizes
+
+
+def _decode(model: Path, eager: bool, tp: int) -> tuple[list, list[list[int]]]:
+    prompts = [[5, 9, 13, 2, 7, 11, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [42, 17]]
+    with EngineCore(model=str(model), device="cpu", dtype="bfloat16", max_model_len=128, kv_cache_memory_bytes=1 << 22,
+                    block_size=16, tensor_parallel_size=tp, enforce_eager=eager, use_tqdm_on_load=False) as core:
+        outs = core.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
+                                       for n in (12, 6, 9)])
+        sizes = core.collective_rpc(_captured_sizes)
+    return [(o.token_ids, o.logprobs) for o in outs], sizes
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_bf16_moe_decode_steps_are_recorded_and_replay_eager(tp, tmp_path):
+    """A Qwen3-MoE (8 experts, a dense first layer) in bfloat16: every decode batch size
+    is recorded (the experts no longer read their counts on the host) and replays the
+    eager steps' tokens and logprobs."""
+    model = write_moe_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe", seed=2, num_experts=8, mlp_only_layers=[0])
+    eager, none = _decode(model, True, tp)
+    replayed, sizes = _decode(model, False, tp)
+    assert none == [[]] * tp and sizes == [[1, 2, 3]] * tp
+    assert replayed == eager
