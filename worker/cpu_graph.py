@@ -300,11 +300,12 @@ def _aten_step(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: l
     as `topk.values`' `values=` and `indices=`; else copies)."""
     if func._schema.is_mutable:
         return functools.partial(func, *args, **kwargs)
-    inputs = [a.name for a in func._schema.arguments]
+    inputs = [(a.name, str(a.type)) for a in func._schema.arguments]
     for name in func.overloadpacket.overloads():  # the overload with func's arguments and one to write each output
         op = getattr(func.overloadpacket, name)
         written = [a.name for a in op._schema.arguments if a.is_out]
-        if outs and len(written) == len(outs) and [a.name for a in op._schema.arguments if not a.is_out] == inputs:
+        if (outs and len(written) == len(outs)
+                and [(a.name, str(a.type)) for a in op._schema.arguments if not a.is_out] == inputs):
             return functools.partial(op, *args, **kwargs, **dict(zip(written, outs)))
     if len(outs) > 1:
         return lambda: [target.copy_(got) for target, got in zip(outs, func(*args, **kwargs))]
