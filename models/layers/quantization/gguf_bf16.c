@@ -197,14 +197,9 @@ int gguf_gemm_bf16_shards(int n, const int *qtypes, const uint8_t *const *w, con
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < tiles; ++g) {
             if (!tile) continue;
-            int i = 0;
-            int64_t tg = g, offset = 0;
-            while (tg >= (rows[i] + BF16_TILE_ROWS - 1) / BF16_TILE_ROWS) {
-                tg -= (rows[i] + BF16_TILE_ROWS - 1) / BF16_TILE_ROWS;
-                offset += rows[i++];
-            }
-            const int64_t r0 = tg * BF16_TILE_ROWS;
-            const int nr = (int)(rows[i] - r0 < BF16_TILE_ROWS ? rows[i] - r0 : BF16_TILE_ROWS);
+            const tile_pos_t at = tile_position(rows, g, BF16_TILE_ROWS);
+            const int i = at.shard, nr = at.rows;
+            const int64_t offset = at.offset, r0 = at.r0;
             dequantize_tile_bf16(qtypes[i], w[i] + r0 * row_bytes[i], row_bytes[i], k, nr, tile, ldt);
             for (int64_t m0 = 0; m0 < m; m0 += BF16_TILE_TOKENS) {
                 const int nt = (int)(m - m0 < BF16_TILE_TOKENS ? m - m0 : BF16_TILE_TOKENS);

@@ -86,6 +86,27 @@ static inline void scale_min_k4(int j, const uint8_t *s, int *sc, int *m) {
     }
 }
 
+/* Where tile g falls when n shards of rows[i] rows each are cut into tiles of
+ * `tile_rows` rows, shard after shard (gguf_gemm_bf16_shards, gguf_gemm_vnni_tiles): its
+ * shard, the shard's first output column (the rows of the shards before it), and the
+ * tile's first row and row count within the shard. */
+typedef struct {
+    int shard;
+    int64_t offset, r0;
+    int rows;
+} tile_pos_t;
+
+static inline tile_pos_t tile_position(const int64_t *rows, int64_t g, int tile_rows) {
+    tile_pos_t pos = {0, 0, 0, 0};
+    while (g >= (rows[pos.shard] + tile_rows - 1) / tile_rows) {
+        g -= (rows[pos.shard] + tile_rows - 1) / tile_rows;
+        pos.offset += rows[pos.shard++];
+    }
+    pos.r0 = g * tile_rows;
+    pos.rows = (int)(rows[pos.shard] - pos.r0 < tile_rows ? rows[pos.shard] - pos.r0 : tile_rows);
+    return pos;
+}
+
 static inline int block_size(int qtype) { return (qtype == T_Q4_0 || qtype == T_Q8_0) ? 32 : 256; }
 static inline int block_bytes(int qtype) {
     switch (qtype) {

@@ -297,14 +297,9 @@ int gguf_gemm_vnni_tiles(int n, const int *qtypes, const uint8_t *const *w, cons
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < tiles; ++g) {
                 if (!wq || !s1 || !s2) continue;
-                int i = 0;
-                int64_t tg = g, offset = 0;
-                while (tg >= (rows[i] + TILE_ROWS - 1) / TILE_ROWS) {
-                    tg -= (rows[i] + TILE_ROWS - 1) / TILE_ROWS;
-                    offset += rows[i++];
-                }
-                const int64_t r0 = tg * TILE_ROWS;
-                const int nr = (int)(rows[i] - r0 < TILE_ROWS ? rows[i] - r0 : TILE_ROWS);
+                const tile_pos_t at = tile_position(rows, g, TILE_ROWS);
+                const int i = at.shard, nr = at.rows;
+                const int64_t offset = at.offset, r0 = at.r0;
                 unpack_tile(qtypes[i], w[i] + r0 * row_bytes[i], row_bytes[i], nr, k / 256, wq, s1, s2);
                 for (int64_t t0 = 0; t0 < m; t0 += TILE_TOKENS) {
                     const int nt = (int)(m - t0 < TILE_TOKENS ? m - t0 : TILE_TOKENS);
