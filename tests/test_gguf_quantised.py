@@ -386,15 +386,46 @@ def test_engine_core_greedy_decode_from_blocks(dtype, kquant_llamas, tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("qtype", QUANTIZED_TYPES)
-def test_cuda_torch_path_matches_the_cpu(qtype):
-    """On CUDA the blocks are dequantised per call in torch, on the device."""
-    data = (torch.randn(32, 512, generator=torch.Generator().manual_seed(7)) * 0.3).numpy()
+def test_cuda_triton_kernel_matches_the_cpu(qtype):
+    """On CUDA the products go through the Triton GEMM that reads the blocks (compiled
+    here; tests/test_gguf_triton.py checks it under the interpreter), and the lookups
+    and the torch fallback dequantise on the device."""
+    assert gguf_kernels._triton_gemm() is not None
+    data = (torch.randn(70, 512, generator=torch.Generator().manual_seed(7)) * 0.3).numpy()
     blocks = torch.from_numpy(quantize_blocks(data, qtype))
     expected = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), Q[qtype]))
     assert torch.equal(dequantize(qtype, blocks.cuda(), 512).cpu(), expected)
-    x = torch.randn(5, 512)
-    out = torch.empty(5, 32, device="cuda")
-    gguf_kernels.gguf_linear(qtype, blocks.cuda(), 512, x.cuda(), out)
-    torch.testing.assert_close(out.cpu(), F.linear(x, expected), atol=1e-4, rtol=1e-4)
+    for tokens in (1, 5, 40):
+        x = torch.randn(tokens, 512)
+        out = torch.empty(tokens, 70, device="cuda")
+        gguf_kernels.gguf_linear(qtype, blocks.cuda(), 512, x.cuda(), out)
+        torch.testing.assert_close(out.cpu(), F.linear(x, expected), atol=1e-4, rtol=1e-4)
+        half = torch.empty(tokens, 70, dtype=torch.bfloat16, device="cuda")
+        gguf_kernels.gguf_linear(qtype, blocks.cuda(), 512, x.cuda().bfloat16(), half)
+        torch.testing.assert_close(half.float().cpu(), F.linear(x.bfloat16().float(), expected), atol=0.1, rtol=0.02)
     rows = gguf_kernels.gguf_dequantize_rows(qtype, blocks.cuda(), 512, torch.tensor([3, 0], device="cuda"))
     assert torch.equal(rows.cpu(), expected[[3, 0]])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_core_greedy_decode_from_blocks_on_cuda(kquant_llamas, tmp_path):
+    """The engine on CUDA (Triton GGUF GEMMs, Triton attention, CUDA graphs) on the
+    Q4_K_M-style file in float32: transformers' greedy tokens on the dequantised weights."""
+    from transformers import AutoModelForCausalLM
+
+    from config import SamplingParams
+    from engine.core import EngineCore
+
+    path = write_gguf(kquant_llamas["untied"], tmp_path / "mixed.gguf", "Q4_K_M", tensor_types=MIXED)
+    oracle = dequantised_checkpoint(kquant_llamas["untied"], "Q4_K_M", tmp_path, MIXED)
+    hf = AutoModelForCausalLM.from_pretrained(str(oracle), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf.generate(IDS[None], max_new_tokens=6, do_sample=False)[0, IDS.numel():].tolist()
+    core = EngineCore(model=str(path), load_format="gguf", device="cuda", dtype="float32",
+                      kv_cache_memory_bytes=1 << 22, max_model_len=64, use_tqdm_on_load=False)
+    try:
+        (out,) = core.generate(IDS.tolist(), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    finally:
+        core.shutdown()
+    assert out.token_ids == expected

@@ -277,8 +277,8 @@ def test_fp8_checkpoints_tp2(checkpoints):
 @pytest.mark.parametrize("strategy", ["channel", "block"])
 def test_fp8_checkpoint_method_on_cuda(strategy):
     """Per-channel layers with dynamic fp8 activations use torch._scaled_mm where the GPU
-    has it (within fp8 activation rounding of the dequantised product); blocks dequantise
-    tiles (exact products, bf16 rounding)."""
+    has it (within fp8 activation rounding of the dequantised product); blocks take the
+    Triton GEMM that reads the fp8 bytes (exact products, bf16 rounding of the weights)."""
     from types import SimpleNamespace
 
     from models.layers.quantization.fp8_checkpoint import Fp8CheckpointLinearMethod

@@ -9,12 +9,13 @@ and the full-precision parameter is replaced, so the weight memory really falls
 (1 byte per element + 4 bytes per output row, against 2 for bf16 / 4 for fp32).
 Embeddings, norms and the LM head are left alone (they are not linear layers).
 
-Forward: on CPU (and wherever `torch._scaled_mm` is unavailable) the weight is
-dequantised on the fly, `q.to(x.dtype) * s`, then `F.linear`. Because fp8 e4m3 values
-are exact in bf16/fp16/fp32, that is a single rounding. On CUDA GPUs with fp8 support
-(compute capability >= 8.9) and a bf16 input, `torch._scaled_mm` with row-wise scales
-is used instead (activations quantised per token, dynamically); if that call fails the
-layer falls back to the dequantising path for good.
+Forward: on CUDA GPUs with fp8 support (compute capability >= 8.9) and a bf16 input,
+`torch._scaled_mm` with row-wise scales (activations quantised per token,
+dynamically); if that call fails the layer falls back for good to the weight-only
+path every other case takes: `fp8_kernels.fp8_linear` with per-channel scales (the
+CPU's fp8 GEMV for decode rows and dequantised tiles for batches; the Triton GEMM on
+CUDA), which never dequantises the whole weight: each weight value is q * s rounded
+once to x's dtype.
 
 Tensor parallelism needs nothing special: a column-parallel shard holds whole output
 rows, so its scales are just its rows' scales; a row-parallel shard computes scales of
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.layers.quantization.base import LinearMethodBase, QuantizationConfig
+from models.layers.quantization.fp8_kernels import fp8_linear
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +98,7 @@ class Fp8LinearMethod(LinearMethodBase):
             except RuntimeError as e:  # an unsupported shape/arch combination: dequantise from now on
                 logger.warning("torch._scaled_mm failed (%s); fp8 layers fall back to dequantise + F.linear", e)
                 self.use_scaled_mm = False
-        return F.linear(x, dequantize_fp8(weight, scale, x.dtype), bias)
+        return fp8_linear(x, weight, scale, 1, weight.shape[1], bias)
 
     def _can_use_scaled_mm(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         if self.use_scaled_mm is None:

@@ -28,8 +28,9 @@ straight into float32 dot products; larger ones dequantise weight tiles into x's
 for F.linear); activations stay in x's dtype even where the checkpoint asks for
 dynamic fp8 activations (more accurate than the checkpoint's own recipe). On CUDA
 with compute capability >= 8.9, per-channel (and per-tensor) layers with dynamic fp8
-activations use torch._scaled_mm as online fp8 does (fp8.Fp8LinearMethod); block
-layers dequantise tiles (a Triton block-fp8 GEMM is not written yet).
+activations use torch._scaled_mm as online fp8 does (fp8.Fp8LinearMethod); the other
+layers (blocks, weight-only) go through `fp8_linear`'s Triton GEMM, which reads the
+fp8 bytes (kernels/fp8_triton.py).
 """
 
 from __future__ import annotations

@@ -12,11 +12,12 @@ dtype, so float32 activations see the exact products q * s.
 
 The GEMV and the tile dequantiser are fp8_kernels.c (compiled for this CPU on first use
 by distributed/native_build.py); where it cannot be built (or `TP_CPU_FP8_DEQUANT=0`),
-and on CUDA, every batch takes the tiles, dequantised by plain torch (`q.to(float32) *
-s`: on the CPU ~7 ns per element, several times slower). The path is chosen once per
-process and logged. Called from the fp8 checkpoint methods' `apply`, on every rank,
-with this rank's shard. Memory: x in float32 (decode) or one tile of scratch, plus the
-output.
+every batch takes the tiles, dequantised by plain torch (`q.to(float32) * s`: on the
+CPU ~7 ns per element, several times slower). On CUDA, every batch goes through one
+Triton GEMM that reads the fp8 bytes (`kernels/fp8_triton.py`; the torch tiles where
+the triton package is missing). The path is chosen once per process and logged.
+Called from the fp8 methods' `apply` (checkpoint and online), on every rank, with this
+rank's shard. Memory: x in float32 (decode) or one tile of scratch, plus the output.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -90,6 +92,18 @@ def build_or_load() -> Fp8DequantKernel | None:
 load = functools.cache(build_or_load)
 
 
+@functools.cache
+def _triton_gemm() -> Callable[..., None] | None:
+    """`fp8_matmul_triton`, or None where the triton package cannot be imported (logged
+    once): then CUDA layers dequantise tiles with torch ops."""
+    try:
+        from models.layers.quantization.kernels.fp8_triton import fp8_matmul_triton
+    except ImportError as e:
+        logger.warning("fp8 Triton kernel unavailable (%s); fp8 layers on CUDA dequantise tiles with torch ops", e)
+        return None
+    return fp8_matmul_triton
+
+
 def dequant_rows_torch(weight: torch.Tensor, r0: int, r1: int, scale: torch.Tensor, block_n: int,
                        block_k: int, dtype: torch.dtype) -> torch.Tensor:
     """Rows [r0, r1) of dequant(weight) in `dtype`, with torch ops (the portable path)."""
@@ -108,6 +122,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     x2 = x.reshape(-1, x.shape[-1])
     out_features, in_features = weight.shape
     dtype = x.dtype
+    if weight.is_cuda and (triton_gemm := _triton_gemm()) is not None:
+        out = torch.empty(x2.shape[0], out_features, dtype=dtype, device=x.device)
+        triton_gemm(x2, weight, scale, block_n, block_k, out)
+        if bias is not None:
+            out += bias.to(dtype)
+        return out.reshape(*x.shape[:-1], out_features)
     kernel = load() if (weight.device.type == "cpu" and dtype in _OUT_DTYPES and weight.stride(1) == 1
                         and scale.is_contiguous() and scale.dtype == torch.float32) else None
     if kernel is not None and x2.shape[0] <= GEMV_MAX_ROWS:

@@ -4,8 +4,9 @@ The formats are llama.cpp's (ggml-common.h; the layouts are spelled out in
 gguf_kernels.c). `GGUF_FORMATS` names the ones held quantised (`GGUFLinearMethod`,
 `GGUFEmbeddingMethod`) and the float types a GGUF layer may hold beside them.
 
-`dequantize(qtype, blocks, k)` is the portable path: CUDA (dequantise, then a matmul,
-per call) and the CPU where the C kernels cannot be built. It runs on the tensor's
+`dequantize(qtype, blocks, k)` is the portable path (dequantise, then a matmul, per
+call): CUDA without the triton package, and the CPU where the C kernels cannot be built;
+and the lookups of embedding rows on CUDA. It runs on the tensor's
 device and computes each value in the order gguf-py does, so on the CPU its float32
 values equal gguf-py's and the C kernel's bit for bit. Memory: a few temporaries of the
 output's size.

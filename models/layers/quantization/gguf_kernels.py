@@ -42,9 +42,12 @@ blocks of `qtype`. On the CPU, with the C kernels built:
   into one scratch tile (never the whole weight) and multiplied by torch's GEMM in the
   activations' dtype: for bf16 activations dequantised straight to bf16 (AVX-512 BF16
   builds), otherwise a float32 tile (with a 16-bit copy for bf16/fp16 activations).
-Elsewhere (CUDA, no C compiler, `TP_CPU_GGUF_KERNELS=0`), `gguf_dequant.dequantize`
-per call then a matmul: plain torch, on the tensor's device. The choice is made once per
-process, and logged when the C kernels are unavailable.
+On CUDA, the quantised types go through one Triton GEMM that reads the blocks
+(`kernels/gguf_triton.py`: [tokens, rows] tiles, each 32 values of the rows dequantised
+in registers into a `tl.dot`). Elsewhere (no C compiler, `TP_CPU_GGUF_KERNELS=0`, CUDA
+without the triton package), `gguf_dequant.dequantize` per call then a matmul: plain
+torch, on the tensor's device. The choice is made once per process, and logged when the
+kernels are unavailable.
 
 `gguf_dequantize_rows(qtype, blocks, k, ids)`: the rows `ids` as float32 (an
 embedding's lookups), the same two paths.
@@ -63,6 +66,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -235,6 +239,18 @@ def load() -> GGUFKernels | None:
                        switch="TP_CPU_GGUF_KERNELS")
 
 
+@functools.cache
+def _triton_gemm() -> Callable[..., None] | None:
+    """`gguf_matmul_triton`, or None where the triton package cannot be imported (logged
+    once): then CUDA layers dequantise per call in torch."""
+    try:
+        from models.layers.quantization.kernels.gguf_triton import gguf_matmul_triton
+    except ImportError as e:
+        logger.warning("GGUF Triton kernel unavailable (%s); GGUF layers on CUDA dequantise per call in torch", e)
+        return None
+    return gguf_matmul_triton
+
+
 def _kernel_for(blocks: torch.Tensor, qtype: str) -> GGUFKernels | None:
     if blocks.device.type != "cpu" or qtype in FLOAT_TYPES or not blocks.is_contiguous():
         return None
@@ -246,6 +262,9 @@ def gguf_linear(qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: 
     output; float32, or x's 16-bit dtype, each output rounded once from its float sum) =
     x [m, k] W^T, W the `qtype` rows `blocks` [rows, row_bytes]. Activations in a 16-bit
     dtype go through int8 (`INT8_ACTIVATION_DTYPES`)."""
+    if blocks.is_cuda and qtype not in FLOAT_TYPES and (triton_gemm := _triton_gemm()) is not None:
+        triton_gemm(qtype, blocks, k, x, out)
+        return
     kernel = _kernel_for(blocks, qtype)
     if kernel is None:
         weight = dequantize(qtype, blocks, k)
