@@ -132,3 +132,71 @@ def test_an_avx2_kernel_that_cannot_be_built_falls_back_to_onednn(tmp_path, monk
     assert default_packed_gemm() in ("mkl", "onednn")
     monkeypatch.delenv("TP_CPU_PACKED_GEMM")
     assert default_packed_gemm() in ("mkl", "onednn")
+
+
+# ---- 16-bit weights read where they were loaded (`linear_half`) ----
+
+HALF_ROWS = [1, 2, 3, 4, 5, 6, 7, 11, 13, 16, 17, 33, 193, 400]  # dot products (<= 16, groups of <= 6), tiles, blocks of 192
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(16, 8), (37, 29), (100, 37), (33, 1), (1280, 768)])
+def test_half_weight_product_equals_float64_linear_for_every_row_count(dtype, shape):
+    """Each 16-bit value widens exactly, so the product is F.linear on the float32 values
+    to float32 rounding, for odd widths and depths (tails of 8 values, of 2 rows and of
+    16-row panels), with and without bias."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    weight, bias = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen)
+    for rows in HALF_ROWS:
+        x = torch.randn(rows, k, generator=gen)
+        for b in (None, bias):
+            got = KERNEL.linear_half(x, weight, b)
+            assert got.shape == (rows, n) and got.dtype == torch.float32
+            torch.testing.assert_close(got.double(), reference(x, weight.float(), b), rtol=1e-5,
+                                       atol=1e-5 * k ** 0.5)
+
+
+@needs_kernel
+def test_half_weight_rows_at_a_stride_and_16bit_activations():
+    gen = torch.Generator().manual_seed(5)
+    wide = torch.randn(50, 80, generator=gen).bfloat16()
+    weight = wide[:, 3:43]  # rows 80 apart: a view, read in place
+    assert weight.stride() == (80, 1)
+    for rows in (2, 9):
+        x = torch.randn(rows, 40, generator=gen).bfloat16()
+        expected = reference(x.float(), weight.float(), None)
+        torch.testing.assert_close(KERNEL.linear_half(x, weight).double(), expected, rtol=1e-5, atol=1e-4)
+        got = cpu_sgemm.linear_half(x, weight)  # the layers' entry: x's dtype, rounded once
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, KERNEL.linear_half(x, weight).bfloat16())
+
+
+@needs_kernel
+def test_half_weight_results_do_not_depend_on_the_thread_count():
+    gen = torch.Generator().manual_seed(6)
+    weight, bias = torch.randn(200, 96, generator=gen).bfloat16(), torch.randn(200, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        for rows in (3, 250):
+            x = torch.randn(rows, 96, generator=gen)
+            results = []
+            for count in (1, 2, 3):
+                torch.set_num_threads(count)
+                results.append(KERNEL.linear_half(x, weight, bias))
+            assert all(torch.equal(r, results[0]) for r in results[1:])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_half_weight_bad_input_is_refused_and_other_weights_take_f_linear():
+    with pytest.raises(ValueError, match="bfloat16/float16"):
+        KERNEL.linear_half(torch.zeros(2, 8), torch.zeros(16, 8))
+    with pytest.raises(ValueError, match="unit stride"):
+        KERNEL.linear_half(torch.zeros(2, 8), torch.zeros(8, 16, dtype=torch.bfloat16).t())
+    with pytest.raises(ValueError, match="do not fit"):
+        KERNEL.linear_half(torch.zeros(2, 9), torch.zeros(16, 8, dtype=torch.bfloat16))
+    x, weight = torch.randn(3, 8), torch.randn(4, 8)  # float32: not this kernel's
+    assert torch.equal(cpu_sgemm.linear_half(x, weight), F.linear(x, weight))

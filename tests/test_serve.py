@@ -565,8 +565,15 @@ def test_async_engine_generates_cancels_and_dies_cleanly(serve_model: Path) -> N
         with pytest.raises(ValueError, match="prompt"):
             await collect("word " * 300)  # refused by the core; the engine goes on
 
-        task = asyncio.ensure_future(collect("Hello", SamplingParams(max_tokens=200, ignore_eos=True)))
-        await asyncio.sleep(0.2)
+        # Cancelled once its first output is in: never after it finished, however fast the host.
+        started = asyncio.Event()
+
+        async def stream() -> None:
+            async for _ in engine.generate("Hello", SamplingParams(max_tokens=200, ignore_eos=True)):
+                started.set()
+
+        task = asyncio.ensure_future(stream())
+        await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -14,6 +14,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define NR 16
@@ -67,11 +68,10 @@ static inline __attribute__((always_inline)) void tile(const int mr, const float
     }
 }
 
-/* Rows [0, m) of x against panel j (m <= MC), in equal tiles of at most MR rows. */
-static void panel_block(const float *x, int64_t m, int64_t k, const float *packed, int64_t panels, int64_t j,
+/* Rows [0, m) of x against `panel`, the weight's panel j (m <= MC), in equal tiles of at
+ * most MR rows; the first tile prefetches `next` (NULL: nothing) into L2. */
+static void panel_block(const float *x, int64_t m, int64_t k, const float *panel, const float *next, int64_t j,
                         int64_t n, const float *bias, float *out) {
-    const float *panel = packed + j * k * NR;
-    const float *next = j + 1 < panels ? panel + k * NR : 0;
     const float *b = bias ? bias + j * NR : 0;
     int64_t cols = n - j * NR < NR ? n - j * NR : NR;
     int64_t tiles = (m + MR - 1) / MR, i = 0;
@@ -99,6 +99,207 @@ void cpu_sgemm(const float *x, int64_t m, int64_t k, const float *packed, int64_
         int64_t rows = m - i0 < MC ? m - i0 : MC;
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < panels; j++)
-            panel_block(x + i0 * k, rows, k, packed, panels, j, n, bias, out + i0 * n);
+            panel_block(x + i0 * k, rows, k, packed + j * k * NR, j + 1 < panels ? packed + (j + 1) * k * NR : 0, j,
+                        n, bias, out + i0 * n);
     }
+}
+
+/* ---- 16-bit weights kept in the checkpoint's row-major layout ----
+ *
+ * out[m, n] = x[m, k] . w[n, k]^T (+ bias[n]) in float32 for a bfloat16 or float16 weight
+ * w [n, k] (rows at stride ldw) read where it was loaded: no packed copy.
+ * - Up to DOT_MAX_ROWS rows of x (decode batches), each output is a dot product of a
+ *   weight row and a row of x, 8 values a step: a tile of W weight rows widened once per
+ *   step serves R <= DOT_ROWS rows of x (W * R <= 12 running sums); the weight is read
+ *   from memory once, at its 2 bytes a value, and from L2 for the next group of rows.
+ * - More rows: each thread widens a 16-row panel of w into its own buffer in the packed
+ *   panels' layout (8x8 blocks transposed in registers) and runs the same 6x16 tiles as
+ *   the packed weights over every row of the block: the widening is paid once per panel
+ *   and MC rows.
+ * Against the packed float32 copy it replaces (2026-12-05, 2-core Zen 3 VM, 5632x2048 and
+ * 2048x5632 bf16): 2.2-2.4x at 1 row, 1.1-1.5x at 2-8, on par at 16 and from 32 to 1024
+ * rows (0.94-1.03x). Up to 20 rows the dot products beat the panels (2.8 against 3.3 ms
+ * at 16 rows).
+ * Products and sums are float32 (a bf16 or fp16 value widens exactly). Each output is one
+ * thread's sum, so results do not depend on the thread count. */
+
+#define DOT_ROWS 6      /* rows of x per register tile of dot products */
+#define DOT_MAX_ROWS 16 /* up to this many rows of x, dot products; above, widened panels */
+#define DOT_BLOCK 24     /* weight rows per task: a multiple of every tile's W (8, 6, 4, 3, 2) */
+
+static inline __attribute__((always_inline)) __m256 widen8(const uint16_t *p, const int bf16) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+static inline float widen1(uint16_t v, const int bf16) {
+    if (bf16) {
+        uint32_t bits = (uint32_t)v << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    return _cvtsh_ss(v);
+}
+
+/* r[i] (8 rows of 8) becomes its transpose: r[j] holds column j. */
+static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+    r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+    r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+    r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+    r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+/* Rows [n0, n0 + cols) of w, widened into one panel: p[kk * NR + c] (zero for c >= cols). */
+static inline __attribute__((always_inline)) void widen_panel(const uint16_t *w, int64_t ldw, int64_t n0,
+                                                              int64_t cols, int64_t k, const int bf16, float *p) {
+    int64_t kk = 0;
+    if (cols == NR) {
+        for (; kk + 8 <= k; kk += 8)
+            for (int half = 0; half < 2; half++) {
+                __m256 r[8];
+                for (int c = 0; c < 8; c++)
+                    r[c] = widen8(w + (n0 + half * 8 + c) * ldw + kk, bf16);
+                transpose8(r);
+                for (int j = 0; j < 8; j++)
+                    _mm256_storeu_ps(p + (kk + j) * NR + half * 8, r[j]);
+            }
+    }
+    for (; kk < k; kk++)
+        for (int64_t c = 0; c < NR; c++)
+            p[kk * NR + c] = c < cols ? widen1(w[(n0 + c) * ldw + kk], bf16) : 0.0f;
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Outputs [n0, n0 + nw) (nw <= W) of the R rows of x at x (rows k apart), into out
+ * (rows ldo apart): W x R running sums of 8 lanes, 8 values a step. W * R <= 12 keeps them
+ * in registers with the widened weight vectors and one row of x; enough independent sums
+ * to hide the FMA latency even for one row of x. */
+static inline __attribute__((always_inline)) void dot_tile(const int W, const int R, const float *x, int64_t k,
+                                                           const uint16_t *w, int64_t ldw, int64_t n0, int64_t nw,
+                                                           const float *bias, float *out, int64_t ldo,
+                                                           const int bf16) {
+    __m256 acc[8][6];
+    const uint16_t *rows[8];
+    for (int i = 0; i < W; i++) {
+        rows[i] = w + (n0 + (i < nw ? i : 0)) * ldw; /* rows past nw repeat row n0: computed, not stored */
+        for (int r = 0; r < R; r++)
+            acc[i][r] = _mm256_setzero_ps();
+    }
+    int64_t kk = 0;
+    for (; kk + 8 <= k; kk += 8) {
+        __m256 v[8];
+        for (int i = 0; i < W; i++)
+            v[i] = widen8(rows[i] + kk, bf16);
+        for (int r = 0; r < R; r++) {
+            __m256 a = _mm256_loadu_ps(x + r * k + kk);
+            for (int i = 0; i < W; i++)
+                acc[i][r] = _mm256_fmadd_ps(v[i], a, acc[i][r]);
+        }
+    }
+    for (int i = 0; i < nw; i++)
+        for (int r = 0; r < R; r++) {
+            float sum = hsum(acc[i][r]);
+            for (int64_t t = kk; t < k; t++)
+                sum += widen1(rows[i][t], bf16) * x[r * k + t];
+            out[r * ldo + n0 + i] = sum + (bias ? bias[n0 + i] : 0.0f);
+        }
+}
+
+/* The R rows of x at x against weight rows [n0, n1), W rows a tile (W * R <= 12). */
+static inline __attribute__((always_inline)) void dot_rows(const int R, const float *x, int64_t k, const uint16_t *w,
+                                                           int64_t ldw, int64_t n0, int64_t n1, const float *bias,
+                                                           float *out, int64_t ldo, const int bf16) {
+    const int W = R == 1 ? 8 : R == 2 ? 6 : R == 3 ? 4 : R == 4 ? 3 : 2;
+    for (int64_t j = n0; j < n1; j += W)
+        dot_tile(W, R, x, k, w, ldw, j, n1 - j < W ? n1 - j : W, bias, out, ldo, bf16);
+}
+
+static void dot_group(int R, const float *x, int64_t k, const uint16_t *w, int64_t ldw, int64_t n0, int64_t n1,
+                      const float *bias, float *out, int64_t ldo, const int bf16) {
+    switch (R) {
+    case 1: dot_rows(1, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
+    case 2: dot_rows(2, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
+    case 3: dot_rows(3, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
+    case 4: dot_rows(4, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
+    case 5: dot_rows(5, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
+    default: dot_rows(6, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
+    }
+}
+
+static void half_gemm(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t ldw, int64_t n,
+                      const float *bias, float *out, int nthreads, const int bf16, int *status) {
+    if (m <= DOT_MAX_ROWS) {
+        /* Blocks of DOT_BLOCK weight rows (a multiple of every tile's W) per task; within a
+         * block, the rows of x in equal groups of at most DOT_ROWS, each group over the
+         * block's rows while they are in L2. */
+        const int64_t blocks = (n + DOT_BLOCK - 1) / DOT_BLOCK, groups = (m + DOT_ROWS - 1) / DOT_ROWS;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t n0 = b * DOT_BLOCK, n1 = n - n0 < DOT_BLOCK ? n : n0 + DOT_BLOCK;
+            int64_t r0 = 0;
+            for (int64_t g = 0; g < groups; g++) {
+                const int R = (int)((m - r0 + groups - g - 1) / (groups - g));
+                if (bf16)
+                    dot_group(R, x + r0 * k, k, w, ldw, n0, n1, bias, out + r0 * n, n, 1);
+                else
+                    dot_group(R, x + r0 * k, k, w, ldw, n0, n1, bias, out + r0 * n, n, 0);
+                r0 += R;
+            }
+        }
+        return;
+    }
+    int64_t panels = (n + NR - 1) / NR;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *p = aligned_alloc(64, (size_t)((k * NR * sizeof(float) + 63) / 64 * 64));
+        if (!p) {
+#pragma omp atomic write
+            *status = -3;
+        }
+        for (int64_t i0 = 0; i0 < m; i0 += MC) {
+            int64_t rows = m - i0 < MC ? m - i0 : MC;
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < panels; j++) {
+                if (!p)
+                    continue;
+                widen_panel(w, ldw, j * NR, n - j * NR < NR ? n - j * NR : NR, k, bf16, p);
+                panel_block(x + i0 * k, rows, k, p, 0, j, n, bias, out + i0 * n);
+            }
+        }
+        free(p);
+    }
+}
+
+/* out [m, n] float32 = x [m, k] float32 (contiguous) times w^T, w [n, k] bfloat16
+ * (`bf16` = 1) or float16 (0) at row stride ldw, plus bias [n] float32 or NULL.
+ * Returns 0, or -3 where a thread's panel buffer (k * 64 bytes) could not be allocated. */
+int cpu_sgemm_half(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t ldw, int64_t n,
+                   const float *bias, float *out, int bf16, int nthreads) {
+    int status = 0;
+    if (bf16)
+        half_gemm(x, m, k, w, ldw, n, bias, out, nthreads, 1, &status);
+    else
+        half_gemm(x, m, k, w, ldw, n, bias, out, nthreads, 0, &status);
+    return status;
 }

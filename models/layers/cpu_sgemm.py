@@ -1,4 +1,5 @@
-"""A float32 GEMM for packed weights on AVX2 CPUs without AVX-512: a small C kernel.
+"""A float32 GEMM for AVX2 CPUs without AVX-512: a small C kernel, for float32 weights
+packed once and for 16-bit weights read where they were loaded.
 
 On the AMD dev VM (Zen 3, AVX2) oneDNN's packed product reaches 64-74 GFLOP/s on the
 two cores at 32 rows (a decode step's batch) over a 100M llama's 12 layers (weights
@@ -10,9 +11,16 @@ serves every row count, and it replaces the weight (it unpacks exactly:
 them, which an AVX2 kernel cannot match, so `cpu_gemm.default_packed_gemm` only picks
 this one on CPUs without AVX-512.
 
+A bfloat16/float16 weight on such a CPU (whose oneDNN has no GEMM for it) used to be
+replaced by a packed float32 copy: twice the checkpoint's bytes, and most of a load.
+`linear_half` multiplies it where it was loaded instead, widening it to float32 inside
+the kernel (`cpu_sgemm.c`): up to 4 rows as dot products of weight rows, which read
+the weight at 2 bytes a value; above, each 16-row panel widened per call into the
+packed layout's tiles.
+
 Built on first use like the other CPU kernels (distributed/native_build.py). With no
 AVX2/FMA, no compiler or a failed build (logged), `load()` returns None and the linear
-method packs with oneDNN instead. Called on every rank, once per process.
+method packs with oneDNN instead. Called on every rank, from the linear methods.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import functools
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from distributed.native_build import cpu_flags, load_kernel
 from distributed.native_calls import NativeLibrary
@@ -46,11 +55,13 @@ class CpuSgemmKernel:
 
     def __init__(self, lib: NativeLibrary, path: Path) -> None:
         self.path = path
-        self._pack, self._gemm = lib.cpu_sgemm_pack, lib.cpu_sgemm
+        self._pack, self._gemm, self._half = lib.cpu_sgemm_pack, lib.cpu_sgemm, lib.cpu_sgemm_half
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._pack.restype = self._gemm.restype = None
+        self._half.restype = i32
         self._pack.argtypes = [p, i64, i64, p, i32]
         self._gemm.argtypes = [p, i64, i64, p, i64, p, p, i32]
+        self._half.argtypes = [p, i64, i64, p, i64, i64, p, p, i32, i32]
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """A packed copy of a float32 CPU weight [n, k]: ceil(n / 16) * 16 * k floats."""
@@ -85,6 +96,35 @@ class CpuSgemmKernel:
         return out.view(*shape[:-1], out_features)
 
 
+    def linear_half(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., k] float32 times a bfloat16 or float16 CPU weight [n, k] (unit stride
+        along k) transposed, read where it lies, plus `bias` [n] if given: a new float32
+        tensor, F.linear on the float32 values to float32 rounding. Runs on torch's
+        intra-op thread count with the GIL released; holds one 16-row float32 panel per
+        thread (k * 64 bytes) during the call. Raises MemoryError where that cannot be
+        allocated."""
+        if weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or weight.stride(1) != 1:
+            raise ValueError(f"cpu_sgemm_half reads 2-D bfloat16/float16 weights with unit stride along k, not "
+                             f"{weight.dtype} {tuple(weight.shape)} strides {weight.stride()}")
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.dtype != torch.float32 or x2.stride(-1) != 1 or x2.stride(0) != shape[-1]:
+            x2 = x2.float().contiguous()
+        (rows, k), n = x2.shape, weight.shape[0]
+        if weight.shape[1] != k:
+            raise ValueError(f"x's {k} inputs do not fit a [{n}, {weight.shape[1]}] weight")
+        out = torch.empty(rows, n, dtype=torch.float32)
+        if bias is not None:
+            bias = bias.detach().float().contiguous()
+        if rows and n:
+            status = self._half(x2.data_ptr(), rows, k, weight.data_ptr(), weight.stride(0), n,
+                                None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                int(weight.dtype == torch.bfloat16), torch.get_num_threads())
+            if status:
+                raise MemoryError(f"cpu_sgemm_half: no memory for a {k * 64}-byte panel per thread")
+        return out.view(*shape[:-1], n)
+
+
 def build_or_load() -> CpuSgemmKernel | None:
     """The kernel, built if this machine has none cached; None on a CPU without AVX2 and
     FMA, or where it cannot be built (the reason is logged)."""
@@ -96,3 +136,15 @@ def build_or_load() -> CpuSgemmKernel | None:
 
 # Once per process: every layer shares the loaded library.
 load = functools.cache(build_or_load)
+
+
+def linear_half(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) in x's dtype for a bfloat16/float16 CPU weight read where
+    it lies (`CpuSgemmKernel.linear_half`, products in float32, each output rounded once
+    to x's dtype); F.linear itself where the kernel is not loaded or the weight is no
+    longer one it reads (a caller replaced it)."""
+    kernel = load()
+    if (kernel is None or x.device.type != "cpu" or weight.device.type != "cpu" or weight.dim() != 2
+            or weight.dtype not in (torch.bfloat16, torch.float16) or weight.stride(1) != 1):
+        return F.linear(x, weight, bias)
+    return kernel.linear_half(x, weight, bias).to(x.dtype)

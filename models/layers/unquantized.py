@@ -5,10 +5,12 @@
 a float32 weight by oneDNN or our AVX2 kernel (by CPU), a float16 one (and a bfloat16 one
 where our row-major kernel cannot run) by oneDNN in its own dtype where the CPU has a GEMM
 for it: the CPU counterpart of what vLLM's CPU backend does with oneDNN in
-`process_weights_after_loading`. A bfloat16 weight on a CPU with AVX-512 BF16 is not
-packed at all: `models/layers/cpu_bf16_gemm.py` multiplies it in the checkpoint's layout,
-so loading it is reading it. Both methods serve the parallel linear layers and the LM
-head; `LayerBuildConfig` picks one per layer.
+`process_weights_after_loading`. Two kinds of 16-bit weight are not packed at all, so
+loading them is reading them: a bfloat16 weight on a CPU with AVX-512 BF16
+(`models/layers/cpu_bf16_gemm.py` multiplies it in the checkpoint's layout), and a
+bfloat16/float16 weight on an AVX2 CPU whose oneDNN has no GEMM for its dtype
+(`cpu_sgemm.linear_half` widens it to float32 inside the kernel). Both methods serve the
+parallel linear layers and the LM head; `LayerBuildConfig` picks one per layer.
 
 Memory: the packed layout replaces the weight. The layer's `weight` becomes a
 `PackedTensor` (models/layers/packed_tensor.py) holding only the packed data, which
@@ -22,9 +24,11 @@ every one of them, its lookups reading rows from the packed layout
 and unpacked (a packed copy beside it would add the vocabulary's table: 27% of a
 Qwen2.5-0.5B). `TP_CPU_PACKED_GEMM=mkl` keeps MKL's packed copy beside the plain weight,
 which its large batches need (a non-persistent buffer, `weight_mkl_packed`): twice the
-linear weights, by choice. A bf16 weight on a CPU without a bf16 GEMM is replaced by a
-packed float32 copy, twice the checkpoint's bytes, which computing in float32 needs.
-Packing runs in the worker's "weights" memory pool, so KV-cache sizing sees it.
+linear weights, by choice. A bf16 weight on a CPU without a bf16 GEMM where the AVX2
+kernel cannot read it (`TP_CPU_BF16_GEMM=0`, `TP_CPU_PACKED_GEMM=onednn`, no compiler) is
+replaced by a packed float32 copy, twice the checkpoint's bytes, which computing in
+float32 there needs. Packing runs in the worker's "weights" memory pool, so KV-cache
+sizing sees it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
 from collections import defaultdict
 from typing import Any, Callable, Iterator
 
@@ -39,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import cpu_bf16_gemm
+from models.layers import cpu_bf16_gemm, cpu_sgemm
 from models.layers.cpu_gemm import (PackedWeight, can_pack, lacks_native_gemm, layout_verified, native_half_gemm,
                                     packing_available, reusing_upcast_buffer, upcast_float32, upcast_gemm)
 from models.layers.file_pages import release_file_pages
@@ -68,25 +73,27 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
     """The weight in a packed layout once loaded; F.linear where it is not packed.
 
     `packed` is the PackedWeight the layer's weight is held in (MKL: held beside it), or
-    None: before `process_weights_after_loading`, for a weight other modules share whose
-    packed rows cannot be read in place, and where packing fails (no packing library, a build that cannot pack the dtype, or a
-    packed product that does not match F.linear: the layout being independent of the row
-    count is library behaviour, not an API promise, so it is checked once per shape
-    class, `PackedWeight.verify`).
+    None: before `process_weights_after_loading`, for a weight multiplied where it was
+    loaded (`row_major`), for a weight other modules share whose packed rows cannot be
+    read in place, and where packing fails (no packing library, a build that cannot pack
+    the dtype, or a packed product that does not match F.linear: the layout being
+    independent of the row count is library behaviour, not an API promise, so it is
+    checked once per shape class, `PackedWeight.verify`).
 
-    A bfloat16/float16 weight is packed by oneDNN in its own dtype where the CPU has a
-    GEMM for it (`native_half_gemm`: AVX-512 BF16/FP16, AMX), whatever `kernel` packs
-    float32. On a CPU with none it is `upcast`: a packed float32 copy (oneDNN's, or the
-    avx2 kernel's: `upcast_gemm`) replaces it and computes every product in float32 (the
-    input cast up, the output back), which is what oneDNN would do anyway, converting
-    the weight on each call.
+    A bfloat16/float16 weight stays as loaded where a row-major kernel reads it
+    (`_row_major_kernel`). Otherwise it is packed by oneDNN in its own dtype where the CPU
+    has a GEMM for it (`native_half_gemm`: AVX-512 BF16/FP16, AMX), whatever `kernel`
+    packs float32; on a CPU with none it is `upcast`: a packed float32 copy (oneDNN's, or
+    the avx2 kernel's: `upcast_gemm`) replaces it and computes every product in float32
+    (the input cast up, the output back), which is what oneDNN would do anyway,
+    converting the weight on each call.
     """
 
     def __init__(self, kernel: str) -> None:
         self.kernel = kernel  # PACKED_GEMMS: the float32 one
         self.packed: PackedWeight | None = None
         self.upcast = False
-        self.row_major = False
+        self.row_major: str | None = None  # `_row_major_kernel`'s choice
         # Every (module, name) that holds the weight: the layer's own, and for a shared
         # weight (a tied LM head's) the others', which the packed and unpacked forms replace too.
         self.holders: Holders = []
@@ -101,7 +108,7 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
             return
         self.packed, self.upcast = None, False
         _drop_mkl_copy(layer)
-        self.row_major = cpu_bf16_gemm.serves(weight)
+        self.row_major = self._row_major_kernel(weight)
         if self.row_major:
             return
         choice = self._choose_kernel(weight)
@@ -122,6 +129,18 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
         self.holders = shared or [(layer, "weight")]
         self._install(_packed_parameter(layer, weight, packed))
         release_file_pages(weight)  # a view of the checkpoint's mapping: packing read its pages in
+
+    def _row_major_kernel(self, weight: torch.Tensor) -> str | None:
+        """The kernel that multiplies `weight` where it was loaded, unpacked: "bf16" (AVX-512
+        BF16, `cpu_bf16_gemm`), "avx2" (a 16-bit weight on a CPU whose oneDNN has no GEMM for
+        it, widened inside our AVX2 kernel: `cpu_sgemm.linear_half`), or None: pack it.
+        `TP_CPU_BF16_GEMM=0` turns both off (read per weight, at load)."""
+        if cpu_bf16_gemm.serves(weight):
+            return "bf16"
+        if (os.environ.get(cpu_bf16_gemm.SWITCH, "1") != "0" and lacks_native_gemm(weight)
+                and upcast_gemm(self.kernel) == "avx2" and packing_available("avx2") and weight.stride(1) == 1):
+            return "avx2"
+        return None
 
     def _choose_kernel(self, weight: torch.Tensor) -> tuple[str, bool] | None:
         """(the kernel that packs `weight` on this CPU, whether as a float32 copy), or None."""
@@ -168,8 +187,10 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         weight = layer.weight
-        if self.row_major:
+        if self.row_major == "bf16":
             return cpu_bf16_gemm.linear(x, weight, bias)
+        if self.row_major == "avx2":
+            return cpu_sgemm.linear_half(x, weight, bias)
         if isinstance(weight, PackedTensor):  # (no tensor property of it is read: each is a torch function)
             packed = weight.packed_weight
             if self.upcast:  # the float32 copy of a bf16/fp16 weight
