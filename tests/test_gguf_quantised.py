@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from config import ConfigError
 from engine.arg_utils import create_engine_config
 from engine.tiny_model import make_tiny_model
+from models.layers import cpu_sgemm
 from models.layers.quantization import get_quantization_config, gguf_kernels
 from models.layers.quantization.gguf_dequant import (
     QUANTIZED_TYPES,
@@ -288,15 +289,22 @@ def test_16bit_activations_go_through_int8_within_their_rounding(qtype, tokens):
     assert ((out.double() - x.double() @ weight.t()).abs() <= bound + 1e-5).all()
     kernel = gguf_kernels.load()
     if kernel is not None and kernel.gemm(qtype, blocks, k, x.float(), torch.empty(tokens, 24), int8_activations=True):
-        # The kernel's rounding, in its IEEE float32 arithmetic (numpy's: torch's vectorised
-        # division is not always correctly rounded): round(x * (127 / amax)) * (amax / 127).
-        xf = x.float().reshape(tokens, -1, group).numpy()
-        amax = np.abs(xf).max(-1, keepdims=True)
-        inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
-        rounded = torch.from_numpy(np.rint(xf * inv).astype(np.float64) * (amax / np.float32(127)).astype(np.float64))
-        rounded = rounded.reshape(tokens, k)
-        magnitude = rounded.abs() @ weight.abs().t()
-        assert ((out.double() - rounded @ weight.t()).abs() <= 1e-6 * magnitude + 1e-6).all()
+        assert_int8_product(out, x, weight, group)
+
+
+def assert_int8_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group: int) -> None:
+    """`out` is the product of `weight` (float64) with x rounded as the int8 path rounds it,
+    to float32 rounding: round(x * (127 / amax)) * (amax / 127) per `group` values, in
+    IEEE float32 arithmetic (numpy's: torch's vectorised division is not always
+    correctly rounded)."""
+    tokens, k = x.shape
+    xf = x.float().reshape(tokens, -1, group).numpy()
+    amax = np.abs(xf).max(-1, keepdims=True)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    rounded = torch.from_numpy(np.rint(xf * inv).astype(np.float64) * (amax / np.float32(127)).astype(np.float64))
+    rounded = rounded.reshape(tokens, k)
+    magnitude = rounded.abs() @ weight.abs().t()
+    assert ((out.double() - rounded @ weight.t()).abs() <= 1e-6 * magnitude + 1e-6).all()
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED_TYPES)
@@ -347,6 +355,50 @@ def test_portable_build_matches_gguf_py(tmp_path, monkeypatch):
         assert not portable.has_int8_tiles
         assert portable.gemm(qtype, blocks, 256, x, y)
         torch.testing.assert_close(y, F.linear(x, expected), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_sgemm.cpu_has_avx2(), reason="no AVX2/FMA on this CPU")
+def test_avx2_build_int8_products(tmp_path, monkeypatch):
+    """The kernels built for AVX2 without AVX-512 (gguf_avx2.c's int8 products, as on Zen 3
+    or Haswell; built here whatever this CPU adds): every type's product with int8
+    activations, per 32 values for Q4_0/Q8_0 and for the K-quants per 256 below 8 tokens
+    and per 32 from 8 on (as the AVX-512 build's tiles), token counts across its 8-token
+    chunks, a fused layer's mixed shards in one call equal to one call each, and 16-bit
+    outputs rounded once."""
+    from distributed.native_build import load_kernel
+
+    monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
+    avx2 = load_kernel(gguf_kernels.SOURCES, ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp",
+                                              "-fPIC"), gguf_kernels.LINK_FLAGS, gguf_kernels.LINK_LIBS,
+                       gguf_kernels.GGUFKernels, "%s")
+    assert avx2 is not None and not avx2.has_int8_tiles and not avx2.has_bf16
+    g = torch.Generator().manual_seed(9)
+    k = 768
+    shards = []
+    for qtype in QUANTIZED_TYPES:
+        blocks = torch.from_numpy(quantize_blocks((torch.randn(19, k, generator=g) * 0.3).numpy(), qtype))
+        weight = dequantize(qtype, blocks, k).double()
+        shards.append((qtype, blocks))
+        for tokens in (1, 3, 7, 8, 13):
+            group = 32 if qtype in ("Q4_0", "Q8_0") or tokens >= gguf_kernels.INT8_TILE_MIN_TOKENS else 256
+            x = (torch.randn(tokens, k, generator=g) * 2).bfloat16()
+            x[0, :group] = 0  # a group of zeros: dx 0
+            out = torch.full((tokens, 19), float("nan"))
+            assert avx2.gemm(qtype, blocks, k, x.float(), out, int8_activations=True)
+            assert_int8_product(out, x, weight, group)
+            rounded = torch.empty(tokens, 19, dtype=torch.bfloat16)
+            assert avx2.gemm(qtype, blocks, k, x.float(), rounded, int8_activations=True)
+            assert torch.equal(rounded, out.bfloat16())
+    plan = gguf_kernels.ShardPlan(shards)
+    x = (torch.randn(11, k, generator=g) * 2).half()
+    fused = torch.empty(11, plan.rows)
+    assert avx2.gemm_shards(plan, k, x, fused)
+    start = 0
+    for qtype, blocks in shards:
+        one = torch.empty(11, blocks.shape[0])
+        assert avx2.gemm_shards(gguf_kernels.ShardPlan([(qtype, blocks)]), k, x, one)
+        assert torch.equal(fused[:, start:start + blocks.shape[0]], one), qtype
+        start += blocks.shape[0]
 
 
 def test_bfloat16_model_tracks_the_float32_one(kquant_llamas, tmp_path):

@@ -5,7 +5,8 @@ Q6_K): the one call must give, bit for bit, what `gguf_linear` gives each shard,
 every token count the int8 path, the int8 tiles (K-quants) and the bf16 tiles (Q4_0,
 Q8_0) take and for both 16-bit activation dtypes. A layer mixing K-quants with Q4_0/Q8_0
 shards is left to `gguf_linear` shard by shard where their paths differ (8 tokens and
-more).
+more). On an AVX2 build (int8 products, no tiles) one call takes up to
+`SMALL_BATCH_TOKENS` tokens of any mix.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from models.layers.quantization.gguf import GGUFLinearMethod
 from tests.gguf_kquants import quantize as quantize_blocks
 
 kernel = gguf_kernels.load()
-needs_vnni = pytest.mark.skipif(
+needs_int8 = pytest.mark.skipif(
     kernel is None or not kernel.gemm("Q8_0", torch.zeros(1, 34, dtype=torch.uint8), 32, torch.zeros(1, 32),
                                       torch.empty(1, 1), int8_activations=True),
-    reason="this CPU or build has no AVX-512 VNNI (the int8 path)")
+    reason="this CPU or build has no int8 path (AVX-512 VNNI or AVX2)")
 
 
 def _blocks(qtype: str, rows: int, k: int, seed: int) -> torch.Tensor:
@@ -33,7 +34,7 @@ KQUANTS = [("Q4_K", 40), ("Q5_K", 24), ("Q6_K", 16)]
 LEGACY = [("Q8_0", 8), ("Q4_0", 8)]
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 3, 8, 16, 40, 100])
 @pytest.mark.parametrize("types", [KQUANTS, LEGACY, KQUANTS + LEGACY], ids=["kquants", "legacy", "mixed"])
@@ -44,8 +45,11 @@ def test_shards_in_one_call_equal_one_call_each(types, dtype, tokens):
     plan = gguf_kernels.shard_plan(shards)
     assert plan is not None and plan.rows == sum(rows for _, rows in types)
     out = torch.full((tokens, plan.rows), float("nan"))
-    one_call = types == KQUANTS or tokens < gguf_kernels.INT8_TILE_MIN_TOKENS or (
-        types == LEGACY and tokens <= gguf_kernels.BF16_TILE_MAX_TOKENS)
+    if kernel.has_int8_tiles:  # AVX-512 VNNI (and BF16): int8 products, then int8 or bf16 tiles
+        one_call = types == KQUANTS or tokens < gguf_kernels.INT8_TILE_MIN_TOKENS or (
+            types == LEGACY and tokens <= gguf_kernels.BF16_TILE_MAX_TOKENS)
+    else:  # AVX2: the int8 products alone, every type
+        one_call = tokens <= gguf_kernels.SMALL_BATCH_TOKENS
     assert gguf_kernels.gguf_linear_shards(plan, k, x, out) == one_call
     if not one_call:
         assert out.isnan().all()  # declined: nothing written
@@ -58,7 +62,7 @@ def test_shards_in_one_call_equal_one_call_each(types, dtype, tokens):
         start += blocks.shape[0]
 
 
-@needs_vnni
+@needs_int8
 def test_shards_path_declines_what_it_does_not_take():
     """float32 activations (the exact float path), more Q4_0/Q8_0 tokens than the bf16
     tiles take (the tiled GEMM) and a shard held as floats each leave it to

@@ -12,6 +12,14 @@
 #include <immintrin.h>
 #endif
 
+/* Which int8 product the build has (gguf_gemm_q8_shards): gguf_vnni.c's with AVX-512
+ * VNNI, else gguf_avx2.c's with AVX2 (vpmaddubsw), else none (the entry answers -2). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define GGUF_INT8_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GGUF_INT8_AVX2 1
+#endif
+
 #define LANES 16
 #define MAX_TOKENS 8 /* tokens sharing one dequantised block; more are done in chunks */
 #define QK 256       /* the largest block */

@@ -1,6 +1,7 @@
 """The products and lookups GGUF layers compute from their blocks (`gguf_kernels.c`: float
-products and dequantisers; `gguf_vnni.c`: int8 products; `gguf_vnni_tiles.c`: int8
-tiles; `gguf_bf16.c`: bf16 tiles).
+products and dequantisers; `gguf_vnni.c`: int8 products with AVX-512 VNNI, or
+`gguf_avx2.c` on AVX2 CPUs without it; `gguf_vnni_tiles.c`: int8 tiles; `gguf_bf16.c`:
+bf16 tiles).
 
 `gguf_linear(qtype, blocks, k, x, out)`: out = x W^T for W held as [rows, row_bytes]
 blocks of `qtype`. On the CPU, with the C kernels built:
@@ -9,13 +10,14 @@ blocks of `qtype`. On the CPU, with the C kernels built:
   - activations in bfloat16/float16 (`INT8_ACTIVATION_DTYPES`; GGUF files load as
     float16 by default) are quantised to int8 as llama.cpp does, per 32 values for
     Q4_0/Q8_0 rows and per 256 for the K-quants' (its Q8_K), and multiplied with the
-    blocks' integers by AVX-512 VNNI (`gguf_vnni.c`); Q4_0/Q8_0 scales apply in float per
-    16 values, the K-quants' group scales in integers. A fused layer's shards (q, k, v;
+    blocks' integers by AVX-512 VNNI (`gguf_vnni.c`; on AVX2 CPUs without it, by
+    vpmaddubsw and vpmaddwd: `gguf_avx2.c`); Q4_0/Q8_0 scales apply in float per 16 (32
+    on AVX2) values, the K-quants' group scales in integers. A fused layer's shards (q, k, v;
     gate, up) go in one call (`gguf_linear_shards`): x is read in its 16-bit dtype and
     quantised once per scheme its shards use, and one parallel loop runs over every
     shard's rows. Error against float activations: at most sum_i |w_i| * dx_i / 2 per
     output (dx = the 32- or 256-group's max |x| / 127), of the order of the activations'
-    own 16-bit rounding. Where the build has no VNNI, the float path;
+    own 16-bit rounding. Where the build has neither, the float path;
   - float32 activations: each block dequantised into L1 (AVX-512, or portable C the
     compiler vectorises) and multiplied in float32 (`gguf_gemm`): F.linear on the
     dequantised weight up to float32 rounding (16 running sums per token, fused
@@ -73,6 +75,7 @@ import torch
 
 from distributed.native_build import load_kernel
 from distributed.native_calls import NativeLibrary
+from models.layers.cpu_gemm import lacks_native_gemm
 from models.layers.quantization.gguf_dequant import (
     FLOAT_TYPES,
     GGUF_FORMATS,
@@ -83,9 +86,10 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_kernels.c")
 #: What the library is built from: the float path and dequantisers, the int8 path (and
-#: its activations' quantisation), the int8 tiles, the bf16 tiles, and the headers they
-#: share.
-SOURCES = (SOURCE, SOURCE.with_name("gguf_vnni.c"), SOURCE.with_name("gguf_quantize_x.h"),
+#: its activations' quantisation; AVX-512 VNNI or AVX2, whichever the build targets), the
+#: int8 tiles, the bf16 tiles, and the headers they share.
+SOURCES = (SOURCE, SOURCE.with_name("gguf_vnni.c"), SOURCE.with_name("gguf_avx2.c"),
+           SOURCE.with_name("gguf_quantize_x.h"),
            SOURCE.with_name("gguf_vnni_tiles.c"),
            SOURCE.with_name("gguf_bf16.c"), SOURCE.with_name("gguf_blocks.h"), SOURCE.parent.parent / "bf16_tile.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC")
@@ -99,7 +103,7 @@ INT8_TILE_MIN_TOKENS = 8
 INT8_TILE_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 TILE_ROWS = 1024  # a float32 tile of 1024 x 5632 is 23 MiB: scratch, reused per layer call
 #: Activation dtypes whose small-batch products quantise x to int8, as
-#: llama.cpp does (where the CPU has AVX-512 VNNI): their own rounding (bfloat16's 8
+#: llama.cpp does (where the CPU has AVX-512 VNNI or AVX2): their own rounding (bfloat16's 8
 #: bits) is of the order of int8's, so it costs them little accuracy and buys the
 #: integer dot products. float32 activations keep the float path (exact products).
 INT8_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
@@ -152,8 +156,8 @@ class GGUFKernels:
              int8_activations: bool = False) -> bool:
         """out [m, rows] (float32; rows contiguous, any row stride) = x [m, k] float32
         (rows contiguous) times the blocks' rows [rows, row_bytes] (contiguous). With
-        `int8_activations`, x is quantised to int8 first (VNNI) and out may also be
-        bfloat16 or float16; False, with nothing written, where this build has no VNNI."""
+        `int8_activations`, x is quantised to int8 first (VNNI or AVX2) and out may also
+        be bfloat16 or float16; False, with nothing written, where this build has neither."""
         if int8_activations:
             return self.gemm_shards(ShardPlan([(qtype, blocks)]), k, x, out)
         status = self._gemm(GGUF_FORMATS[qtype].type_id, blocks.data_ptr(), blocks.shape[0], k, blocks.stride(0),
@@ -167,7 +171,7 @@ class GGUFKernels:
         """out [m, plan.rows] (float32, bfloat16 or float16, each output rounded once;
         rows contiguous, any row stride) = x [m, k] (float32, bfloat16 or float16; rows
         contiguous) times the plan's shards' rows, shard after shard, with x quantised
-        to int8 (VNNI). False, with nothing written, where this build has no VNNI."""
+        to int8 (VNNI or AVX2). False, with nothing written, where this build has neither."""
         status = self._shards(len(plan.qtypes), plan.qtypes, plan.pointers, plan.rows_per_shard, plan.row_bytes, k,
                               x.data_ptr(), _X_DTYPES[x.dtype], x.stride(0), x.shape[0], out.data_ptr(),
                               _X_DTYPES[out.dtype], out.stride(0), torch.get_num_threads())
@@ -288,11 +292,14 @@ def gguf_linear(qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: 
         if exact is not out:
             out.copy_(exact)
         return
-    # 16-bit activations multiply a 16-bit copy of each tile (the CPU's bf16/fp16 GEMM:
-    # 2.4x the float32 one at 128 tokens, 2026-12-05); float32 ones stay exact. A bf16
-    # tile is dequantised straight to bf16 where the build can (the same values: one
-    # rounding to nearest even), skipping a float32 tile and its conversion.
-    x = x.contiguous() if half else x.float().contiguous()
+    # 16-bit activations multiply a 16-bit copy of each tile where the CPU has a GEMM for
+    # their dtype (AVX-512 BF16/FP16, AMX: 2.4x the float32 one at 128 tokens,
+    # 2026-12-05); elsewhere (AVX2), where torch's 16-bit GEMM converts as it goes, and for
+    # float32 activations, the float32 GEMM (exact for float32 x). A bf16 tile is
+    # dequantised straight to bf16 where the build can (the same values: one rounding to
+    # nearest even), skipping a float32 tile and its conversion.
+    half_gemm = half and not lacks_native_gemm(x)
+    x = x.contiguous() if half_gemm else x.float().contiguous()
     direct = x.dtype == torch.bfloat16 and kernel.has_bf16
     tile = torch.empty(min(TILE_ROWS, rows), k, dtype=torch.bfloat16 if direct else torch.float32)
     for r0 in range(0, rows, TILE_ROWS):
@@ -301,7 +308,7 @@ def gguf_linear(qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: 
             kernel.dequantize_rows_bf16(qtype, blocks[r0:r0 + n], k, tile[:n])
         else:
             kernel.dequantize_rows(qtype, blocks[r0:r0 + n], k, None, tile[:n])
-        out[:, r0:r0 + n].copy_(x @ (tile[:n].to(x.dtype) if half else tile[:n]).t())
+        out[:, r0:r0 + n].copy_(x @ (tile[:n].to(x.dtype) if half_gemm else tile[:n]).t())
 
 
 def shard_plan(shards: list[tuple[str, torch.Tensor]]) -> ShardPlan | None:
@@ -316,7 +323,7 @@ def gguf_linear_shards(plan: ShardPlan | None, k: int, x: torch.Tensor, out: tor
     """out [m, plan.rows] (float32 or x's dtype, rows contiguous) = x [m, k] times every
     shard of `plan` in one C call, for 16-bit activations (`INT8_ACTIVATION_DTYPES`): the
     int8 tiles' (K-quant shards, from `INT8_TILE_MIN_TOKENS` tokens), the int8 path's
-    (fewer tokens, at most `SMALL_BATCH_TOKENS`, a VNNI build) and the bf16 tiles' (up to
+    (fewer tokens, at most `SMALL_BATCH_TOKENS`, a VNNI or AVX2 build) and the bf16 tiles' (up to
     `BF16_TILE_MAX_TOKENS`). Same values as `gguf_linear` shard by shard. False, with
     nothing written, where none applies or the shards' paths differ (the caller then
     calls `gguf_linear` per shard)."""

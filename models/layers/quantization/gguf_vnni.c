@@ -22,7 +22,7 @@
  *
  * Error against float activations: at most sum_i |w_i| * dx_i / 2 per output (the
  * activations' rounding, dx that of the value's 32 or 256), plus float rounding. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef GGUF_INT8_VNNI
 #include <omp.h>
 #include <stdlib.h>
 
@@ -322,7 +322,7 @@ int gguf_gemm_q8_shards(int n, const int *qtypes, const uint8_t *const *w, const
     free(qx);
     return 0;
 }
-#else
+#elif !defined(GGUF_INT8_AVX2) /* gguf_avx2.c defines it there */
 int gguf_gemm_q8_shards(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
                         const int64_t *row_bytes, int64_t k, const void *x, int x_dtype, int64_t ldx, int64_t m,
                         void *y, int y_dtype, int64_t ldy, int num_threads) {

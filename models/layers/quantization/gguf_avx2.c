@@ -1,0 +1,291 @@
+/* GGUF block products with int8 activations on AVX2 CPUs without AVX-512 VNNI: the same
+ * entry point and contract as gguf_vnni.c's (gguf_gemm_q8_shards, described in
+ * gguf_kernels.py), built instead of it where the compiler targets AVX2, FMA and F16C but
+ * not AVX-512 VNNI (Zen 2/3, Intel before Ice Lake); gguf_vnni.c then compiles no entry.
+ *
+ * x is quantised to int8 per token as llama.cpp quantises it for these rows, with a float
+ * scale dx = amax / 127 (rounded to nearest even): per 32 values for Q4_0 and Q8_0 (its
+ * Q8_0), per 256 for the K-quants (its Q8_K), in natural order, with the sums of xq that
+ * the offsets and mins multiply. From KQ_PER32_TOKENS tokens on (a prefill, a concurrent
+ * decode's batches) the K-quants' too are quantised per 32, as gguf_vnni_tiles.c does on
+ * AVX-512: finer rounding where an error would reach every later token's attention. The blocks' integers meet them in vpmaddubsw (unsigned
+ * weight byte times signed activation byte, pairs summed to 16 bits: at most 2 * 63 *
+ * 127, no saturation) and vpmaddwd (pairs to 32 bits, times the K-quants' integer group
+ * scales, or 1), so a super-block's sums stay in integers and are converted to float once,
+ * times d * dx (once per 32-group where x is quantised per 32). Q8_0's signed weights go through the sign trick (|w| times x with w's
+ * sign). Offsets and mins are one float term per group: Q4_0's 8 * d per 32 values,
+ * Q4_K/Q5_K's dmin * min per 32, Q6_K's 32 * d * scale per 16, times dx * sum(xq).
+ *
+ * Error against float activations: at most sum_i |w_i| * dx_i / 2 per output (the
+ * activations' rounding), plus float rounding: the bound gguf_vnni.c's products meet.
+ * Each output is one thread's sum in a fixed order: results do not depend on the thread
+ * count. */
+
+#include "gguf_blocks.h"
+
+#ifdef GGUF_INT8_AVX2
+#include <immintrin.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#define PREFETCH_BYTES 4096
+#define KQ_PER32_TOKENS 8 /* gguf_kernels.py's INT8_TILE_MIN_TOKENS */
+
+/* One token's activations, quantised for one group size (32 or 256). */
+typedef struct {
+    int8_t *xq;  /* [kpad] natural order */
+    float *dx;   /* [kpad / group] */
+    float *xs16; /* [kpad / 16]: dx * sum of xq per 16 values */
+    float *xs32; /* [kpad / 32]: dx * sum of xq per 32 values */
+} ax_t;
+
+static void quantize_groups(const float *x, int64_t k, int group, ax_t *q) {
+    for (int64_t g = 0; g < k / group; ++g) {
+        const float *xg = x + g * group;
+        float amax = 0.f;
+        for (int i = 0; i < group; ++i) amax = fmaxf(amax, fabsf(xg[i]));
+        const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        q->dx[g] = dx;
+        for (int i0 = 0; i0 < group; i0 += 16) {
+            int sum = 0;
+            for (int i = i0; i < i0 + 16; ++i) {
+                const int v = (int)nearbyintf(xg[i] * inv); /* to nearest even, as cvtps2dq */
+                q->xq[g * group + i] = (int8_t)v;
+                sum += v;
+            }
+            q->xs16[(g * group + i0) / 16] = dx * (float)sum;
+        }
+    }
+    for (int64_t j = 0; j < k / 32; ++j) q->xs32[j] = q->xs16[2 * j] + q->xs16[2 * j + 1];
+}
+
+static inline __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* 16 lanes of 16 bits: the low 8 get a, the high 8 b */
+static inline __m256i halves16(int a, int b) { return _mm256_set_m128i(_mm_set1_epi16((short)b), _mm_set1_epi16((short)a)); }
+
+/* One K-quant row (Q4_K, Q5_K, Q6_K) times nt tokens of per-256 int8 x, into column col
+ * of y's rows t0 .. t0 + nt - 1. Each super-block's eight 32-value weight vectors are
+ * unpacked once and serve every token. Inlined per constant qtype and nt. */
+static inline __attribute__((always_inline)) void row_k_n(int qtype, const int per32, const uint8_t *row, int64_t k,
+                                                          const ax_t *ax, const int nt, const out_t *y, int64_t t0,
+                                                          int64_t col) {
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+    const int bb = block_bytes(qtype), q6 = qtype == T_Q6_K;
+    __m256 acc[MAX_TOKENS], corr[MAX_TOKENS];
+    for (int t = 0; t < nt; ++t) acc[t] = corr[t] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < k / 256; ++s) {
+        const uint8_t *b = row + s * bb;
+        for (int off = 0; off < bb; off += 64) _mm_prefetch((const char *)b + PREFETCH_BYTES + off, _MM_HINT_T0);
+        __m256i w[8], sc[8]; /* weight vector v holds values [32v, 32v + 32); sc its multipliers */
+        __m256 off16[2];     /* the offsets of the 16 groups of 16 values (Q6_K) or 8 of 32 */
+        float d;
+        if (q6) { /* per 128 values: ql's 64 bytes (low nibbles, then high), qh's 32 (top bits) */
+            const int8_t *scales = (const int8_t *)(b + 192);
+            d = load_fp16(b + 208);
+            for (int n = 0; n < 2; ++n) {
+                const __m256i l0 = load256(b + 64 * n), l1 = load256(b + 64 * n + 32), h = load256(b + 128 + 32 * n);
+                w[4 * n] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
+                w[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4));
+                w[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4));
+                w[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4));
+                for (int i = 0; i < 4; ++i) sc[4 * n + i] = halves16(scales[8 * n + 2 * i], scales[8 * n + 2 * i + 1]);
+            }
+            const __m128i s16 = _mm_loadu_si128((const __m128i *)scales);
+            const __m256 off = _mm256_set1_ps(32.f * d);
+            off16[0] = _mm256_mul_ps(off, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s16)));
+            off16[1] = _mm256_mul_ps(off, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s16, 8))));
+        } else { /* the eight 6-bit (scale, min) pairs (scale_min_k4's rule) */
+            uint32_t u0, u1, u2;
+            memcpy(&u0, b + 4, 4);
+            memcpy(&u1, b + 8, 4);
+            memcpy(&u2, b + 12, 4);
+            const uint32_t six = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, two = 0x03030303u;
+            const uint64_t scs = (uint64_t)(u0 & six) | (uint64_t)((u2 & lo4) | (((u0 >> 6) & two) << 4)) << 32;
+            const uint64_t mns = (uint64_t)(u1 & six) | (uint64_t)(((u2 >> 4) & lo4) | (((u1 >> 6) & two) << 4)) << 32;
+            d = load_fp16(b);
+            off16[0] = _mm256_mul_ps(_mm256_set1_ps(load_fp16(b + 2)),
+                                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mns))));
+            const __m256i qh = qtype == T_Q5_K ? load256(b + 16) : _mm256_setzero_si256();
+            const uint8_t *qs = b + (qtype == T_Q4_K ? 16 : 48);
+            for (int j = 0; j < 4; ++j) { /* 32 bytes: values [64j, 64j + 32) low nibbles, the next 32 high */
+                const __m256i q = load256(qs + 32 * j);
+                w[2 * j] = _mm256_and_si256(q, m4);
+                w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                if (qtype == T_Q5_K) { /* the fifth bit of value l of group v is bit v of qh[l] */
+                    w[2 * j] = _mm256_or_si256(
+                        w[2 * j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), m1), 4));
+                    w[2 * j + 1] = _mm256_or_si256(
+                        w[2 * j + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), m1), 4));
+                }
+            }
+            for (int v = 0; v < 8; ++v) sc[v] = _mm256_set1_epi16((short)((scs >> (8 * v)) & 0xff));
+        }
+        for (int t = 0; t < nt; ++t) {
+            const int8_t *xq = ax[t].xq + 256 * s;
+            if (per32) { /* each 32-group's sum in float, times its own d * dx */
+                __m256 a = acc[t];
+                for (int v = 0; v < 8; ++v) {
+                    const __m256i dot = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(w[v], load256((const uint8_t *)xq + 32 * v)), sc[v]);
+                    a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * ax[t].dx[8 * s + v]), a);
+                }
+                acc[t] = a;
+            } else {
+                __m256i isum = _mm256_setzero_si256();
+                for (int v = 0; v < 8; ++v)
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(
+                                                      _mm256_maddubs_epi16(w[v], load256((const uint8_t *)xq + 32 * v)),
+                                                      sc[v]));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * ax[t].dx[s]), acc[t]);
+            }
+            if (q6) {
+                corr[t] = _mm256_fmadd_ps(off16[0], _mm256_loadu_ps(ax[t].xs16 + 16 * s), corr[t]);
+                corr[t] = _mm256_fmadd_ps(off16[1], _mm256_loadu_ps(ax[t].xs16 + 16 * s + 8), corr[t]);
+            } else {
+                corr[t] = _mm256_fmadd_ps(off16[0], _mm256_loadu_ps(ax[t].xs32 + 8 * s), corr[t]);
+            }
+        }
+    }
+    for (int t = 0; t < nt; ++t) out_store(y, t0 + t, col, hsum8(_mm256_sub_ps(acc[t], corr[t])));
+}
+
+/* One Q4_0 or Q8_0 row times nt tokens of per-32 int8 x: per block, the integer dot
+ * product of each token, times d * dx; Q4_0's offset 8 * d * (dx * sum xq) subtracted. */
+static inline __attribute__((always_inline)) void row_legacy_n(int qtype, const int per32, const uint8_t *row,
+                                                               int64_t k, const ax_t *ax, const int nt, const out_t *y,
+                                                               int64_t t0, int64_t col) {
+    (void)per32; /* always per 32 */
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const int bb = qtype == T_Q4_0 ? 18 : 34;
+    __m256 acc[MAX_TOKENS];
+    float corr[MAX_TOKENS];
+    for (int t = 0; t < nt; ++t) {
+        acc[t] = _mm256_setzero_ps();
+        corr[t] = 0.f;
+    }
+    for (int64_t g = 0; g < k / 32; ++g) {
+        const uint8_t *b = row + g * bb;
+        if (g % 4 == 0) _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
+        const float d = load_fp16(b);
+        __m256i w;
+        if (qtype == T_Q4_0) {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2));
+            w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+        } else {
+            w = load256(b + 2);
+        }
+        for (int t = 0; t < nt; ++t) {
+            __m256i x = load256((const uint8_t *)ax[t].xq + 32 * g), p;
+            if (qtype == T_Q4_0) {
+                p = _mm256_maddubs_epi16(w, x);
+                corr[t] += 8.f * d * ax[t].xs32[g];
+            } else { /* |w| times x with w's sign */
+                p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+            }
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(d * ax[t].dx[g]),
+                                     acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; ++t) out_store(y, t0 + t, col, hsum8(acc[t]) - corr[t]);
+}
+
+/* Rows [r0, r1) of one shard (row r at w + r * row_bytes, its outputs column c0 + r of
+ * y's rows t0 .. t0 + nt - 1) times nt tokens: one loop compiled per type and count. */
+#define ROWS(call) for (int64_t r = r0; r < r1; ++r) call; break;
+#define CASE(fn, qt, p, n) case n: ROWS(fn(qt, p, w + r * row_bytes, k, ax, n, y, t0, c0 + r))
+#define COUNTS(fn, qt, p) \
+    switch (nt) { CASE(fn, qt, p, 1) CASE(fn, qt, p, 2) CASE(fn, qt, p, 3) CASE(fn, qt, p, 4) CASE(fn, qt, p, 5) \
+                  CASE(fn, qt, p, 6) CASE(fn, qt, p, 7) CASE(fn, qt, p, 8) }
+#define TYPE(fn, qt) \
+    case qt: if (per32) { COUNTS(fn, qt, 1) } else { COUNTS(fn, qt, 0) } break;
+
+static void rows_times_ax(int qtype, int per32, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                          int64_t k, const ax_t *ax, int nt, const out_t *y, int64_t t0, int64_t c0) {
+    switch (qtype) {
+    TYPE(row_k_n, T_Q4_K)
+    TYPE(row_k_n, T_Q5_K)
+    TYPE(row_k_n, T_Q6_K)
+    case T_Q4_0: COUNTS(row_legacy_n, T_Q4_0, 1) break;
+    case T_Q8_0: COUNTS(row_legacy_n, T_Q8_0, 1) break;
+    }
+}
+#undef TYPE
+#undef COUNTS
+#undef CASE
+#undef ROWS
+
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* See gguf_vnni.c's gguf_gemm_q8_shards: the same contract; -2 is never returned here. */
+int gguf_gemm_q8_shards(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
+                        const int64_t *row_bytes, int64_t k, const void *x, int x_dtype, int64_t ldx, int64_t m,
+                        void *y, int y_dtype, int64_t ldy, int num_threads) {
+    int used[2] = {0, 0}; /* [0]: per 32 (Q4_0, Q8_0), [1]: per 256 (the K-quants) */
+    int64_t total = 0;
+    for (int i = 0; i < n; ++i) {
+        if (block_bytes(qtypes[i]) == 0) return -1;
+        used[block_size(qtypes[i]) == 256] = 1;
+        total += rows[i];
+    }
+    if (x_dtype < 0 || x_dtype > 2 || y_dtype < 0 || y_dtype > 2) return -1;
+    const out_t out = {y, y_dtype, ldy};
+    /* The K-quants' activations per 256 values for a few tokens (decode), per 32 from
+     * KQ_PER32_TOKENS on (prefill, batches), as gguf_vnni.c and its tiles split them. */
+    const int kq_group = m >= KQ_PER32_TOKENS ? 32 : 256;
+    const size_t per_token = (size_t)k + ((size_t)k / 32 + (size_t)k / 16 + (size_t)k / 32) * sizeof(float);
+    uint8_t *scratch = malloc(2 * per_token * (size_t)m + (size_t)k * sizeof(float) + 64);
+    ax_t *ax = malloc(2 * sizeof(ax_t) * (size_t)m);
+    if (!scratch || !ax) {
+        free(scratch);
+        free(ax);
+        return -3;
+    }
+    float *xf = (float *)(scratch + 2 * per_token * (size_t)m);
+    for (int64_t t = 0; t < m; ++t) {
+        const float *xt = (const float *)x + t * ldx;
+        if (x_dtype != 0) {
+            const uint16_t *h = (const uint16_t *)x + t * ldx;
+            for (int64_t i = 0; i < k; ++i) xf[i] = x_dtype == 1 ? bf16_to_float(h[i]) : load_fp16((const uint8_t *)(h + i));
+            xt = xf;
+        }
+        for (int g = 0; g < 2; ++g) {
+            if (!used[g]) continue;
+            uint8_t *base = scratch + ((size_t)g * (size_t)m + (size_t)t) * per_token;
+            float *f = (float *)(base + k); /* k is a multiple of 32: aligned enough for floats */
+            ax[g * m + t] = (ax_t){(int8_t *)base, f, f + k / 32, f + k / 32 + k / 16};
+            quantize_groups(xt, k, g ? kq_group : 32, &ax[g * m + t]);
+        }
+    }
+    /* each thread a contiguous run of the shards' rows (as a static schedule splits them) */
+#pragma omp parallel num_threads(num_threads) if (total * k >= (1 << 15))
+    {
+        const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t g0 = total * id / nth, g1 = total * (id + 1) / nth;
+        int64_t o = 0; /* the first row of shard i */
+        for (int i = 0; i < n; o += rows[i++]) {
+            const int64_t r0 = g0 > o ? g0 - o : 0, r1 = g1 - o < rows[i] ? g1 - o : rows[i];
+            const ax_t *a = ax + (block_size(qtypes[i]) == 256) * m;
+            for (int64_t t0 = 0; t0 < m && r0 < r1; t0 += MAX_TOKENS)
+                rows_times_ax(qtypes[i], kq_group == 32, w[i], row_bytes[i], r0, r1, k, a + t0,
+                              (int)(m - t0 < MAX_TOKENS ? m - t0 : MAX_TOKENS), &out, t0, o);
+        }
+    }
+    free(scratch);
+    free(ax);
+    return 0;
+}
+#endif
