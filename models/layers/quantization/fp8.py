@@ -96,7 +96,7 @@ class Fp8LinearMethod(LinearMethodBase):
             try:
                 return self._apply_scaled_mm(x, weight, scale, bias)
             except RuntimeError as e:  # an unsupported shape/arch combination: dequantise from now on
-                logger.warning("torch._scaled_mm failed (%s); fp8 layers fall back to dequantise + F.linear", e)
+                logger.warning("torch._scaled_mm failed (%s); fp8 layers fall back to the weight-only fp8 GEMM", e)
                 self.use_scaled_mm = False
         return fp8_linear(x, weight, scale, 1, weight.shape[1], bias)
 

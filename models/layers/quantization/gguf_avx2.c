@@ -77,8 +77,14 @@ static inline __attribute__((always_inline)) void row_k_n(int qtype, const int p
                                                           int64_t col) {
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
     const int bb = block_bytes(qtype), q6 = qtype == T_Q6_K;
-    __m256 acc[MAX_TOKENS], corr[MAX_TOKENS];
-    for (int t = 0; t < nt; ++t) acc[t] = corr[t] = _mm256_setzero_ps();
+    /* Per 32, a token's eight group products would be one chain of dependent fused
+     * multiply-adds: U running sums per token break it where few tokens interleave. */
+    const int U = per32 ? (nt == 1 ? 4 : nt < 4 ? 2 : 1) : 1;
+    __m256 acc[4][MAX_TOKENS], corr[MAX_TOKENS];
+    for (int t = 0; t < nt; ++t) {
+        corr[t] = _mm256_setzero_ps();
+        for (int u = 0; u < U; ++u) acc[u][t] = _mm256_setzero_ps();
+    }
     for (int64_t s = 0; s < k / 256; ++s) {
         const uint8_t *b = row + s * bb;
         for (int off = 0; off < bb; off += 64) _mm_prefetch((const char *)b + PREFETCH_BYTES + off, _MM_HINT_T0);
@@ -132,20 +138,19 @@ static inline __attribute__((always_inline)) void row_k_n(int qtype, const int p
         for (int t = 0; t < nt; ++t) {
             const int8_t *xq = ax[t].xq + 256 * s;
             if (per32) { /* each 32-group's sum in float, times its own d * dx */
-                __m256 a = acc[t];
                 for (int v = 0; v < 8; ++v) {
                     const __m256i dot = _mm256_madd_epi16(
                         _mm256_maddubs_epi16(w[v], load256((const uint8_t *)xq + 32 * v)), sc[v]);
-                    a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * ax[t].dx[8 * s + v]), a);
+                    acc[v % U][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * ax[t].dx[8 * s + v]),
+                                                    acc[v % U][t]);
                 }
-                acc[t] = a;
             } else {
                 __m256i isum = _mm256_setzero_si256();
                 for (int v = 0; v < 8; ++v)
                     isum = _mm256_add_epi32(isum, _mm256_madd_epi16(
                                                       _mm256_maddubs_epi16(w[v], load256((const uint8_t *)xq + 32 * v)),
                                                       sc[v]));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * ax[t].dx[s]), acc[t]);
+                acc[0][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * ax[t].dx[s]), acc[0][t]);
             }
             if (q6) {
                 corr[t] = _mm256_fmadd_ps(off16[0], _mm256_loadu_ps(ax[t].xs16 + 16 * s), corr[t]);
@@ -155,7 +160,10 @@ static inline __attribute__((always_inline)) void row_k_n(int qtype, const int p
             }
         }
     }
-    for (int t = 0; t < nt; ++t) out_store(y, t0 + t, col, hsum8(_mm256_sub_ps(acc[t], corr[t])));
+    for (int t = 0; t < nt; ++t) {
+        for (int u = 1; u < U; ++u) acc[0][t] = _mm256_add_ps(acc[0][t], acc[u][t]);
+        out_store(y, t0 + t, col, hsum8(_mm256_sub_ps(acc[0][t], corr[t])));
+    }
 }
 
 /* One Q4_0 or Q8_0 row times nt tokens of per-32 int8 x: per block, the integer dot
@@ -166,36 +174,46 @@ static inline __attribute__((always_inline)) void row_legacy_n(int qtype, const 
     (void)per32; /* always per 32 */
     const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const int bb = qtype == T_Q4_0 ? 18 : 34;
-    __m256 acc[MAX_TOKENS];
+    const int U = nt == 1 ? 4 : nt < 4 ? 2 : 1; /* running sums per token: see row_k_n */
+    __m256 acc[4][MAX_TOKENS];
     float corr[MAX_TOKENS];
     for (int t = 0; t < nt; ++t) {
-        acc[t] = _mm256_setzero_ps();
+        for (int u = 0; u < U; ++u) acc[u][t] = _mm256_setzero_ps();
         corr[t] = 0.f;
     }
-    for (int64_t g = 0; g < k / 32; ++g) {
-        const uint8_t *b = row + g * bb;
-        if (g % 4 == 0) _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
-        const float d = load_fp16(b);
-        __m256i w;
-        if (qtype == T_Q4_0) {
-            const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2));
-            w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
-        } else {
-            w = load256(b + 2);
-        }
-        for (int t = 0; t < nt; ++t) {
-            __m256i x = load256((const uint8_t *)ax[t].xq + 32 * g), p;
+    const int64_t nb = k / 32;
+    for (int64_t g0 = 0; g0 < nb; g0 += U) {
+#pragma GCC unroll 4
+        for (int u = 0; u < U; ++u) {
+            const int64_t g = g0 + u;
+            if (g >= nb) break;
+            const uint8_t *b = row + g * bb;
+            if (g % 4 == 0) _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
+            const float d = load_fp16(b);
+            __m256i w;
             if (qtype == T_Q4_0) {
-                p = _mm256_maddubs_epi16(w, x);
-                corr[t] += 8.f * d * ax[t].xs32[g];
-            } else { /* |w| times x with w's sign */
-                p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+                const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2));
+                w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+            } else {
+                w = load256(b + 2);
             }
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(d * ax[t].dx[g]),
-                                     acc[t]);
+            for (int t = 0; t < nt; ++t) {
+                __m256i x = load256((const uint8_t *)ax[t].xq + 32 * g), p;
+                if (qtype == T_Q4_0) {
+                    p = _mm256_maddubs_epi16(w, x);
+                    corr[t] += 8.f * d * ax[t].xs32[g];
+                } else { /* |w| times x with w's sign */
+                    p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+                }
+                acc[u][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
+                                            _mm256_set1_ps(d * ax[t].dx[g]), acc[u][t]);
+            }
         }
     }
-    for (int t = 0; t < nt; ++t) out_store(y, t0 + t, col, hsum8(acc[t]) - corr[t]);
+    for (int t = 0; t < nt; ++t) {
+        for (int u = 1; u < U; ++u) acc[0][t] = _mm256_add_ps(acc[0][t], acc[u][t]);
+        out_store(y, t0 + t, col, hsum8(acc[0][t]) - corr[t]);
+    }
 }
 
 /* Rows [r0, r1) of one shard (row r at w + r * row_bytes, its outputs column c0 + r of

@@ -17,7 +17,10 @@ blocks of `qtype`. On the CPU, with the C kernels built:
     quantised once per scheme its shards use, and one parallel loop runs over every
     shard's rows. Error against float activations: at most sum_i |w_i| * dx_i / 2 per
     output (dx = the 32- or 256-group's max |x| / 127), of the order of the activations'
-    own 16-bit rounding. Where the build has neither, the float path;
+    own 16-bit rounding. An AVX2 build has no tiles: its int8 products take up to
+    `SMALL_BATCH_TOKENS` tokens of every type, the K-quants' activations quantised per
+    32 from `INT8_TILE_MIN_TOKENS` tokens on (as the tiles quantise them). Where the
+    build has neither, the float path;
   - float32 activations: each block dequantised into L1 (AVX-512, or portable C the
     compiler vectorises) and multiplied in float32 (`gguf_gemm`): F.linear on the
     dequantised weight up to float32 rounding (16 running sums per token, fused
@@ -43,7 +46,8 @@ blocks of `qtype`. On the CPU, with the C kernels built:
 - more tokens (prefill) of those rows: row tiles of `TILE_ROWS` rows are dequantised
   into one scratch tile (never the whole weight) and multiplied by torch's GEMM in the
   activations' dtype: for bf16 activations dequantised straight to bf16 (AVX-512 BF16
-  builds), otherwise a float32 tile (with a 16-bit copy for bf16/fp16 activations).
+  builds), otherwise a float32 tile (with a 16-bit copy for bf16/fp16 activations where
+  the CPU has a 16-bit GEMM; on AVX2, x in float32 instead).
 On CUDA, the quantised types go through one Triton GEMM that reads the blocks
 (`kernels/gguf_triton.py`: [tokens, rows] tiles, each 32 values of the rows dequantised
 in registers into a `tl.dot`). Elsewhere (no C compiler, `TP_CPU_GGUF_KERNELS=0`, CUDA
