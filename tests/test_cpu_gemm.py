@@ -31,7 +31,6 @@ from models.layers.cpu_gemm import (
     PACKED_MAX_ROWS,
     PackedWeight,
     default_packed_gemm,
-    lacks_native_gemm,
     mkl_packing_available,
     native_half_gemm,
     onednn_rows,
@@ -39,6 +38,7 @@ from models.layers.cpu_gemm import (
     reusing_upcast_buffer,
     upcast_float32,
     upcast_gemm,
+    widens_half_weights,
 )
 from models.layers.linear import LinearBase
 from models.layers.packed_tensor import PackedTensor
@@ -155,8 +155,8 @@ def row_major_kernel_here(dtype: torch.dtype) -> str | None:
     """Which kernel multiplies a `dtype` weight where it was loaded on this CPU, if any."""
     if dtype == torch.bfloat16 and cpu_bf16_gemm.load() is not None:
         return "bf16"  # AVX-512 BF16
-    if lacks_native_gemm(torch.zeros(2, 2, dtype=dtype)) and upcast_gemm(default_packed_gemm()) == "avx2":
-        return "avx2"  # an AVX2 CPU whose oneDNN has no GEMM for the dtype: widened in our kernel
+    if widens_half_weights(torch.zeros(2, 2, dtype=dtype)):
+        return "avx2"  # no oneDNN GEMM for the dtype on this CPU: widened in our AVX2 kernel
     return None
 
 

@@ -116,6 +116,16 @@ def lacks_native_gemm(weight: torch.Tensor) -> bool:
     return False
 
 
+def widens_half_weights(weight: torch.Tensor) -> bool:
+    """Whether a bfloat16/float16 CPU weight is multiplied where it was loaded by the AVX2
+    kernel (`cpu_sgemm.linear_half`, widening it to float32) rather than packed: the CPU's
+    oneDNN has no GEMM for its dtype (`lacks_native_gemm`: AVX2 CPUs, and AVX-512 ones
+    without BF16/FP16), the kernel builds here, and `TP_CPU_PACKED_GEMM` does not ask for
+    another kernel (which then packs a float32 copy). Asked once per weight, at load."""
+    return (lacks_native_gemm(weight) and weight.stride(1) == 1
+            and os.environ.get("TP_CPU_PACKED_GEMM", "avx2") == "avx2" and packing_available("avx2"))
+
+
 def onednn_packing_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 

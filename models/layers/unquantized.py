@@ -8,8 +8,9 @@ for it: the CPU counterpart of what vLLM's CPU backend does with oneDNN in
 `process_weights_after_loading`. Two kinds of 16-bit weight are not packed at all, so
 loading them is reading them: a bfloat16 weight on a CPU with AVX-512 BF16
 (`models/layers/cpu_bf16_gemm.py` multiplies it in the checkpoint's layout), and a
-bfloat16/float16 weight on an AVX2 CPU whose oneDNN has no GEMM for its dtype
-(`cpu_sgemm.linear_half` widens it to float32 inside the kernel). Both methods serve the
+bfloat16/float16 weight on a CPU whose oneDNN has no GEMM for its dtype (AVX2 CPUs, and
+AVX-512 ones without BF16/FP16: `cpu_sgemm.linear_half` widens it to float32 inside the
+kernel). Both methods serve the
 parallel linear layers and the LM head; `LayerBuildConfig` picks one per layer.
 
 Memory: the packed layout replaces the weight. The layer's `weight` becomes a
@@ -25,7 +26,7 @@ and unpacked (a packed copy beside it would add the vocabulary's table: 27% of a
 Qwen2.5-0.5B). `TP_CPU_PACKED_GEMM=mkl` keeps MKL's packed copy beside the plain weight,
 which its large batches need (a non-persistent buffer, `weight_mkl_packed`): twice the
 linear weights, by choice. A bf16 weight on a CPU without a bf16 GEMM where the AVX2
-kernel cannot read it (`TP_CPU_BF16_GEMM=0`, `TP_CPU_PACKED_GEMM=onednn`, no compiler) is
+kernel does not read it (`TP_CPU_BF16_GEMM=0`, `TP_CPU_PACKED_GEMM=onednn|mkl`, no compiler) is
 replaced by a packed float32 copy, twice the checkpoint's bytes, which computing in
 float32 there needs. Packing runs in the worker's "weights" memory pool, so KV-cache
 sizing sees it.
@@ -46,7 +47,8 @@ from torch import nn
 
 from models.layers import cpu_bf16_gemm, cpu_sgemm
 from models.layers.cpu_gemm import (PackedWeight, can_pack, lacks_native_gemm, layout_verified, native_half_gemm,
-                                    packing_available, reusing_upcast_buffer, upcast_float32, upcast_gemm)
+                                    packing_available, reusing_upcast_buffer, upcast_float32, upcast_gemm,
+                                    widens_half_weights)
 from models.layers.file_pages import release_file_pages
 from models.layers.packed_rows import rows_readable
 from models.layers.packed_tensor import PackedTensor
@@ -133,12 +135,11 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
     def _row_major_kernel(self, weight: torch.Tensor) -> str | None:
         """The kernel that multiplies `weight` where it was loaded, unpacked: "bf16" (AVX-512
         BF16, `cpu_bf16_gemm`), "avx2" (a 16-bit weight on a CPU whose oneDNN has no GEMM for
-        it, widened inside our AVX2 kernel: `cpu_sgemm.linear_half`), or None: pack it.
-        `TP_CPU_BF16_GEMM=0` turns both off (read per weight, at load)."""
+        it, widened inside our AVX2 kernel: `cpu_gemm.widens_half_weights`), or None: pack
+        it. `TP_CPU_BF16_GEMM=0` turns both off (read per weight, at load)."""
         if cpu_bf16_gemm.serves(weight):
             return "bf16"
-        if (os.environ.get(cpu_bf16_gemm.SWITCH, "1") != "0" and lacks_native_gemm(weight)
-                and upcast_gemm(self.kernel) == "avx2" and packing_available("avx2") and weight.stride(1) == 1):
+        if os.environ.get(cpu_bf16_gemm.SWITCH, "1") != "0" and widens_half_weights(weight):
             return "avx2"
         return None
 
