@@ -1,6 +1,6 @@
 """K-quant products for 8 or more tokens of 16-bit activations: the int8 tiles
-(`gguf_kernels.gguf_gemm_vnni_tiles`, gguf_vnni_tiles.c), a concurrent decode's batches
-and every prefill.
+(`gguf_kernels.gguf_gemm_int8_tiles`: gguf_vnni_tiles.c, or gguf_avx2_tiles.c on AVX2
+builds), a concurrent decode's batches and every prefill.
 
 The activations are quantised per token and per 32 values to int8 (dx = max|x| / 127,
 rounded to nearest even); the result is the product of the weights with those rounded
@@ -23,7 +23,7 @@ from tests.gguf_kquants import quantize as quantize_blocks
 
 kernel = gguf_kernels.load()
 pytestmark = pytest.mark.skipif(kernel is None or not kernel.has_int8_tiles,
-                                reason="no AVX-512 VNNI in this CPU or build (the int8 tiles)")
+                                reason="no AVX-512 VNNI or AVX2 in this CPU or build (the int8 tiles)")
 
 KQUANTS = sorted(gguf_kernels.INT8_TILE_TYPES)
 
@@ -78,6 +78,38 @@ def test_16bit_output_is_the_float32_one_rounded_once(qtype, dtype):
     gguf_kernels.gguf_linear(qtype, blocks, k, x, exact)
     gguf_kernels.gguf_linear(qtype, blocks, k, x, rounded)
     assert torch.equal(rounded, exact.to(dtype))
+
+
+# Byte ranges of each K-quant block: (its codes, set to all ones: every value the type's
+# largest), and its float16 fields.
+CODE_BYTES = {"Q4_K": [(16, 144)], "Q5_K": [(16, 176)], "Q6_K": [(0, 192)]}
+F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
+def test_largest_codes_times_largest_activations_do_not_overflow(qtype):
+    """Every code at its largest (15, 31, 63) against activations that all quantise to
+    127: the integer sums the kernels keep (16-bit partial sums in the AVX2 tiles) at
+    their largest, still the product with the rounded activations."""
+    rows, k = 9, 512
+    g = torch.Generator().manual_seed(12)
+    blocks = torch.randint(0, 256, (rows, k // 256 * {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[qtype]),
+                           generator=g, dtype=torch.uint8)
+    per_block = blocks.view(-1, blocks.shape[1] // (k // 256))
+    for start, end in CODE_BYTES[qtype]:
+        per_block[:, start:end] = 255
+    for offset in F16_FIELDS[qtype]:
+        per_block[:, offset:offset + 2] = (torch.rand(per_block.shape[0], generator=g) * 0.01 + 0.001).half() \
+            .view(torch.uint8).view(-1, 2)
+    weight = dequantize(qtype, blocks, k).double()
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.full((8, k), 1.5).to(dtype)
+        x[1] = -1.5
+        out = torch.empty(8, rows)
+        gguf_kernels.gguf_linear(qtype, blocks, k, x, out)
+        rounded = _rounded(x)
+        magnitude = rounded.abs() @ weight.abs().t()
+        assert ((out.double() - rounded @ weight.t()).abs() <= 1e-6 * magnitude + 1e-6).all(), qtype
 
 
 def test_a_q4_k_m_layer_in_one_call():

@@ -5,8 +5,8 @@ Q6_K): the one call must give, bit for bit, what `gguf_linear` gives each shard,
 every token count the int8 path, the int8 tiles (K-quants) and the bf16 tiles (Q4_0,
 Q8_0) take and for both 16-bit activation dtypes. A layer mixing K-quants with Q4_0/Q8_0
 shards is left to `gguf_linear` shard by shard where their paths differ (8 tokens and
-more). On an AVX2 build (int8 products, no tiles) one call takes up to
-`SMALL_BATCH_TOKENS` tokens of any mix.
+more). On an AVX2 build (int8 products and K-quant int8 tiles, no bf16 tiles) Q4_0/Q8_0
+layers take one call up to `SMALL_BATCH_TOKENS` tokens.
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ def test_shards_in_one_call_equal_one_call_each(types, dtype, tokens):
     plan = gguf_kernels.shard_plan(shards)
     assert plan is not None and plan.rows == sum(rows for _, rows in types)
     out = torch.full((tokens, plan.rows), float("nan"))
-    if kernel.has_int8_tiles:  # AVX-512 VNNI (and BF16): int8 products, then int8 or bf16 tiles
-        one_call = types == KQUANTS or tokens < gguf_kernels.INT8_TILE_MIN_TOKENS or (
-            types == LEGACY and tokens <= gguf_kernels.BF16_TILE_MAX_TOKENS)
-    else:  # AVX2: the int8 products alone, every type
-        one_call = tokens <= gguf_kernels.SMALL_BATCH_TOKENS
+    # int8 products below 8 tokens; from 8, K-quants in int8 tiles (AVX-512 VNNI or AVX2),
+    # Q4_0/Q8_0 in bf16 tiles up to 64 tokens (AVX-512 BF16) or int8 products up to 16
+    legacy_max = gguf_kernels.BF16_TILE_MAX_TOKENS if kernel.has_bf16 else gguf_kernels.SMALL_BATCH_TOKENS
+    one_call = types == KQUANTS or tokens < gguf_kernels.INT8_TILE_MIN_TOKENS or (
+        types == LEGACY and tokens <= legacy_max)
     assert gguf_kernels.gguf_linear_shards(plan, k, x, out) == one_call
     if not one_call:
         assert out.isnan().all()  # declined: nothing written

@@ -7,19 +7,24 @@
  * scale dx = amax / 127 (rounded to nearest even): per 32 values for Q4_0 and Q8_0 (its
  * Q8_0), per 256 for the K-quants (its Q8_K), in natural order, with the sums of xq that
  * the offsets and mins multiply. From KQ_PER32_TOKENS tokens on (a prefill, a concurrent
- * decode's batches) the K-quants' too are quantised per 32, as gguf_vnni_tiles.c does on
- * AVX-512: finer rounding where an error would reach every later token's attention. The blocks' integers meet them in vpmaddubsw (unsigned
- * weight byte times signed activation byte, pairs summed to 16 bits: at most 2 * 63 *
- * 127, no saturation) and vpmaddwd (pairs to 32 bits, times the K-quants' integer group
- * scales, or 1), so a super-block's sums stay in integers and are converted to float once,
- * times d * dx (once per 32-group where x is quantised per 32). Q8_0's signed weights go through the sign trick (|w| times x with w's
- * sign). Offsets and mins are one float term per group: Q4_0's 8 * d per 32 values,
- * Q4_K/Q5_K's dmin * min per 32, Q6_K's 32 * d * scale per 16, times dx * sum(xq).
+ * decode's batches) the K-quants' too are quantised per 32, as the int8 tiles
+ * (gguf_avx2_tiles.c, which gguf_kernels.py routes such calls to) quantise them: finer
+ * rounding where an error reaches every later token's attention.
+ *
+ * The blocks' integers meet them in vpmaddubsw (unsigned weight byte times signed
+ * activation byte, pairs summed to 16 bits: at most 2 * 63 * 127, no saturation) and
+ * vpmaddwd (pairs to 32 bits, times the K-quants' integer group scales, or 1), so a
+ * super-block's sums stay in integers and are converted to float once, times d * dx
+ * (once per 32-group where x is quantised per 32). Q8_0's signed weights go through the
+ * sign trick (|w| times x with w's sign). Offsets and mins are one float term per group:
+ * Q4_0's 8 * d per 32 values, Q4_K/Q5_K's dmin * min per 32, Q6_K's 32 * d * scale per
+ * 16, times dx * sum(xq).
  *
  * Error against float activations: at most sum_i |w_i| * dx_i / 2 per output (the
  * activations' rounding), plus float rounding: the bound gguf_vnni.c's products meet.
  * Each output is one thread's sum in a fixed order: results do not depend on the thread
- * count. */
+ * count. Against llama.cpp's AVX2 build on its own files (2026-12-05, the Zen 3 VM,
+ * docs/benchmarks.md): batch-1 decode 1.48x (Q8_0) and 1.26x (Q4_K_M). */
 
 #include "gguf_blocks.h"
 
@@ -36,10 +41,10 @@
 
 /* One token's activations, quantised for one group size (32 or 256). */
 typedef struct {
-    int8_t *xq;  /* [kpad] natural order */
-    float *dx;   /* [kpad / group] */
-    float *xs16; /* [kpad / 16]: dx * sum of xq per 16 values */
-    float *xs32; /* [kpad / 32]: dx * sum of xq per 32 values */
+    int8_t *xq;  /* [k] natural order */
+    float *dx;   /* [k / group] */
+    float *xs16; /* [k / 16]: dx * sum of xq per 16 values */
+    float *xs32; /* [k / 32]: dx * sum of xq per 32 values */
 } ax_t;
 
 static void quantize_groups(const float *x, int64_t k, int group, ax_t *q) {
@@ -291,7 +296,8 @@ int gguf_gemm_q8_shards(int n, const int *qtypes, const uint8_t *const *w, const
         const float *xt = (const float *)x + t * ldx;
         if (x_dtype != 0) {
             const uint16_t *h = (const uint16_t *)x + t * ldx;
-            for (int64_t i = 0; i < k; ++i) xf[i] = x_dtype == 1 ? bf16_to_float(h[i]) : load_fp16((const uint8_t *)(h + i));
+            for (int64_t i = 0; i < k; ++i)
+                xf[i] = x_dtype == 1 ? bf16_to_float(h[i]) : load_fp16((const uint8_t *)(h + i));
             xt = xf;
         }
         for (int g = 0; g < 2; ++g) {

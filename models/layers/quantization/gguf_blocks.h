@@ -12,8 +12,9 @@
 #include <immintrin.h>
 #endif
 
-/* Which int8 product the build has (gguf_gemm_q8_shards): gguf_vnni.c's with AVX-512
- * VNNI, else gguf_avx2.c's with AVX2 (vpmaddubsw), else none (the entry answers -2). */
+/* Which int8 products the build has (gguf_gemm_q8_shards, gguf_gemm_int8_tiles):
+ * gguf_vnni.c's and gguf_vnni_tiles.c's with AVX-512 VNNI, else gguf_avx2.c's and
+ * gguf_avx2_tiles.c's with AVX2 (vpmaddubsw), else none (the entries answer -2). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define GGUF_INT8_VNNI 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -95,7 +96,7 @@ static inline void scale_min_k4(int j, const uint8_t *s, int *sc, int *m) {
 }
 
 /* Where tile g falls when n shards of rows[i] rows each are cut into tiles of
- * `tile_rows` rows, shard after shard (gguf_gemm_bf16_shards, gguf_gemm_vnni_tiles): its
+ * `tile_rows` rows, shard after shard (gguf_gemm_bf16_shards, gguf_gemm_int8_tiles): its
  * shard, the shard's first output column (the rows of the shards before it), and the
  * tile's first row and row count within the shard. */
 typedef struct {

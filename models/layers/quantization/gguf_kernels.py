@@ -1,7 +1,7 @@
 """The products and lookups GGUF layers compute from their blocks (`gguf_kernels.c`: float
 products and dequantisers; `gguf_vnni.c`: int8 products with AVX-512 VNNI, or
-`gguf_avx2.c` on AVX2 CPUs without it; `gguf_vnni_tiles.c`: int8 tiles; `gguf_bf16.c`:
-bf16 tiles).
+`gguf_avx2.c` on AVX2 CPUs without it; `gguf_vnni_tiles.c`, `gguf_avx2_tiles.c`: int8
+tiles, likewise; `gguf_bf16.c`: bf16 tiles).
 
 `gguf_linear(qtype, blocks, k, x, out)`: out = x W^T for W held as [rows, row_bytes]
 blocks of `qtype`. On the CPU, with the C kernels built:
@@ -17,17 +17,16 @@ blocks of `qtype`. On the CPU, with the C kernels built:
     quantised once per scheme its shards use, and one parallel loop runs over every
     shard's rows. Error against float activations: at most sum_i |w_i| * dx_i / 2 per
     output (dx = the 32- or 256-group's max |x| / 127), of the order of the activations'
-    own 16-bit rounding. An AVX2 build has no tiles: its int8 products take up to
-    `SMALL_BATCH_TOKENS` tokens of every type, the K-quants' activations quantised per
-    32 from `INT8_TILE_MIN_TOKENS` tokens on (as the tiles quantise them). Where the
-    build has neither, the float path;
+    own 16-bit rounding. An AVX2 build has no bf16 tiles: its int8 products take Q4_0/Q8_0
+    rows up to `SMALL_BATCH_TOKENS` tokens. Where the build has neither, the float path;
   - float32 activations: each block dequantised into L1 (AVX-512, or portable C the
     compiler vectorises) and multiplied in float32 (`gguf_gemm`): F.linear on the
     dequantised weight up to float32 rounding (16 running sums per token, fused
     multiply-adds).
 - from `INT8_TILE_MIN_TOKENS` tokens of 16-bit activations on, every count (a
   concurrent decode's batches and every prefill), K-quant rows (`INT8_TILE_TYPES`) on a
-  VNNI build: the int8 tiles (`gguf_vnni_tiles.c`): x quantised to int8 per 32 values
+  VNNI build: the int8 tiles (`gguf_vnni_tiles.c`; on AVX2, `gguf_avx2_tiles.c`: 8-row
+  tiles, vpmaddubsw and vpmaddwd, 16-bit partial sums): x quantised to int8 per 32 values
   (vLLM's GGUF granularity), each 16-row tile of the weight unpacked once per call to
   bytes with one row per 32-bit lane and multiplied by every token with vpdpbusd. Error:
   at most sum_i |w_i| * dx_i / 2 per output, dx that of the value's 32. Against the bf16
@@ -94,7 +93,7 @@ SOURCE = Path(__file__).with_name("gguf_kernels.c")
 #: int8 tiles, the bf16 tiles, and the headers they share.
 SOURCES = (SOURCE, SOURCE.with_name("gguf_vnni.c"), SOURCE.with_name("gguf_avx2.c"),
            SOURCE.with_name("gguf_quantize_x.h"),
-           SOURCE.with_name("gguf_vnni_tiles.c"),
+           SOURCE.with_name("gguf_vnni_tiles.c"), SOURCE.with_name("gguf_avx2_tiles.c"),
            SOURCE.with_name("gguf_bf16.c"), SOURCE.with_name("gguf_blocks.h"), SOURCE.parent.parent / "bf16_tile.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
@@ -141,7 +140,7 @@ class GGUFKernels:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._gemm, self._shards, self._rows = lib.gguf_gemm, lib.gguf_gemm_q8_shards, lib.gguf_dequantize_rows
         self._bf16, self._rows_bf16 = lib.gguf_gemm_bf16_shards, lib.gguf_dequantize_rows_bf16
-        self._int8_tiles = lib.gguf_gemm_vnni_tiles
+        self._int8_tiles = lib.gguf_gemm_int8_tiles
         self._int8_tiles.restype = ctypes.c_int
         self._int8_tiles.argtypes = [i32, p, p, p, p, i64, p, i32, i64, i64, p, i32, i64, i32]
         self._gemm.restype = self._shards.restype = self._rows.restype = self._bf16.restype = ctypes.c_int
@@ -152,7 +151,7 @@ class GGUFKernels:
         self._bf16.argtypes = [i32, p, p, p, p, i64, p, i64, i64, p, i32, i64, i32]
         self._rows.argtypes = [i32, p, i64, i64, p, i64, p, i64, i32]
         # Whether this build has AVX-512 BF16 (the bf16 entry points answer -2 where not),
-        # and the int8 tiles' AVX-512 VNNI (-2 where not; -1 here: float32 x is refused).
+        # and the int8 tiles (AVX-512 VNNI or AVX2; -2 where not; -1 here: float32 x is refused).
         self.has_bf16 = self._rows_bf16(GGUF_FORMATS["Q8_0"].type_id, None, 0, 32, 0, None, 0, 1) != -2
         self.has_int8_tiles = self._int8_tiles(0, None, None, None, None, 256, None, 0, 0, 0, None, 0, 0, 1) != -2
 
@@ -196,8 +195,9 @@ class GGUFKernels:
     def gemm_shards_int8_tiles(self, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
         """out [m, plan.rows] (as gemm_shards') = x [m, k] (bfloat16 or float16, rows
         contiguous) times the plan's K-quant shards (`INT8_TILE_TYPES`), x quantised to
-        int8 per 32 values and each 16-row tile of the weight unpacked to bytes for
-        VNNI. False, with nothing written, where this build has no AVX-512 VNNI."""
+        int8 per 32 values and each 16-row (AVX2: 8-row) tile of the weight unpacked to
+        bytes. False, with nothing written, where this build has neither AVX-512 VNNI nor
+        AVX2."""
         status = self._int8_tiles(len(plan.qtypes), plan.qtypes, plan.pointers, plan.rows_per_shard, plan.row_bytes,
                                   k, x.data_ptr(), _X_DTYPES[x.dtype], x.stride(0), x.shape[0], out.data_ptr(),
                                   _X_DTYPES[out.dtype], out.stride(0), torch.get_num_threads())
@@ -354,7 +354,7 @@ def _int8_tiles(kernel: GGUFKernels, plan: ShardPlan, k: int, x: torch.Tensor, o
     """The int8 tiles' product for `INT8_TILE_MIN_TOKENS` or more tokens of 16-bit x into
     out (float32 or x's dtype, rows contiguous) where every shard is a K-quant
     (`INT8_TILE_TYPES`); False, with nothing written, otherwise or where the build has no
-    AVX-512 VNNI."""
+    int8 tiles."""
     if not (kernel.has_int8_tiles and x.shape[0] >= INT8_TILE_MIN_TOKENS and out.stride(1) == 1
             and INT8_TILE_TYPES.issuperset(plan.names)):
         return False

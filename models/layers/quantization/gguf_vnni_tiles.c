@@ -269,7 +269,7 @@ static inline int tile_type(int qtype) { return qtype == T_Q4_K || qtype == T_Q5
  * bfloat16 (x_dtype 1) or float16 (2), quantised to int8 per 32 values.
  * Returns 0; -1 for another type or a bad dtype (nothing written); -3 when memory cannot
  * be allocated. */
-int gguf_gemm_vnni_tiles(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
+int gguf_gemm_int8_tiles(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
                          const int64_t *row_bytes, int64_t k, const uint16_t *x, int x_dtype, int64_t ldx, int64_t m,
                          void *y, int y_dtype, int64_t ldy, int num_threads) {
     if (y_dtype < 0 || y_dtype > 2 || x_dtype < 1 || x_dtype > 2 || k % 256) return -1;
@@ -323,8 +323,8 @@ int gguf_gemm_vnni_tiles(int n, const int *qtypes, const uint8_t *const *w, cons
     free(q.is16);
     return failed ? -3 : 0;
 }
-#else
-int gguf_gemm_vnni_tiles(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
+#elif !defined(GGUF_INT8_AVX2) /* gguf_avx2_tiles.c defines it there */
+int gguf_gemm_int8_tiles(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
                          const int64_t *row_bytes, int64_t k, const uint16_t *x, int x_dtype, int64_t ldx, int64_t m,
                          void *y, int y_dtype, int64_t ldy, int num_threads) {
     (void)n; (void)qtypes; (void)w; (void)rows; (void)row_bytes; (void)k; (void)x; (void)x_dtype; (void)ldx;
