@@ -128,7 +128,8 @@ static inline void unpack_superblock(int qtype, const uint8_t *b, __m256i w[8], 
         w[2 * j] = _mm256_and_si256(q, m4);
         w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
         if (qtype == T_Q5_K) {
-            w[2 * j] = _mm256_or_si256(w[2 * j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), m1), 4));
+            w[2 * j] = _mm256_or_si256(
+                w[2 * j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), m1), 4));
             w[2 * j + 1] = _mm256_or_si256(
                 w[2 * j + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), m1), 4));
         }
