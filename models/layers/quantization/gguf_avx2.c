@@ -91,7 +91,6 @@ static inline __m256i pick16(__m256i e, int a, int b) {
 static inline __attribute__((always_inline)) void row_k_n(int qtype, const int per32, const uint8_t *row, int64_t k,
                                                           const ax_t *ax, const int nt, const out_t *y, int64_t t0,
                                                           int64_t col) {
-    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
     const int bb = block_bytes(qtype), q6 = qtype == T_Q6_K;
     /* Per 32, a token's eight group products would be one chain of dependent fused
      * multiply-adds: U running sums per token break it where few tokens interleave. */
@@ -105,23 +104,15 @@ static inline __attribute__((always_inline)) void row_k_n(int qtype, const int p
         const uint8_t *b = row + s * bb;
         for (int off = 0; off < bb; off += 64) _mm_prefetch((const char *)b + PREFETCH_BYTES + off, _MM_HINT_T0);
         __m256i w[8], sc[8]; /* weight vector v holds values [32v, 32v + 32); sc its multipliers */
+        k_codes_avx2(qtype, b, w);
         __m256 off16[2];     /* the offsets of the 16 groups of 16 values (Q6_K) or 8 of 32 */
         float d;
         if (q6) { /* per 128 values: ql's 64 bytes (low nibbles, then high), qh's 32 (top bits) */
             const int8_t *scales = (const int8_t *)(b + 192);
             const __m128i s16 = _mm_loadu_si128((const __m128i *)scales);
             d = load_fp16(b + 208);
-            for (int n = 0; n < 2; ++n) {
-                /* this half's 8 scales as 16 bits, in both lanes */
+            for (int n = 0; n < 2; ++n) { /* this half's 8 scales as 16 bits, in both lanes */
                 const __m256i e = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(n ? _mm_srli_si128(s16, 8) : s16));
-                const __m256i l0 = load256(b + 64 * n), l1 = load256(b + 64 * n + 32), h = load256(b + 128 + 32 * n);
-                w[4 * n] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
-                w[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4));
-                w[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4));
-                w[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4));
                 for (int i = 0; i < 4; ++i) sc[4 * n + i] = pick16(e, 2 * i, 2 * i + 1);
             }
             const __m256 off = _mm256_set1_ps(32.f * d);
@@ -138,19 +129,6 @@ static inline __attribute__((always_inline)) void row_k_n(int qtype, const int p
             d = load_fp16(b);
             off16[0] = _mm256_mul_ps(_mm256_set1_ps(load_fp16(b + 2)),
                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mns))));
-            const __m256i qh = qtype == T_Q5_K ? load256(b + 16) : _mm256_setzero_si256();
-            const uint8_t *qs = b + (qtype == T_Q4_K ? 16 : 48);
-            for (int j = 0; j < 4; ++j) { /* 32 bytes: values [64j, 64j + 32) low nibbles, the next 32 high */
-                const __m256i q = load256(qs + 32 * j);
-                w[2 * j] = _mm256_and_si256(q, m4);
-                w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-                if (qtype == T_Q5_K) { /* the fifth bit of value l of group v is bit v of qh[l] */
-                    w[2 * j] = _mm256_or_si256(
-                        w[2 * j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), m1), 4));
-                    w[2 * j + 1] = _mm256_or_si256(
-                        w[2 * j + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), m1), 4));
-                }
-            }
             const __m256i e = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)scs)));
             for (int v = 0; v < 8; ++v) sc[v] = pick16(e, v, v);
         }

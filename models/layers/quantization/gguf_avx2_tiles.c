@@ -69,7 +69,6 @@ static void quantize_token(const uint16_t *x, int x_dtype, const qx_t *q, int64_
     }
 }
 
-static inline __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
 /* r[i] (8 words of row i) -> r[c] (word c of every row): an 8 x 8 transpose. */
 static inline void transpose8(__m256i v[8]) {
@@ -98,20 +97,10 @@ static inline void transpose8(__m256i v[8]) {
  * unsigned: Q6_K's before its - 32), and its scales: sc[v] = d * scale (Q4_K/Q5_K per
  * 32, Q6_K per 16: sc[0..16)), mn[v] = dmin * min. */
 static inline void unpack_superblock(int qtype, const uint8_t *b, __m256i w[8], float *sc, float *mn) {
-    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+    k_codes_avx2(qtype, b, w);
     if (qtype == T_Q6_K) {
         const float d = load_fp16(b + 208);
         for (int i = 0; i < 16; ++i) sc[i] = d * (float)((const int8_t *)(b + 192))[i];
-        for (int n = 0; n < 2; ++n) {
-            const __m256i l0 = load256(b + 64 * n), l1 = load256(b + 64 * n + 32), h = load256(b + 128 + 32 * n);
-            w[4 * n] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
-            w[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4));
-            w[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4));
-            w[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4));
-        }
         return;
     }
     const float d = load_fp16(b), dmin = load_fp16(b + 2);
@@ -120,19 +109,6 @@ static inline void unpack_superblock(int qtype, const uint8_t *b, __m256i w[8], 
         scale_min_k4(v, b + 4, &s, &m);
         sc[v] = d * (float)s;
         mn[v] = dmin * (float)m;
-    }
-    const __m256i qh = qtype == T_Q5_K ? load256(b + 16) : _mm256_setzero_si256();
-    const uint8_t *qs = b + (qtype == T_Q4_K ? 16 : 48);
-    for (int j = 0; j < 4; ++j) {
-        const __m256i q = load256(qs + 32 * j);
-        w[2 * j] = _mm256_and_si256(q, m4);
-        w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        if (qtype == T_Q5_K) {
-            w[2 * j] = _mm256_or_si256(
-                w[2 * j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), m1), 4));
-            w[2 * j + 1] = _mm256_or_si256(
-                w[2 * j + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), m1), 4));
-        }
     }
 }
 
