@@ -69,6 +69,22 @@ def test_product_with_the_activations_rounded_per_32(qtype, dtype, tokens):
 
 
 @pytest.mark.parametrize("qtype", KQUANTS)
+def test_many_tokens_and_super_blocks_past_the_kernels_blocks(qtype):
+    """More tokens than one pass over a tile takes (the AVX2 tiles' 128) and a
+    super-block count that leaves a partial group of 4 (k = 1280): every token and
+    output still the product with the rounded activations."""
+    rows, k, tokens = 21, 1280, 300
+    blocks = _blocks(qtype, rows, k, 13)
+    weight = dequantize(qtype, blocks, k).double()
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(14)).bfloat16()
+    out = torch.full((tokens, rows), float("nan"))
+    gguf_kernels.gguf_linear(qtype, blocks, k, x, out)
+    rounded = _rounded(x)
+    magnitude = rounded.abs() @ weight.abs().t()
+    assert ((out.double() - rounded @ weight.t()).abs() <= 1e-6 * magnitude + 1e-6).all()
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_output_is_the_float32_one_rounded_once(qtype, dtype):
     k = 512
@@ -87,9 +103,11 @@ F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 @pytest.mark.parametrize("qtype", KQUANTS)
-def test_largest_codes_times_largest_activations_do_not_overflow(qtype):
-    """Every code at its largest (15, 31, 63) against activations that all quantise to
-    127: the integer sums the kernels keep (16-bit partial sums in the AVX2 tiles) at
+@pytest.mark.parametrize("code_byte", [255, 0])
+def test_largest_codes_times_largest_activations_do_not_overflow(qtype, code_byte):
+    """Every code at its largest (15, 31, 63) or smallest (0; Q6_K's -32) against
+    activations that all quantise to +-127: the integer sums the kernels keep (16-bit
+    partial sums in the AVX2 tiles, whose Q6_K activations are unsigned, x + 128) at
     their largest, still the product with the rounded activations."""
     rows, k = 9, 512
     g = torch.Generator().manual_seed(12)
@@ -97,7 +115,7 @@ def test_largest_codes_times_largest_activations_do_not_overflow(qtype):
                            generator=g, dtype=torch.uint8)
     per_block = blocks.view(-1, blocks.shape[1] // (k // 256))
     for start, end in CODE_BYTES[qtype]:
-        per_block[:, start:end] = 255
+        per_block[:, start:end] = code_byte
     for offset in F16_FIELDS[qtype]:
         per_block[:, offset:offset + 2] = (torch.rand(per_block.shape[0], generator=g) * 0.01 + 0.001).half() \
             .view(torch.uint8).view(-1, 2)

@@ -117,37 +117,50 @@ static inline tile_pos_t tile_position(const int64_t *rows, int64_t g, int tile_
 }
 
 #ifdef GGUF_INT8_AVX2
-/* A K-quant super-block's 256 codes (gguf_avx2.c, gguf_avx2_tiles.c) as 8 vectors of 32
- * unsigned bytes: value 32v + l in byte l of w[v] (Q6_K's before its - 32). Q4_K/Q5_K:
- * each 32 bytes of nibbles hold values [64j, 64j + 32) low and the next 32 high, the
- * fifth bit of value l of group v being bit v of qh[l]; Q6_K: per 128 values, ql's 64
- * bytes (low nibbles, then high) and qh's 32 (two top bits each). */
-static inline __attribute__((always_inline)) void k_codes_avx2(int qtype, const uint8_t *b, __m256i w[8]) {
+/* A K-quant super-block's code bytes as vectors of 32 (gguf_avx2.c, gguf_avx2_tiles.c):
+ * Q4_K: qs (4); Q5_K: qh, then qs (5); Q6_K: per 128 values ql's two 32 bytes and qh's
+ * 32 (6). k_raw_count gives how many. */
+static inline int k_raw_count(int qtype) { return qtype == T_Q4_K ? 4 : qtype == T_Q5_K ? 5 : 6; }
+
+static inline __attribute__((always_inline)) void k_raw_avx2(int qtype, const uint8_t *b, __m256i raw[6]) {
+    static const int q6_offsets[6] = {0, 32, 128, 64, 96, 160};
+    for (int i = 0; i < k_raw_count(qtype); ++i)
+        raw[i] = _mm256_loadu_si256((const __m256i *)(b + (qtype == T_Q6_K ? q6_offsets[i] : 16 + 32 * i)));
+}
+
+/* The 256 codes from k_raw_avx2's vectors, as 8 vectors of 32 unsigned bytes: value 32v
+ * + l in byte l of w[v] (Q6_K's before its - 32). Byte-wise, so it gives the same from
+ * vectors whose bytes were moved together (gguf_avx2_tiles.c's transposed rows). Q4_K/
+ * Q5_K: each 32 bytes of nibbles hold values [64j, 64j + 32) low and the next 32 high,
+ * the fifth bit of value l of group v being bit v of qh[l]; Q6_K: per 128 values, ql's
+ * 64 bytes (low nibbles, then high) and qh's 32 (two top bits each). */
+static inline __attribute__((always_inline)) void k_codes_from_raw(int qtype, const __m256i raw[6], __m256i w[8]) {
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
     if (qtype == T_Q6_K) {
-        for (int n = 0; n < 2; ++n) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * n));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32));
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
+        for (int n = 0; n < 2; ++n)
             for (int i = 0; i < 4; ++i) { /* quarter i: ql[l] or ql[l + 32], low or high nibble */
-                const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(i % 2 ? l1 : l0, 4 * (i / 2)), m4);
-                const __m256i top = _mm256_and_si256(_mm256_srli_epi16(h, 2 * i), m2);
+                const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(raw[3 * n + i % 2], 4 * (i / 2)), m4);
+                const __m256i top = _mm256_and_si256(_mm256_srli_epi16(raw[3 * n + 2], 2 * i), m2);
                 w[4 * n + i] = _mm256_or_si256(lo, _mm256_slli_epi16(top, 4));
             }
-        }
         return;
     }
-    const __m256i qh = qtype == T_Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-    const uint8_t *qs = b + (qtype == T_Q4_K ? 16 : 48);
+    const int q5 = qtype == T_Q5_K;
     for (int j = 0; j < 4; ++j) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+        const __m256i q = raw[q5 + j];
         w[2 * j] = _mm256_and_si256(q, m4);
         w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        if (qtype == T_Q5_K)
+        if (q5)
             for (int h = 0; h < 2; ++h)
                 w[2 * j + h] = _mm256_or_si256(
-                    w[2 * j + h], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + h), m1), 4));
+                    w[2 * j + h], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(raw[0], 2 * j + h), m1), 4));
     }
+}
+
+static inline __attribute__((always_inline)) void k_codes_avx2(int qtype, const uint8_t *b, __m256i w[8]) {
+    __m256i raw[6];
+    k_raw_avx2(qtype, b, raw);
+    k_codes_from_raw(qtype, raw, w);
 }
 #endif
 
