@@ -275,7 +275,7 @@ int gguf_gemm_int8_tiles(int n, const int *qtypes, const uint8_t *const *w, cons
                             if (ahead < k / 256)
                                 prefetch_superblock(wt, row_bytes[i], nr, ahead * block_bytes(qtypes[i]),
                                                     block_bytes(qtypes[i]));
-                            else if (g + 1 < tiles && t0 + mb == m)
+                            else if (g + 1 < tiles && t0 + mb == m && ahead - k / 256 < k / 256)
                                 prefetch_superblock(wn, row_bytes[nx.shard], nx.rows,
                                                     (ahead - k / 256) * block_bytes(qtypes[nx.shard]),
                                                     block_bytes(qtypes[nx.shard]));

@@ -67,8 +67,8 @@ output. Dequantised values equal gguf-py's bit for bit on every path. Called by 
 layers on every rank; the GIL is released during each C call; the int8 path holds the
 quantised activations (about 1.3 bytes per input value per token, twice where a layer's
 shards read two orders) for the call, the int8 tiles 1.5 bytes per input value per
-token (AVX2: 1.25, or 2.25 with a Q6_K shard) and, per thread, a 16-row tile of bytes (16 bytes
-per input value; AVX2: 4 super-blocks of it, 24 KB) and its scales.
+token (AVX2: 1.25, or 2.25 with a Q6_K shard) and, per thread, a 16-row tile of bytes
+(16 bytes per input value; AVX2: 4 super-blocks of it, 24 KB) and its scales.
 """
 
 from __future__ import annotations
