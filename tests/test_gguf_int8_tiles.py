@@ -13,6 +13,8 @@ kernel is chosen.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -26,6 +28,8 @@ pytestmark = pytest.mark.skipif(kernel is None or not kernel.has_int8_tiles,
                                 reason="no AVX-512 VNNI or AVX2 in this CPU or build (the int8 tiles)")
 
 KQUANTS = sorted(gguf_kernels.INT8_TILE_TYPES)
+#: The K-quants, and Q8_0 where the build's tiles take it (AVX2).
+TILE_TYPES = sorted(kernel.int8_tile_types) if kernel is not None else KQUANTS
 
 
 def _blocks(qtype: str, rows: int, k: int, seed: int) -> torch.Tensor:
@@ -45,7 +49,7 @@ def _rounded(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(q).reshape(tokens, k)
 
 
-@pytest.mark.parametrize("qtype", KQUANTS)
+@pytest.mark.parametrize("qtype", TILE_TYPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [8, 9, 16, 17, 100])
 def test_product_with_the_activations_rounded_per_32(qtype, dtype, tokens):
@@ -68,7 +72,7 @@ def test_product_with_the_activations_rounded_per_32(qtype, dtype, tokens):
     assert ((got - x.double() @ weight.t()).abs() <= bound + 1e-5).all()
 
 
-@pytest.mark.parametrize("qtype", KQUANTS)
+@pytest.mark.parametrize("qtype", TILE_TYPES)
 def test_many_tokens_and_super_blocks_past_the_kernels_blocks(qtype):
     """More tokens than one pass over a tile takes (the AVX2 tiles' 128) and a
     super-block count that leaves a partial group of 4 (k = 1280): every token and
@@ -84,7 +88,7 @@ def test_many_tokens_and_super_blocks_past_the_kernels_blocks(qtype):
     assert ((out.double() - rounded @ weight.t()).abs() <= 1e-6 * magnitude + 1e-6).all()
 
 
-@pytest.mark.parametrize("qtype", KQUANTS)
+@pytest.mark.parametrize("qtype", TILE_TYPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_output_is_the_float32_one_rounded_once(qtype, dtype):
     k = 512
@@ -130,6 +134,27 @@ def test_largest_codes_times_largest_activations_do_not_overflow(qtype, code_byt
         assert ((out.double() - rounded @ weight.t()).abs() <= 1e-6 * magnitude + 1e-6).all(), qtype
 
 
+@pytest.mark.skipif(kernel is None or "Q8_0" not in kernel.int8_tile_types, reason="this build's tiles take no Q8_0")
+@pytest.mark.parametrize("code", [-128, 127])
+def test_q8_0_extreme_codes_times_largest_activations(code):
+    """Q8_0's extreme codes (-128, which llama.cpp's quantiser never writes but a file may
+    hold, and 127) against activations that all quantise to +-127: still the product with
+    the rounded activations (the AVX2 tiles' 32-bit sums per block)."""
+    rows, k = 9, 512
+    blocks = _blocks("Q8_0", rows, k, 15)
+    per_block = blocks.view(-1, 34)
+    per_block[:, 2:] = torch.tensor(code, dtype=torch.int8).view(torch.uint8)
+    weight = dequantize("Q8_0", blocks, k).double()
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.full((8, k), 1.5).to(dtype)
+        x[1] = -1.5
+        out = torch.empty(8, rows)
+        gguf_kernels.gguf_linear("Q8_0", blocks, k, x, out)
+        rounded = _rounded(x)
+        magnitude = rounded.abs() @ weight.abs().t()
+        assert ((out.double() - rounded @ weight.t()).abs() <= 1e-6 * magnitude + 1e-6).all()
+
+
 def test_a_q4_k_m_layer_in_one_call():
     """Q4_K and Q6_K shards (a Q4_K_M attention's q, k, v) in one call: each shard's
     columns as its own call gives them."""
@@ -173,10 +198,15 @@ def test_where_the_tiles_are_taken():
     assert torch.equal(got, floats)
     legacy = _blocks("Q8_0", 16, k, 11)
     x = torch.randn(gguf_kernels.INT8_TILE_MIN_TOKENS, k, generator=g).bfloat16()
-    if kernel.has_bf16:
-        got, bf16 = torch.empty(x.shape[0], 16), torch.empty(x.shape[0], 16)
-        gguf_kernels.gguf_linear("Q8_0", legacy, k, x, got)
-        assert kernel.gemm_shards_bf16(gguf_kernels.ShardPlan([("Q8_0", legacy)]), k, x, bf16)
-        assert torch.equal(got, bf16)
-    with pytest.raises(ValueError, match=r"take \['Q4_K', 'Q5_K', 'Q6_K'\] rows .* not \['Q8_0'\]"):
-        kernel.gemm_shards_int8_tiles(gguf_kernels.ShardPlan([("Q8_0", legacy)]), k, x, torch.empty(x.shape[0], 16))
+    got, other = torch.empty(x.shape[0], 16), torch.empty(x.shape[0], 16)
+    gguf_kernels.gguf_linear("Q8_0", legacy, k, x, got)
+    if "Q8_0" in kernel.int8_tile_types:  # AVX2: Q8_0 rows through the int8 tiles too
+        assert kernel.gemm_shards_int8_tiles(gguf_kernels.ShardPlan([("Q8_0", legacy)]), k, x, other)
+        assert torch.equal(got, other)
+    elif kernel.has_bf16:
+        assert kernel.gemm_shards_bf16(gguf_kernels.ShardPlan([("Q8_0", legacy)]), k, x, other)
+        assert torch.equal(got, other)
+    q4_0 = _blocks("Q4_0", 16, k, 12)
+    taken = re.escape(str(sorted(kernel.int8_tile_types)))
+    with pytest.raises(ValueError, match=taken + r" rows .* not \['Q4_0'\]"):
+        kernel.gemm_shards_int8_tiles(gguf_kernels.ShardPlan([("Q4_0", q4_0)]), k, x, torch.empty(x.shape[0], 16))

@@ -1,6 +1,7 @@
-/* The AVX2 K-quant tiles' weights (gguf_avx2_tiles.c, its only includer): a tile of 16
- * rows, CHUNK super-blocks at a time, unpacked into a per-thread buffer with one row per
- * 32-bit lane, and the prefetch of the rows a chunk ahead. See gguf_avx2_tiles.c for the
+/* The AVX2 int8 tiles' weights (gguf_avx2_tiles.c, its only includer): a tile of 16
+ * rows, CHUNK super-blocks (Q8_0: CHUNK / 2 runs of 256 values) at a time, unpacked into a
+ * per-thread buffer with one row per 32-bit lane, and the prefetch of the rows a chunk
+ * ahead. See gguf_avx2_tiles.c for the
  * layout's use and the numbers. */
 #ifndef GGUF_AVX2_UNPACK_H
 #define GGUF_AVX2_UNPACK_H
@@ -20,7 +21,15 @@ typedef struct {
     __m256i corr[CHUNK][8][2]; /* Q6_K: 128 * sum(scale * (q - 32)) per 32 */
     __m256 mn[CHUNK][8][2];    /* Q4_K/Q5_K: dmin * min per 32 */
     __m256 d[CHUNK][2];        /* d per row */
+    __m256 dq[CHUNK][8][2];    /* Q8_0: d per row and block of 32 (slot c: its c-th 256 values) */
 } tile_t;
+
+/* Q8_0's 256 values in slot c: 16-bit, two per 32-bit lane, [block][pair][v], taking
+ * w[2c] and w[2c + 1] (twice the K-quants' bytes). */
+#define Q8_W(u, c) ((__m256i(*)[16][2])(u)->w[2 * (c)])
+
+/* The bytes of `qtype` rows holding 256 values. */
+static inline int sb_bytes(int qtype) { return block_bytes(qtype) * (256 / block_size(qtype)); }
 
 /* r[i] (8 words of row i) -> r[c] (word c of every row): an 8 x 8 transpose. */
 static inline void transpose8(__m256i v[8]) {
@@ -132,8 +141,40 @@ static inline __attribute__((always_inline)) void unpack_superblock_q(const int 
     }
 }
 
+/* Q8_0 rows [0, nr) (rows past nr are zeros), values [256 s, 256 s + 256), into slot c
+ * (0 or 1: each takes two of the K-quants' slots): the codes sign-extended to 16 bits,
+ * value pair j of a block in lane r of vector j. */
+static void unpack_q8_0(const uint8_t *w, int64_t row_bytes, int nr, int64_t s, tile_t *u, int c) {
+    __m256i(*W)[16][2] = Q8_W(u, c);
+    for (int v = 0; v < 2; ++v)
+        for (int g = 0; g < 8; ++g) {
+            __m256i lo[8], hi[8]; /* [row]: value pairs 0-7, 8-15 */
+            float d[8];
+            for (int r = 0; r < 8; ++r) {
+                const uint8_t *b = w + (8 * v + r) * row_bytes + (8 * s + g) * 34;
+                if (8 * v + r >= nr) {
+                    lo[r] = hi[r] = _mm256_setzero_si256();
+                    d[r] = 0.f;
+                    continue;
+                }
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2));
+                lo[r] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+                hi[r] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+                d[r] = load_fp16(b);
+            }
+            transpose8(lo);
+            transpose8(hi);
+            for (int j = 0; j < 8; ++j) {
+                W[g][j][v] = lo[j];
+                W[g][8 + j][v] = hi[j];
+            }
+            u->dq[c][g][v] = _mm256_loadu_ps(d);
+        }
+}
+
 static void unpack_superblock(int qtype, const uint8_t *w, int64_t row_bytes, int nr, int64_t s, tile_t *u, int c) {
     switch (qtype) {
+    case T_Q8_0: unpack_q8_0(w, row_bytes, nr, s, u, c); break;
     case T_Q4_K: unpack_superblock_q(T_Q4_K, w, row_bytes, nr, s, u, c); break;
     case T_Q5_K: unpack_superblock_q(T_Q5_K, w, row_bytes, nr, s, u, c); break;
     default: unpack_superblock_q(T_Q6_K, w, row_bytes, nr, s, u, c); break;

@@ -17,8 +17,9 @@ blocks of `qtype`. On the CPU, with the C kernels built:
     quantised once per scheme its shards use, and one parallel loop runs over every
     shard's rows. Error against float activations: at most sum_i |w_i| * dx_i / 2 per
     output (dx = the 32- or 256-group's max |x| / 127), of the order of the activations'
-    own 16-bit rounding. An AVX2 build has no bf16 tiles: its int8 products take Q4_0/Q8_0
-    rows up to `SMALL_BATCH_TOKENS` tokens. Where the build has neither, the float path;
+    own 16-bit rounding. An AVX2 build has no bf16 tiles: its int8 products take Q4_0
+    rows up to `SMALL_BATCH_TOKENS` tokens (Q8_0 ones below 8, where its int8 tiles take
+    over). Where the build has neither, the float path;
   - float32 activations: each block dequantised into L1 (AVX-512, or portable C the
     compiler vectorises) and multiplied in float32 (`gguf_gemm`): F.linear on the
     dequantised weight up to float32 rounding (16 running sums per token, fused
@@ -32,15 +33,20 @@ blocks of `qtype`. On the CPU, with the C kernels built:
   AVX2) to bytes with one row per 32-bit lane and multiplied by every token with vpdpbusd
   (AVX2: vpmaddubsw). On the AVX2 Zen 3 VM (2026-12-06, 2 threads) a 5632x2048 Q4_K
   weight runs at 240-270 GOP/s at 16 tokens (read from memory) and 300-360 at 128-2048,
-  Q6_K at 180 and 230-270. Error:
+  Q6_K at 180 and 230-270. The AVX2 tiles take Q8_0 rows too (`GGUFKernels.
+  int8_tile_types`): its 8-bit weights sign-extended to 16 bits at unpacking and
+  multiplied by 16-bit activation pairs with vpmaddwd (8-bit codes against int8
+  activations could saturate vpmaddubsw's 16-bit pairs), 170-180 GOP/s at 16 tokens and
+  210-235 from 128 on, against 110-125 for the int8 rows and 135-170 for the float32
+  tiles they replace (2026-12-06, the same weight). Error:
   at most sum_i |w_i| * dx_i / 2 per output, dx that of the value's 32. Against the bf16
   tiles and the prefill GEMM below (2026-12-05, the Zen 5 VM, 2 threads): 1.4-1.55x at
   8 tokens, 1.3-1.5x at 16, 1.3x at 2048 for Q4_K and Q6_K weights of the 853M Llama.
-  A fused layer's K-quant shards go in one call; a layer mixing them with Q4_0/Q8_0
-  shards computes shard by shard from 8 tokens on;
+  A fused layer's shards go in one call where the tiles take every one of them; a layer
+  mixing them with other types computes shard by shard from 8 tokens on;
 - from `BF16_TILE_MIN_TOKENS` to `BF16_TILE_MAX_TOKENS` tokens of 16-bit activations,
-  on a CPU with AVX-512 BF16, the other rows (Q4_0, Q8_0; K-quants where the build has
-  no int8 tiles): each 4-row tile is dequantised to bfloat16 into a per-thread buffer and
+  on a CPU with AVX-512 BF16, the rows the int8 tiles do not take (Q4_0, Q8_0; every
+  type where the build has no int8 tiles): each 4-row tile is dequantised to bfloat16 into a per-thread buffer and
   multiplied by every token with our bf16 register tile (`gguf_gemm_bf16_shards`;
   float16 activations are rounded to bfloat16 first). Its error is the weights' one
   bfloat16 rounding, well below the int8 path's. Against the int8 path (2026-12-05, the
@@ -106,9 +112,10 @@ LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
 SMALL_BATCH_TOKENS = 16
 BF16_TILE_MIN_TOKENS, BF16_TILE_MAX_TOKENS = 8, 64
-#: K-quant rows times this many tokens or more of 16-bit activations: the int8 tiles
-#: (`gguf_vnni_tiles.c`), in place of the bf16 tiles and the prefill's bf16 GEMM.
+#: K-quant rows (and, on AVX2, Q8_0 ones) times this many tokens or more of 16-bit
+#: activations: the int8 tiles, in place of the bf16 tiles and the prefill's GEMM.
 INT8_TILE_MIN_TOKENS = 8
+#: The types every int8 tile build takes; a build's own set is `GGUFKernels.int8_tile_types`.
 INT8_TILE_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 TILE_ROWS = 1024  # a float32 tile of 1024 x 5632 is 23 MiB: scratch, reused per layer call
 #: Activation dtypes whose small-batch products quantise x to int8, as
@@ -160,6 +167,10 @@ class GGUFKernels:
         # and the int8 tiles (AVX-512 VNNI or AVX2; -2 where not; -1 here: float32 x is refused).
         self.has_bf16 = self._rows_bf16(GGUF_FORMATS["Q8_0"].type_id, None, 0, 32, 0, None, 0, 1) != -2
         self.has_int8_tiles = self._int8_tiles(0, None, None, None, None, 256, None, 0, 0, 0, None, 0, 0, 1) != -2
+        # The types the int8 tiles take: the K-quants (`INT8_TILE_TYPES`), and Q8_0 on AVX2.
+        takes = lib.gguf_int8_tile_takes
+        takes.restype, takes.argtypes = ctypes.c_int, [i32]
+        self.int8_tile_types = frozenset(name for name, fmt in GGUF_FORMATS.items() if takes(fmt.type_id))
 
     def gemm(self, qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
              int8_activations: bool = False) -> bool:
@@ -200,7 +211,7 @@ class GGUFKernels:
 
     def gemm_shards_int8_tiles(self, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
         """out [m, plan.rows] (as gemm_shards') = x [m, k] (bfloat16 or float16, rows
-        contiguous) times the plan's K-quant shards (`INT8_TILE_TYPES`), x quantised to
+        contiguous) times the plan's shards (`int8_tile_types`), x quantised to
         int8 per 32 values and each 16-row tile of the weight unpacked to bytes. False,
         with nothing written, where this build has neither AVX-512 VNNI nor
         AVX2."""
@@ -208,7 +219,7 @@ class GGUFKernels:
                                   k, x.data_ptr(), _X_DTYPES[x.dtype], x.stride(0), x.shape[0], out.data_ptr(),
                                   _X_DTYPES[out.dtype], out.stride(0), torch.get_num_threads())
         if status == -1:
-            raise ValueError(f"GGUF int8 tiles take {sorted(INT8_TILE_TYPES)} rows and 16-bit activations, "
+            raise ValueError(f"GGUF int8 tiles take {sorted(self.int8_tile_types)} rows and 16-bit activations, "
                              f"not {plan.names} and {x.dtype}")
         return _succeeded(status, plan.names, "the quantised activations or a tile")
 
@@ -286,7 +297,7 @@ def gguf_linear(qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: 
         return
     half = x.dtype in INT8_ACTIVATION_DTYPES
     m, rows = x.shape[0], blocks.shape[0]
-    if half and qtype in INT8_TILE_TYPES and _int8_tiles(kernel, ShardPlan([(qtype, blocks)]), k, x, out):
+    if half and qtype in kernel.int8_tile_types and _int8_tiles(kernel, ShardPlan([(qtype, blocks)]), k, x, out):
         return
     if half and BF16_TILE_MIN_TOKENS <= m <= BF16_TILE_MAX_TOKENS and _bf16_tiles(
             kernel, ShardPlan([(qtype, blocks)]), k, x, out):
@@ -332,7 +343,7 @@ def shard_plan(shards: list[tuple[str, torch.Tensor]]) -> ShardPlan | None:
 def gguf_linear_shards(plan: ShardPlan | None, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
     """out [m, plan.rows] (float32 or x's dtype, rows contiguous) = x [m, k] times every
     shard of `plan` in one C call, for 16-bit activations (`INT8_ACTIVATION_DTYPES`): the
-    int8 tiles' (K-quant shards, from `INT8_TILE_MIN_TOKENS` tokens), the int8 path's
+    int8 tiles' (their types' shards, from `INT8_TILE_MIN_TOKENS` tokens), the int8 path's
     (fewer tokens, at most `SMALL_BATCH_TOKENS`, a VNNI or AVX2 build) and the bf16 tiles' (up to
     `BF16_TILE_MAX_TOKENS`). Same values as `gguf_linear` shard by shard. False, with
     nothing written, where none applies or the shards' paths differ (the caller then
@@ -346,8 +357,8 @@ def gguf_linear_shards(plan: ShardPlan | None, k: int, x: torch.Tensor, out: tor
         raise ValueError("gguf_linear_shards: the output's rows must be contiguous")
     if _int8_tiles(kernel, plan, k, x, out):
         return True
-    if x.shape[0] > BF16_TILE_MAX_TOKENS or (  # K-quant shards among others: int8 tiles shard by shard
-            kernel.has_int8_tiles and x.shape[0] >= INT8_TILE_MIN_TOKENS and INT8_TILE_TYPES.intersection(plan.names)):
+    if x.shape[0] > BF16_TILE_MAX_TOKENS or (  # tile types among others: int8 tiles shard by shard
+            kernel.has_int8_tiles and x.shape[0] >= INT8_TILE_MIN_TOKENS and kernel.int8_tile_types.intersection(plan.names)):
         return False
     if _bf16_tiles(kernel, plan, k, x, out):
         return True
@@ -358,11 +369,11 @@ def gguf_linear_shards(plan: ShardPlan | None, k: int, x: torch.Tensor, out: tor
 
 def _int8_tiles(kernel: GGUFKernels, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
     """The int8 tiles' product for `INT8_TILE_MIN_TOKENS` or more tokens of 16-bit x into
-    out (float32 or x's dtype, rows contiguous) where every shard is a K-quant
-    (`INT8_TILE_TYPES`); False, with nothing written, otherwise or where the build has no
-    int8 tiles."""
+    out (float32 or x's dtype, rows contiguous) where the tiles take every shard
+    (`GGUFKernels.int8_tile_types`); False, with nothing written, otherwise or where the
+    build has no int8 tiles."""
     if not (kernel.has_int8_tiles and x.shape[0] >= INT8_TILE_MIN_TOKENS and out.stride(1) == 1
-            and INT8_TILE_TYPES.issuperset(plan.names)):
+            and kernel.int8_tile_types.issuperset(plan.names)):
         return False
     return kernel.gemm_shards_int8_tiles(plan, k, x if x.stride(1) == 1 else x.contiguous(), out)
 

@@ -264,6 +264,9 @@ static void tile_times_qx(int qtype, int nt, const uint8_t *wq, const float *s1,
 
 static inline int tile_type(int qtype) { return qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K; }
 
+/* Whether gguf_gemm_int8_tiles takes rows of `qtype` (ggml's id): the K-quants. */
+int gguf_int8_tile_takes(int qtype) { return tile_type(qtype); }
+
 /* As gguf_gemm_bf16_shards (n shards sharing one input: y[t * ldy + o_i + r] = W_i[r, :]
  * . x[t, :], y_dtype as out_t's), for K-quant shards (Q4_K, Q5_K, Q6_K) and x in
  * bfloat16 (x_dtype 1) or float16 (2), quantised to int8 per 32 values.
@@ -323,7 +326,13 @@ int gguf_gemm_int8_tiles(int n, const int *qtypes, const uint8_t *const *w, cons
     free(q.is16);
     return failed ? -3 : 0;
 }
-#elif !defined(GGUF_INT8_AVX2) /* gguf_avx2_tiles.c defines it there */
+#elif !defined(GGUF_INT8_AVX2) /* gguf_avx2_tiles.c defines them there */
+int gguf_int8_tile_takes(int qtype) {
+    (void)qtype;
+    return 0;
+}
+
+
 int gguf_gemm_int8_tiles(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
                          const int64_t *row_bytes, int64_t k, const uint16_t *x, int x_dtype, int64_t ldx, int64_t m,
                          void *y, int y_dtype, int64_t ldy, int num_threads) {
