@@ -93,7 +93,8 @@ static void quantize_token(const uint16_t *x, int x_dtype, const qx_t *q, int64_
         _mm256_storeu_si256((__m256i *)(q->xq + t * k + 32 * g), bytes);
         if (q->xu) _mm256_storeu_si256((__m256i *)(q->xu + t * k + 32 * g), _mm256_xor_si256(bytes, bias));
         if (q->x16) {
-            _mm256_storeu_si256((__m256i *)(q->x16 + t * k + 32 * g), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes)));
+            _mm256_storeu_si256((__m256i *)(q->x16 + t * k + 32 * g),
+                                _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes)));
             _mm256_storeu_si256((__m256i *)(q->x16 + t * k + 32 * g + 16),
                                 _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1)));
         }

@@ -1,8 +1,7 @@
 /* The AVX2 int8 tiles' weights (gguf_avx2_tiles.c, its only includer): a tile of 16
  * rows, CHUNK super-blocks (Q8_0: CHUNK / 2 runs of 256 values) at a time, unpacked into a
  * per-thread buffer with one row per 32-bit lane, and the prefetch of the rows a chunk
- * ahead. See gguf_avx2_tiles.c for the
- * layout's use and the numbers. */
+ * ahead. See gguf_avx2_tiles.c for the layout's use and the numbers. */
 #ifndef GGUF_AVX2_UNPACK_H
 #define GGUF_AVX2_UNPACK_H
 
@@ -131,9 +130,11 @@ static inline __attribute__((always_inline)) void unpack_superblock_q(const int 
         }
         if (q6) /* 128 * scale * sum(q - 32) per 16: 4 steps of q - 32 in [-32, 31] sum within a byte */
             for (int g = 0; g < 8; ++g) {
-                const __m256i *st = u->w[c][g][0] + v;
-                const __m256i h0 = _mm256_add_epi8(_mm256_add_epi8(st[0], st[2]), _mm256_add_epi8(st[4], st[6]));
-                const __m256i h1 = _mm256_add_epi8(_mm256_add_epi8(st[8], st[10]), _mm256_add_epi8(st[12], st[14]));
+                __m256i(*st)[2] = u->w[c][g]; /* [step][v] */
+                const __m256i h0 =
+                    _mm256_add_epi8(_mm256_add_epi8(st[0][v], st[1][v]), _mm256_add_epi8(st[2][v], st[3][v]));
+                const __m256i h1 =
+                    _mm256_add_epi8(_mm256_add_epi8(st[4][v], st[5][v]), _mm256_add_epi8(st[6][v], st[7][v]));
                 const __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, h0), u->sc[c][2 * g][v]);
                 const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, h1), u->sc[c][2 * g + 1][v]);
                 u->corr[c][g][v] = _mm256_slli_epi32(_mm256_add_epi32(a, b), 7);
