@@ -1,7 +1,7 @@
 /* K-quant rows (Q4_K, Q5_K, Q6_K) and Q8_0 rows times 8 or more tokens of 16-bit
  * activations, in integers, on AVX2 CPUs without AVX-512 VNNI: gguf_vnni_tiles.c's entry
  * point (gguf_gemm_int8_tiles) and contract, built instead of it there (GGUF_INT8_AVX2);
- * that build's tiles take the K-quants only (gguf_int8_tile_takes says which).
+ * gguf_vnni_tiles.c's take the K-quants only (gguf_int8_tile_takes says which).
  *
  * The activations are quantised per token and per 32 values to int8 (dx = amax / 127,
  * rounded to nearest even), as gguf_vnni_tiles.c quantises them. Each tile of 16 rows is
