@@ -36,6 +36,8 @@ from distributed.native_build import cpu_flags, load_kernel
 from distributed.native_calls import NativeLibrary
 
 SOURCE = Path(__file__).with_name("cpu_sgemm.c")
+#: What the library is built from: the kernel and the transpose it shares with the GGUF tiles.
+SOURCES = (SOURCE, SOURCE.with_name("avx2_transpose.h"))
 COMPILE_FLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 PANEL = 16  # the kernel's NR: output columns per packed panel
@@ -129,7 +131,7 @@ def build_or_load() -> CpuSgemmKernel | None:
     FMA, or where it cannot be built (the reason is logged)."""
     if not cpu_has_avx2():
         return None
-    return load_kernel(SOURCE, COMPILE_FLAGS, LINK_FLAGS, (), CpuSgemmKernel,
+    return load_kernel(SOURCES, COMPILE_FLAGS, LINK_FLAGS, (), CpuSgemmKernel,
                        "CPU sgemm kernel unavailable (%s); packed float32 weights use oneDNN")
 
 

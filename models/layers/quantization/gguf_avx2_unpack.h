@@ -5,6 +5,7 @@
 #ifndef GGUF_AVX2_UNPACK_H
 #define GGUF_AVX2_UNPACK_H
 
+#include "../avx2_transpose.h"
 #include "gguf_blocks.h"
 
 #include <immintrin.h>
@@ -29,29 +30,6 @@ typedef struct {
 
 /* The bytes of `qtype` rows holding 256 values. */
 static inline int sb_bytes(int qtype) { return block_bytes(qtype) * (256 / block_size(qtype)); }
-
-/* r[i] (8 words of row i) -> r[c] (word c of every row): an 8 x 8 transpose. */
-static inline void transpose8(__m256i v[8]) {
-    __m256 r[8];
-    for (int i = 0; i < 8; ++i) r[i] = _mm256_castsi256_ps(v[i]);
-    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
-    r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
-    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
-    r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
-    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
-    r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
-    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
-    r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
-    for (int i = 0; i < 8; ++i) v[i] = _mm256_castps_si256(r[i]);
-}
 
 /* 8 bytes as 8 lanes of (byte, byte) 16-bit pairs: unsigned, or signed (Q6_K's scales). */
 static inline __m256i byte_pairs(__m128i b8, int is_signed) {
@@ -109,19 +87,19 @@ static inline __attribute__((always_inline)) void unpack_superblock_q(const int 
                 d[r] = load_fp16(b);
             }
         }
-        transpose8(sc_lo);
+        transpose8i(sc_lo);
         for (int j = 0; j < 8; ++j) u->sc[c][j][v] = sc_lo[j];
         if (q6) {
-            transpose8(sc_hi);
+            transpose8i(sc_hi);
             for (int j = 0; j < 8; ++j) u->sc[c][8 + j][v] = sc_hi[j];
         } else {
             __m256i m[8];
             for (int r = 0; r < 8; ++r) m[r] = _mm256_castps_si256(mins[r]);
-            transpose8(m);
+            transpose8i(m);
             for (int g = 0; g < 8; ++g) u->mn[c][g][v] = _mm256_castsi256_ps(m[g]);
         }
         u->d[c][v] = _mm256_loadu_ps(d);
-        for (int i = 0; i < nraw; ++i) transpose8(raw[i]);
+        for (int i = 0; i < nraw; ++i) transpose8i(raw[i]);
         for (int j = 0; j < 8; ++j) { /* step j: values 4j .. 4j + 3 of every group */
             __m256i step_raw[6], codes[8];
             for (int i = 0; i < nraw; ++i) step_raw[i] = raw[i][j];
@@ -163,8 +141,8 @@ static void unpack_q8_0(const uint8_t *w, int64_t row_bytes, int nr, int64_t s, 
                 hi[r] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
                 d[r] = load_fp16(b);
             }
-            transpose8(lo);
-            transpose8(hi);
+            transpose8i(lo);
+            transpose8i(hi);
             for (int j = 0; j < 8; ++j) {
                 W[g][j][v] = lo[j];
                 W[g][8 + j][v] = hi[j];
