@@ -159,7 +159,7 @@ def param_count(spec: dict[str, Any]) -> tuple[int, int]:
 
 
 # vLLM's log prefix on a line: "(Worker pid=30058) ERROR 12-05 02:26:01 [multiproc_executor.py:953] ".
-LOG_PREFIX = re.compile(r"^(\(\S+ pid=\d+\) )?(\(\S+ pid=\d+\) )?[A-Z]+ \d\d-\d\d [\d:]+ \[[^]]+\] ?")
+LOG_PREFIX = re.compile(r"^(\(\S+ pid=\d+\) )?(\(\S+ pid=\d+\) )?(?P<level>[A-Z]+) \d\d-\d\d [\d:]+ \[[^]]+\] ?")
 EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit)\w*: ")
 # The wrappers vLLM raises in the parent processes, which point back at the worker's error.
 WRAPPERS = ("root cause above", "stack trace for root cause")
@@ -167,7 +167,8 @@ WRAPPERS = ("root cause above", "stack trace for root cause")
 
 def refusal_line(text: str) -> str:
     """One line for a side that did not start: the first exception in `text` that is not
-    one of vLLM's wrappers ("Engine core initialization failed. See root cause above"),
+    one of vLLM's wrappers ("Engine core initialization failed. See root cause above")
+    nor logged below ERROR (a warning's traceback, which vLLM survives),
     with the lines its log record continues on (vLLM's "Failed to find a kernel ...
     Reasons:" lists them one a line); else bench_moe.failure_reason's line (a native crash's
     frame, the last error). vLLM logs to stdout unless VLLM_LOGGING_STREAM says stderr,
@@ -180,6 +181,8 @@ def refusal_line(text: str) -> str:
         body = line[prefix.end():] if prefix else line
         if not EXCEPTION_LINE.match(body) or any(w in body for w in WRAPPERS):
             continue
+        if prefix and prefix.group("level") in ("DEBUG", "INFO", "WARNING"):
+            continue  # a traceback vLLM logs and survives (its tokenizer lookup's, with skip_tokenizer_init)
         parts = [body.strip()]
         for more in lines[i + 1:] if prefix else []:
             if not more.startswith(prefix.group(0)) or more[prefix.end():].lstrip().startswith(("Traceback", "File ")):

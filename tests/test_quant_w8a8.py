@@ -190,6 +190,42 @@ def test_cpu_int8_passes_give_the_torch_expressions_bits(dtype, out_dtype):
 
 
 
+def test_avx2_int8_gemm_sums_exactly(monkeypatch):
+    """int8_cpu.c's AVX2 GEMM, the CPU GEMM where torch._int_mm has no int8 kernel (no
+    VNNI or AMX): exact int32 sums at the codes' extremes, with k tails, rows and tokens
+    past the register blocks, and token counts that take several chunks (16 tokens a
+    chunk at k = 4096)."""
+    from models.layers.quantization import int8_gemm
+
+    kernel = int8_gemm.load()
+    if kernel is None or not kernel.has_gemm:
+        pytest.skip("no AVX2: int8_cpu.c has no GEMM in this build")
+    gen = torch.Generator().manual_seed(13)
+    for m, n, k in [(1, 1, 1), (2, 4, 16), (3, 5, 17), (7, 9, 130), (37, 6, 4096), (40, 13, 1000)]:
+        x = torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8)
+        w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        x[0], w[0] = -128, -128  # the largest products, 16384 each, all of one sign
+        w[-1] = 127
+        want = (x.long() @ w.long().t()).to(torch.int32)
+        got = kernel.gemm(x, w)
+        assert got.dtype == torch.int32 and torch.equal(got, want), (m, n, k)
+
+    # int8_linear takes it exactly where torch._int_mm has no int8 kernel
+    def refuse(*args):
+        raise AssertionError("torch._int_mm called")
+
+    xq, x_scale = quantize_per_token(torch.randn(5, 64, generator=gen))
+    w, w_scale = torch.randint(-128, 128, (8, 64), generator=gen, dtype=torch.int8), torch.rand(8, 1) + 0.1
+    want = gemm_reference(xq, x_scale, w, w_scale, None)
+    monkeypatch.setattr(torch, "_int_mm", refuse)
+    monkeypatch.setattr(int8_gemm, "torch_int_mm_has_int8_kernel", lambda: False)
+    torch.testing.assert_close(int8_linear(xq, x_scale, w, w_scale, None, torch.float32).double(), want,
+                               atol=1e-5 * float(want.abs().max()), rtol=1e-6)
+    monkeypatch.setattr(int8_gemm, "torch_int_mm_has_int8_kernel", lambda: True)
+    with pytest.raises(AssertionError, match="torch._int_mm called"):
+        int8_linear(xq, x_scale, w, w_scale, None, torch.float32)
+
+
 def test_portable_int8_passes_give_the_same_bits(tmp_path, monkeypatch):
     """Built without -march (no AVX-512: the scalar loops), the passes still compute
     the torch expressions' bits."""
@@ -199,7 +235,7 @@ def test_portable_int8_passes_give_the_same_bits(tmp_path, monkeypatch):
     monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
     portable = load_kernel(int8_gemm.SOURCE, ("-O2", "-ffp-contract=off", "-fopenmp", "-fPIC"), int8_gemm.LINK_FLAGS,
                            ("-lm",), int8_gemm.Int8Kernel, "%s")
-    assert portable is not None
+    assert portable is not None and not portable.has_gemm  # no AVX2 in the baseline: torch._int_mm's GEMM
     gen = torch.Generator().manual_seed(12)
     for dtype in (torch.float32, torch.bfloat16):
         x = (torch.randn(9, 77, generator=gen) * 2).to(dtype)

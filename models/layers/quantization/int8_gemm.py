@@ -3,11 +3,12 @@
 `quantize_per_token(x)` gives each row of x its own symmetric scale (dynamic: computed
 per call, nothing stored). `int8_linear(xq, x_scale, weight, weight_scale, bias,
 out_dtype)` computes `(xq @ weight.T) * x_scale * weight_scale (+ bias)` with exact
-int32 sums through `torch._int_mm`, which on x86 CPUs is oneDNN's int8 GEMM (AVX-512
-VNNI / AMX where the CPU has them) and on CUDA cuBLASLt's. A C kernel of our own with
-VNNI `vpdpbusd` (4x4 register tiles) was measured against it on this CPU and lost
-(batch 1 from a 4096x4096 weight streamed from memory: 1.0 ms against 0.8 ms on one
-thread), so there is none for the GEMM.
+int32 sums through `torch._int_mm`, which on x86 CPUs with VNNI or AMX is oneDNN's int8
+GEMM and on CUDA cuBLASLt's. A C kernel of our own with VNNI `vpdpbusd` (4x4 register
+tiles) was measured against it on a Zen 5 CPU and lost (batch 1 from a 4096x4096 weight
+streamed from memory: 1.0 ms against 0.8 ms on one thread), so there is none for VNNI.
+Without VNNI or AMX, torch._int_mm is a reference loop (0.6 GOP/s); there the GEMM is
+int8_cpu.c's AVX2 one (16-bit products in vpmaddwd, the same exact sums).
 
 The steps around it are one C pass each on the CPU (`kernels/int8_cpu.c`), for float32
 and bfloat16 activations: the torch expressions took six and four passes, and their
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from distributed.native_build import load_kernel
+from distributed.native_build import cpu_flags, load_kernel
 from distributed.native_calls import NativeLibrary
 
 INT8_MAX = 127.0
@@ -51,6 +52,21 @@ class Int8Kernel:
         self._quantize.restype = self._scale.restype = None
         self._quantize.argtypes = [p, i32, i64, i64, i64, p, p, i32]
         self._scale.argtypes = [p, i64, i64, i64, p, p, p, p, i32, i64, i32]
+        self._gemm = lib.int8_gemm_s32
+        self._gemm.restype = i32
+        self._gemm.argtypes = [p, i64, p, i64, i64, p, i64, i32]
+        # Whether the build has the AVX2 int8 GEMM (`gemm`)
+        self.has_gemm = bool(lib.int8_has_gemm())
+
+    def gemm(self, xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """xq [M, K] @ weight [N, K]^T as int32 [M, N], exact; both int8 and contiguous.
+        MemoryError if its scratch (a chunk of xq widened to 16 bits) cannot be allocated."""
+        m, k = xq.shape
+        acc = torch.empty(m, weight.shape[0], dtype=torch.int32)
+        if self._gemm(xq.data_ptr(), m, weight.data_ptr(), weight.shape[0], k, acc.data_ptr(), acc.stride(0),
+                      torch.get_num_threads()):
+            raise MemoryError("the int8 GEMM could not allocate its scratch")
+        return acc
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m, k = x.shape
@@ -96,15 +112,28 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, scale
 
 
+def torch_int_mm_has_int8_kernel() -> bool:
+    """Whether torch._int_mm has an int8 kernel on this CPU: oneDNN's, where the CPU has
+    VNNI (AVX-512 or AVX) or AMX. Without them it runs a reference loop (0.6 GOP/s at 32-128
+    tokens of a 4096x1024 weight, 2026-12-06, the Zen 3 VM), and `int8_linear` takes
+    int8_cpu.c's AVX2 GEMM instead."""
+    flags = cpu_flags().split()
+    return any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
 def int8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """(xq [M, K] @ weight [N, K]^T) * x_scale [M] * weight_scale [N] (+ bias) in
     `out_dtype`, the integer sums exact and the scaling in float32."""
     m = xq.shape[0]
-    if xq.is_cuda and m <= _CUDA_INT_MM_MIN_ROWS:  # decode batches: pad with zero rows
-        xq = torch.cat([xq, xq.new_zeros(_CUDA_INT_MM_MIN_ROWS + 1 - m, xq.shape[1])])
-    acc = torch._int_mm(xq, weight.t())[:m]
-    kernel = _c_kernel(acc)
+    kernel = _c_kernel(xq, weight)
+    if (kernel is not None and kernel.has_gemm and not torch_int_mm_has_int8_kernel() and xq.is_contiguous()
+            and weight.is_contiguous()):
+        acc = kernel.gemm(xq, weight)
+    else:
+        if xq.is_cuda and m <= _CUDA_INT_MM_MIN_ROWS:  # decode batches: pad with zero rows
+            xq = torch.cat([xq, xq.new_zeros(_CUDA_INT_MM_MIN_ROWS + 1 - m, xq.shape[1])])
+        acc = torch._int_mm(xq, weight.t())[:m]
     if kernel is not None and out_dtype in _C_DTYPES and acc.stride(1) == 1:
         scales = [s.to(torch.float32).reshape(-1).contiguous() for s in (x_scale, weight_scale)]
         return kernel.scale_output(acc, *scales, None if bias is None else bias.to(torch.float32).contiguous(),

@@ -1,6 +1,7 @@
 /* W8A8's per-token steps around the int8 GEMM, each one pass over its rows: the
  * activations' dynamic per-token quantisation, and the int32 sums scaled into the
- * output. The contract (dtypes, strides, who calls) is in int8_gemm.py, which compiles
+ * output; and, on AVX2 CPUs, the GEMM itself (int8_gemm_s32, exact int32 sums) for
+ * where torch's has no int8 kernel. The contract (dtypes, strides, who calls) is in int8_gemm.py, which compiles
  * this file and is its only caller. Both compute what the torch expressions there
  * compute, operation for operation (a division, not a multiplication by the inverse;
  * products in the same order, never fused: -ffp-contract=off), so the results are the
@@ -121,3 +122,96 @@ void int8_scale_output(const int32_t *acc, int64_t lda, int64_t m, int64_t n, co
         }
     }
 }
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#include <stdlib.h>
+
+#define GEMM_ROWS 4         /* weight rows per register block */
+#define GEMM_TOKENS 2       /* tokens per register block */
+#define GEMM_CHUNK_BYTES (128 << 10) /* widened activations per pass over the weight: L2 */
+
+/* acc[t][j] for rows j0 .. j0 + rb - 1 and tokens t0 .. t0 + tb - 1 (rb <= 4, tb <= 2):
+ * 16 values of k at a time, each row's int8 widened to 16 bits and met by each token's
+ * (widened once per call) in vpmaddwd, 32-bit sums; the k % 16 tail in scalars. Inlined
+ * with constant rb and tb for full blocks, so that the 8 sums are registers. */
+static inline __attribute__((always_inline)) void gemm_block(const int rb, const int tb, const int16_t *x16,
+                                                              int64_t kp, const int8_t *x, const int8_t *w, int64_t k,
+                                                              int64_t j0, int64_t t0, int32_t *acc, int64_t lda) {
+    __m256i a[GEMM_ROWS][GEMM_TOKENS];
+    for (int r = 0; r < rb; ++r)
+        for (int t = 0; t < tb; ++t) a[r][t] = _mm256_setzero_si256();
+    const int64_t k16 = k & ~(int64_t)15;
+    for (int64_t kk = 0; kk < k16; kk += 16) {
+        __m256i xv[GEMM_TOKENS];
+        for (int t = 0; t < tb; ++t) xv[t] = _mm256_loadu_si256((const __m256i *)(x16 + (t0 + t) * kp + kk));
+        for (int r = 0; r < rb; ++r) {
+            const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + (j0 + r) * k + kk)));
+            for (int t = 0; t < tb; ++t) a[r][t] = _mm256_add_epi32(a[r][t], _mm256_madd_epi16(wv, xv[t]));
+        }
+    }
+    for (int r = 0; r < rb; ++r)
+        for (int t = 0; t < tb; ++t) {
+            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a[r][t]), _mm256_extracti128_si256(a[r][t], 1));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+            int32_t sum = _mm_cvtsi128_si32(s);
+            for (int64_t kk = k16; kk < k; ++kk) sum += (int32_t)w[(j0 + r) * k + kk] * (int32_t)x[(t0 + t) * k + kk];
+            acc[(t0 + t) * lda + j0 + r] = sum;
+        }
+}
+
+/* acc [m, n] int32 (row stride lda) = xq [m, k] (contiguous) times w [n, k]^T (contiguous),
+ * exact (|sum| <= k * 128 * 128 < 2^31 for k < 2^17): int8_gemm.py's GEMM on CPUs whose
+ * torch._int_mm has no int8 kernel (AVX2 without VNNI, where it ran at 0.6 GOP/s). The
+ * activations are widened to 16 bits once, a chunk of tokens at a time (GEMM_CHUNK_BYTES,
+ * so that a chunk stays in L2 while every weight row passes it); the weight is read as
+ * stored. Returns 0, or 1 when the widened chunk could not be allocated. */
+int int8_gemm_s32(const int8_t *x, int64_t m, const int8_t *w, int64_t n, int64_t k, int32_t *acc, int64_t lda,
+                  int num_threads) {
+    const int64_t kp = (k + 15) & ~(int64_t)15;
+    int64_t chunk = GEMM_CHUNK_BYTES / (2 * kp);
+    chunk = chunk < GEMM_TOKENS ? GEMM_TOKENS : chunk - chunk % GEMM_TOKENS;
+    const size_t bytes = (size_t)((chunk < m ? chunk : m) * kp) * sizeof(int16_t);
+    int16_t *x16 = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!x16) return 1;
+    for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+        const int64_t mc = m - c0 < chunk ? m - c0 : chunk;
+#pragma omp parallel num_threads(num_threads)
+        {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < mc; ++t) {
+                int64_t kk = 0;
+                for (; kk + 16 <= k; kk += 16)
+                    _mm256_storeu_si256((__m256i *)(x16 + t * kp + kk),
+                                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + (c0 + t) * k + kk))));
+                for (; kk < kp; ++kk) x16[t * kp + kk] = kk < k ? x[(c0 + t) * k + kk] : 0;
+            }
+#pragma omp for schedule(static)
+            for (int64_t j0 = 0; j0 < n; j0 += GEMM_ROWS) {
+                const int rb = n - j0 < GEMM_ROWS ? (int)(n - j0) : GEMM_ROWS;
+                int64_t t0 = 0;
+                for (; t0 + GEMM_TOKENS <= mc; t0 += GEMM_TOKENS) {
+                    if (rb == GEMM_ROWS)
+                        gemm_block(GEMM_ROWS, GEMM_TOKENS, x16, kp, x + c0 * k, w, k, j0, t0, acc + c0 * lda, lda);
+                    else
+                        gemm_block(rb, GEMM_TOKENS, x16, kp, x + c0 * k, w, k, j0, t0, acc + c0 * lda, lda);
+                }
+                if (t0 < mc) gemm_block(rb, 1, x16, kp, x + c0 * k, w, k, j0, t0, acc + c0 * lda, lda);
+            }
+        }
+    }
+    free(x16);
+    return 0;
+}
+
+/* Whether this build has int8_gemm_s32: 1 or 0. */
+int int8_has_gemm(void) { return 1; }
+#else
+int int8_gemm_s32(const int8_t *x, int64_t m, const int8_t *w, int64_t n, int64_t k, int32_t *acc, int64_t lda,
+                  int num_threads) {
+    (void)x, (void)m, (void)w, (void)n, (void)k, (void)acc, (void)lda, (void)num_threads;
+    return 2;
+}
+int int8_has_gemm(void) { return 0; }
+#endif

@@ -32,6 +32,7 @@ import torch
 
 from distributed.native_build import load_kernel
 from distributed.native_calls import NativeLibrary
+from models.layers.cpu_bf16_gemm import cpu_has_avx512_bf16
 
 if TYPE_CHECKING:
     from models.layers.quantization.kernels.wna16_layout import WNA16Layout
@@ -43,8 +44,9 @@ LINK_LIBS = ("-lm",)
 # Above these many tokens, dequantised tiles + torch's GEMM win (scripts/bench_wna16.py,
 # 4096x4096 int4 on one Zen 5 core, bfloat16 tokens: the bfloat16-dot GEMV takes 1.1 ms for
 # 1-4 tokens, 5.5 ms for 16, 8.1 ms for 24, tiles 4.4-7.6 ms; the float32 GEMV 1.5 ms for
-# 1 token, 5.2 ms for 8). float32 tiles run float32's slower GEMM, so float32 tokens keep
-# the float32 GEMV longer than bfloat16 tokens on a CPU without AVX512-BF16.
+# 1 token, 5.2 ms for 8). Keyed by the tiles' dtype (`tile_dtype`): float32 tiles run
+# float32's slower GEMM, so the float32 GEMV is kept longer where the tiles would be
+# float32 (float32 tokens, and bfloat16 ones on a CPU without AVX512-BF16).
 BF16_DOT_MAX_TOKENS = 16
 GEMV_MAX_TOKENS = {torch.bfloat16: 6, torch.float32: 8}
 SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C kernel's scale_dtype
@@ -119,22 +121,32 @@ def dequant_rows_torch(layout: WNA16Layout, start: int, out: torch.Tensor) -> No
     out.copy_((codes.float() - zeros.float()) * scales)
 
 
+def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the dequantised tiles (and of the GEMM) for x's dtype: bfloat16 for
+    bfloat16 tokens only where torch's bfloat16 GEMM is the faster one (AVX512-BF16);
+    float32 elsewhere. On an AVX2 CPU torch's bfloat16 GEMM is an emulation: 20 GFLOP/s
+    against float32's 85-135 at 32-128 tokens of a 4096x1024 weight (2026-12-06, the Zen 3
+    VM, 2 threads)."""
+    return torch.bfloat16 if x_dtype == torch.bfloat16 and cpu_has_avx512_bf16() else torch.float32
+
+
 def wna16_matmul(x: torch.Tensor, layout: WNA16Layout, kernel: Wna16Kernel | None) -> torch.Tensor:
     """y [M, N] = x [M, Kp] (float32 or bfloat16, contiguous, already in the layout's input
-    order) times W^T; float32 from the GEMVs, x's dtype from the tiles. `kernel` None:
-    torch only. bfloat16 x of up to BF16_DOT_MAX_TOKENS tokens: the bfloat16-dot GEMV
-    (int4, AVX512-BF16); else up to GEMV_MAX_TOKENS[x.dtype] tokens the float32 GEMV;
-    above, tiles of W in x's dtype (bfloat16 tiles: the weight rounded to bfloat16, as a
-    bfloat16 model's weights are, for bfloat16's faster GEMM), at most `_TILE_BYTES` (or
-    64 rows) of scratch."""
+    order) times W^T; float32 from the GEMVs, `tile_dtype(x.dtype)` from the tiles.
+    `kernel` None: torch only. bfloat16 x of up to BF16_DOT_MAX_TOKENS tokens: the
+    bfloat16-dot GEMV (int4, AVX512-BF16); else up to GEMV_MAX_TOKENS[x.dtype] tokens the
+    float32 GEMV; above, tiles of W in `tile_dtype` (bfloat16 tiles, where bfloat16's GEMM
+    is the faster: the weight rounded to bfloat16, as a bfloat16 model's weights are), at
+    most `_TILE_BYTES` (or 64 rows) of scratch."""
     m = x.shape[0]
     if kernel is not None and x.dtype == torch.bfloat16 and m <= BF16_DOT_MAX_TOKENS:
         y = kernel.gemv_bf16(x, layout)
         if y is not None:
             return y
-    if kernel is not None and m <= GEMV_MAX_TOKENS[x.dtype]:
+    if kernel is not None and m <= GEMV_MAX_TOKENS[tile_dtype(x.dtype)]:
         return kernel.gemv(x.to(torch.float32), layout)
     n, kp = layout.out_features, layout.padded_in_features
+    x = x.to(tile_dtype(x.dtype))
     tile_rows = max(64, _TILE_BYTES // (x.element_size() * kp))
     scratch = torch.empty(min(tile_rows, n), kp, dtype=x.dtype)
     y = torch.empty(x.shape[0], n, dtype=x.dtype)
