@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distributed.native_build import load_kernel
 from models.layers.attention.backends import paged_decode
 from models.layers.attention.backends.cpu_attn import CPUAttentionBackend
 
@@ -65,6 +66,9 @@ CASES = {
     "gqa4-d128": ([1, 15, 16, 17, 250], 2, 4, 128, 16),
     "gqa7-d128-bs32": ([3, 40, 97], 1, 7, 128, 32),
     "gqa8-d64-bs8": ([9, 31, 64, 130], 2, 8, 64, 8),
+    # Head size 64 takes the AVX2 path on an AVX2 CPU without AVX-512: a block at a time,
+    # rows in groups of up to 4 (here 1), 8 tokens' dot products reduced together.
+    "mha-d64": ([5, 48, 129], 2, 1, 64, 16),
 }
 
 
@@ -82,6 +86,48 @@ def test_kernel_equals_attention_over_the_gathered_context(case, dtype, atol):
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=0)
     no_lse, none = KERNEL(q, cache, tables, torch.tensor(seq_lens), scale)
     assert none is None and torch.equal(no_lse, out)
+
+
+def _cpu_has(*flags: str) -> bool:
+    words = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    return all(flag in words for flag in flags)
+
+
+# The build for this CPU takes one path for head sizes 64 and 128; these builds take the
+# others where the CPU can run them: the AVX2 one (head size 64) on an AVX-512 CPU, and
+# the portable attend() on any (GCC's -mno-avx2 turns AVX-512 off with it).
+OTHER_PATHS = {
+    "avx2": (("-mno-avx512f",), {"avx512": False, "avx2": _cpu_has("avx2", "fma")}),
+    "portable": (("-mno-avx2",), {"avx512": False, "avx2": False}),
+}
+
+
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize("path", OTHER_PATHS)
+def test_every_path_of_the_build_equals_attention_over_the_gathered_context(path, tmp_path, monkeypatch):
+    monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
+    extra, flags = OTHER_PATHS[path]
+    kernel = load_kernel(paged_decode.SOURCES, paged_decode.COMPILE_FLAGS + extra, paged_decode.LINK_FLAGS,
+                         paged_decode.LINK_LIBS, paged_decode.PagedDecodeKernel, "no build: %s")
+    assert kernel is not None and {"avx512": kernel.avx512, "avx2": kernel.avx2} == flags
+    for case in ("gqa3-d64", "gqa4-d128", "gqa7-d128-bs32", "gqa8-d64-bs8", "one-sequence", "mha-d64"):
+        seq_lens, num_kv_heads, group, head_size, block_size = CASES[case]
+        for dtype, atol in [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]:
+            q, cache, tables = paged_case(seq_lens, num_kv_heads, group, head_size, block_size, dtype)
+            scale = head_size**-0.5
+            out, lse = kernel(q, cache, tables, torch.tensor(seq_lens), scale, start=0, with_lse=True)
+            expected, expected_lse = reference(q, cache, tables, seq_lens, scale)
+            torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0, msg=lambda m, case=case: f"{case}: {m}")
+            torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=0, msg=lambda m, case=case: f"{case}: {m}")
+    # a window and a soft cap, on a prefix-shared start, through the same path
+    seq_lens = [33, 40, 100, 48, 49]
+    q, cache, tables = paged_case(seq_lens, 2, 4, 64, 16, torch.float32, seed=2)
+    lens = torch.tensor(seq_lens)
+    ours = kernel(q, cache, tables, lens, 0.1, start=32, with_lse=True, sliding_window=40, soft_cap=5.0)
+    native = KERNEL(q, cache, tables, lens, 0.1, start=32, with_lse=True, sliding_window=40, soft_cap=5.0)
+    torch.testing.assert_close(ours[0], native[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours[1], native[1], atol=1e-5, rtol=0)
 
 
 @needs_kernel

@@ -14,9 +14,10 @@
  * products and call glibc's vector expf. Inputs are finite by contract.
  *
  * Where the compiler targets AVX-512 (-march=native on such a CPU), head sizes 64 and
- * 128 take attend_avx512(), written with intrinsics; other head sizes and other CPUs
- * take attend(). Both compute in float32; their results differ only by the order of
- * the additions.
+ * 128 take attend_avx512() (paged_decode_avx512.h), written with intrinsics; where it
+ * targets AVX2 and FMA but not AVX-512, head size 64 takes attend_avx2()
+ * (paged_decode_avx2.h); other head sizes and other CPUs take attend(). All compute in
+ * float32; their results differ only by the order of the additions.
  *
  * A sliding window (window > 0) starts each sequence at max(start, seq_len - window):
  * its query, at position seq_len - 1, sees the window's last positions only. A soft
@@ -183,145 +184,9 @@ INLINE void attend(const Args *a, int bf16, const int64_t D, int64_t g, int64_t 
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
-/* 16 elements at `p` (float32, or bfloat16 when `bf16`) as one float32 vector. */
-INLINE __m512 load16(const void *p, int bf16) {
-    if (!bf16) return _mm512_loadu_ps(p);
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-/* The horizontal sums of v[0], ..., v[15], in that order, as one vector: 45 shuffles and
- * adds where 16 separate reductions take about 130. */
-INLINE __m512 reduce16(const __m512 *v) {
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; ++i) /* per 128-bit lane: pairs of tokens, two sums each */
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; ++i) { /* per 128-bit lane: four tokens, one sum each */
-        const __m512d c = _mm512_castps_pd(t[2 * i]), d = _mm512_castps_pd(t[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
-    }
-    /* then across the four lanes */
-    const __m512 s0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512 s1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(s0, s1, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(s0, s1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-/* attend() with AVX-512 intrinsics, for head sizes 64 and 128 (`D`, a constant in the
- * two copies). One kv head at a time, its query rows in groups of up to RG, so that a
- * group's scaled queries and its running output sums stay in registers while it walks
- * the sequence (attend()'s sums live in memory, and the compiler kept them there).
- * Each (row, token) dot product stays a vector until 16 tokens have one, and those 16
- * are reduced together (reduce16). The arithmetic is attend()'s, in float32, with the
- * additions in another order. On a Zen 5 core, bfloat16, head size 64: 2-2.5x faster than
- * attend() with the K/V in cache, 1.3-1.5x with it in memory (a decode step's case). */
-INLINE void attend_avx512(const Args *a, int bf16, const int64_t D, int64_t g, int64_t h0, int64_t h1,
-                          int64_t max_len, float *scratch) {
-    enum { RG = 4, MAX_C = 8 };
-    /* Rows per group: the K pass holds a row's q (C vectors), the V pass its acc (C), and a
-     * group's must fit in the 32 registers beside the K or V row (C more): 4 rows at D=64
-     * (16 + 4), 2 at D=128 (16 + 8). */
-    const int64_t C = D / 16, group_rows = D == 64 ? 4 : 2;
-    const int64_t R = a->group, Hkv = a->num_kv_heads, H = Hkv * R, bs = a->block_size;
-    const int64_t esize = bf16 ? 2 : 4;
-    const int64_t start = seq_start(a, g), n = a->seq_lens[g] - start;
-    const int64_t *table = a->tables + g * a->table_stride;
-    const int64_t slot_elems = Hkv * D, kv_elems = bs * slot_elems;
-    const char *cache = (const char *)a->cache;
-    float *scores = scratch;                /* [R, max_len] */
-    float *partial = scores + R * max_len;  /* [RG, 16, 16]: dot vectors awaiting reduce16 */
-    const __m512 scale = _mm512_set1_ps(a->scale);
-    for (int64_t h = h0; h < h1; ++h) {
-        for (int64_t r0 = 0; r0 < R; r0 += group_rows) {
-            const int64_t rg = R - r0 < group_rows ? R - r0 : group_rows;
-            __m512 q[RG][MAX_C], acc[RG][MAX_C];
-            /* Loops to the constant RG with a test on rg, so that the compiler unrolls them
-             * and q and acc become registers. */
-            for (int64_t r = 0; r < RG; ++r)
-                for (int64_t c = 0; c < C; ++c) {
-                    acc[r][c] = _mm512_setzero_ps();
-                    q[r][c] = _mm512_setzero_ps();
-                    if (r < rg) {
-                        const char *qp = (const char *)a->q
-                                         + (g * a->q_seq_stride + (h * R + r0 + r) * D + c * 16) * esize;
-                        q[r][c] = _mm512_mul_ps(load16(qp, bf16), scale);
-                    }
-                }
-            int64_t pending = 0; /* tokens whose dot vectors wait in `partial` */
-            for (int64_t j = 0; j < n;) { /* scores from K, a block at a time */
-                const int64_t pos = start + j;
-                const int64_t first = pos % bs, count = (bs - first < n - j) ? bs - first : n - j;
-                const char *base = cache + ((table[pos / bs] * 2) * kv_elems + first * slot_elems + h * D) * esize;
-                const char *next = j + count < n ? cache + ((table[(pos + count) / bs] * 2) * kv_elems + h * D) * esize : NULL;
-                for (int64_t t = 0; t < count; ++t, ++j) {
-                    const char *kp = base + t * slot_elems * esize;
-                    if (next) /* as in attend(); without it this loop ran 1.5x slower than attend()'s */
-                        for (int64_t off = 0; off < D * esize; off += 64)
-                            __builtin_prefetch(next + (first + t) * slot_elems * esize + off, 0, 3);
-                    __m512 k[MAX_C];
-                    for (int64_t c = 0; c < C; ++c) k[c] = load16(kp + c * 16 * esize, bf16);
-                    for (int64_t r = 0; r < RG && r < rg; ++r) {
-                        __m512 s = _mm512_mul_ps(q[r][0], k[0]);
-                        for (int64_t c = 1; c < C; ++c) s = _mm512_fmadd_ps(q[r][c], k[c], s);
-                        _mm512_storeu_ps(partial + (r * 16 + pending) * 16, s);
-                    }
-                    if (++pending == 16) {
-                        for (int64_t r = 0; r < rg; ++r) {
-                            __m512 v[16];
-                            for (int u = 0; u < 16; ++u) v[u] = _mm512_loadu_ps(partial + (r * 16 + u) * 16);
-                            _mm512_storeu_ps(scores + (r0 + r) * max_len + j + 1 - 16, reduce16(v));
-                        }
-                        pending = 0;
-                    }
-                }
-            }
-            for (int64_t r = 0; r < rg; ++r)
-                for (int64_t u = 0; u < pending; ++u)
-                    scores[(r0 + r) * max_len + n - pending + u] =
-                        _mm512_reduce_add_ps(_mm512_loadu_ps(partial + (r * 16 + u) * 16));
-            float top[RG], sum[RG];
-            for (int64_t r = 0; r < rg; ++r) {
-                if (a->soft_cap > 0) soft_cap_in_place(scores + (r0 + r) * max_len, n, a->soft_cap);
-                sum[r] = exp_in_place(scores + (r0 + r) * max_len, n, &top[r]);
-            }
-            for (int64_t j = 0; j < n;) { /* the weighted sum of V */
-                const int64_t pos = start + j;
-                const int64_t first = pos % bs, count = (bs - first < n - j) ? bs - first : n - j;
-                const char *base = cache + ((table[pos / bs] * 2 + 1) * kv_elems + first * slot_elems + h * D) * esize;
-                const char *next = j + count < n ? cache + ((table[(pos + count) / bs] * 2 + 1) * kv_elems + h * D) * esize : NULL;
-                for (int64_t t = 0; t < count; ++t, ++j) {
-                    const char *vp = base + t * slot_elems * esize;
-                    if (next)
-                        for (int64_t off = 0; off < D * esize; off += 64)
-                            __builtin_prefetch(next + (first + t) * slot_elems * esize + off, 0, 3);
-                    __m512 v[MAX_C];
-                    for (int64_t c = 0; c < C; ++c) v[c] = load16(vp + c * 16 * esize, bf16);
-                    for (int64_t r = 0; r < RG && r < rg; ++r) {
-                        const __m512 w = _mm512_set1_ps(scores[(r0 + r) * max_len + j]);
-                        for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w, v[c], acc[r][c]);
-                    }
-                }
-            }
-            for (int64_t r = 0; r < rg; ++r) {
-                const int64_t head = h * R + r0 + r;
-                float row[MAX_C * 16];
-                const __m512 inv = _mm512_set1_ps(1.f / sum[r]);
-                for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(row + c * 16, _mm512_mul_ps(acc[r][c], inv));
-                if (bf16) {
-                    bf16_t *o = (bf16_t *)a->out + (g * H + head) * D;
-                    for (int64_t d = 0; d < D; ++d) o[d] = float_to_bf16(row[d]);
-                } else {
-                    memcpy((float *)a->out + (g * H + head) * D, row, sizeof(float) * D);
-                }
-                if (a->lse) a->lse[g * H + head] = top[r] + logf(sum[r]);
-            }
-        }
-    }
-}
+#include "paged_decode_avx512.h"
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "paged_decode_avx2.h"
 #endif
 
 /* 0, or which input is out of range (see paged_decode.py): every block a task will read
@@ -351,7 +216,8 @@ INLINE int run(const Args *a, int bf16, int64_t D, int num_threads) {
     while (splits < a->num_kv_heads && a->num_seqs * splits < num_threads) ++splits;
     const int64_t heads_per_task = (a->num_kv_heads + splits - 1) / splits;
     const int64_t rows = heads_per_task * a->group;
-    /* attend()'s buffers, or attend_avx512()'s scores and its 4 x 16 x 16 partial sums */
+    /* attend()'s buffers, or attend_avx512()'s scores and its 4 x 16 x 16 partial sums
+     * (attend_avx2()'s scores, queries, 4 x 8 x 8 partial sums, maxima and sums) */
     const size_t floats = (size_t)(rows * max_len + 2 * rows * D + heads_per_task * D + 2 * rows + 4 * 256);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
@@ -372,6 +238,10 @@ INLINE int run(const Args *a, int bf16, int64_t D, int num_threads) {
                 attend_avx512(a, bf16, 64, g, h0, h1, max_len, scratch);
             else if (D == 128)
                 attend_avx512(a, bf16, 128, g, h0, h1, max_len, scratch);
+            else
+#elif defined(__AVX2__) && defined(__FMA__)
+            if (D == 64)
+                attend_avx2(a, bf16, 64, g, h0, h1, max_len, scratch);
             else
 #endif
             if (D == 64)
@@ -406,6 +276,15 @@ EXPORT(paged_decode_bf16, 1)
 /* Whether head sizes 64 and 128 run attend_avx512(): 1 or 0. */
 int paged_decode_avx512(void) {
 #if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Whether head size 64 runs attend_avx2(): 1 or 0. */
+int paged_decode_avx2(void) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
     return 1;
 #else
     return 0;
