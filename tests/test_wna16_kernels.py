@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from models.errors import WeightLoadError
+from models.layers import cpu_sgemm
 from models.layers.cpu_bf16_gemm import cpu_has_avx512_bf16
 from models.layers.quantization.kernels import wna16_cpu
 from models.layers.quantization.kernels.wna16_layout import (
@@ -118,12 +119,15 @@ def test_bfloat16_tokens_through_bfloat16_dot_products(grouping: str, scale_dtyp
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_bfloat16_batches_use_weight_tiles_in_the_faster_gemms_dtype(bits: int) -> None:
-    """bfloat16 tiles where torch's bfloat16 GEMM is the faster (AVX512-BF16): the weights
-    rounded to bfloat16, as a bfloat16 model's; float32 tiles elsewhere (AVX2, where the
-    bfloat16 GEMM is emulated at a fraction of float32's speed): the exact weights."""
+def test_bfloat16_batches_use_weight_tiles_rounded_to_bfloat16(bits: int) -> None:
+    """bfloat16 tiles (the weights rounded to bfloat16, as a bfloat16 model's) wherever a
+    bfloat16 weight has a fast GEMM: torch's with AVX512-BF16, our AVX2 kernel's
+    (`cpu_sgemm.linear_half`) where torch's is emulated; float32 tiles (the exact weights)
+    where neither is."""
     assert wna16_cpu.tile_dtype(torch.float32) == torch.float32
-    assert wna16_cpu.tile_dtype(torch.bfloat16) == (torch.bfloat16 if cpu_has_avx512_bf16() else torch.float32)
+    half_gemm = "torch" if cpu_has_avx512_bf16() else "avx2" if cpu_sgemm.load() is not None else "none"
+    assert wna16_cpu._half_gemm() == half_gemm
+    assert wna16_cpu.tile_dtype(torch.bfloat16) == (torch.float32 if half_gemm == "none" else torch.bfloat16)
     layer, weight = _layer(96, 256, bits, GROUPINGS["act_order_g32"](256))
     layout = get_wna16_layout(layer)
     x = torch.randn(40, 256).bfloat16()  # over GEMV_MAX_TOKENS: the tiled path
@@ -138,7 +142,8 @@ def test_bfloat16_batches_use_weight_tiles_in_the_faster_gemms_dtype(bits: int) 
     if tiled.dtype == torch.bfloat16:
         # one GEMM over the whole weight rounded to bfloat16 differs by output rounding
         w_bf16 = dequantize_wna16(layout).bfloat16()
-        torch.testing.assert_close(y.float(), (x @ w_bf16.t()).float(), atol=2e-3, rtol=1e-2)
+        torch.testing.assert_close(y.float(), (x.float() @ w_bf16.float().t()).bfloat16().float(), atol=2e-3,
+                                   rtol=1e-2)
         assert ((y.float() - reference).norm() / reference.norm()).item() < 1e-2  # bfloat16's rounding, no more
     else:
         # float32 throughout: only the output is rounded, by at most one bfloat16 unit

@@ -11,8 +11,9 @@ whole weight:
   straight into bfloat16 dot products (`gemv_bf16`), about half the instructions of
   the float32 GEMV;
 - more tokens (prefill, large batches): rows are dequantised a tile at a time
-  (`_TILE_BYTES` of scratch, in the activations' dtype: bfloat16 tiles for a bfloat16
-  model, whose GEMM is 2-4x float32's here) and multiplied with torch's GEMM, which is
+  (`_TILE_BYTES` of scratch; bfloat16 tiles for a bfloat16 model, whose GEMM is 2-4x
+  float32's on an AVX512-BF16 CPU, and which our AVX2 kernel reads where torch's
+  bfloat16 GEMM is emulated: `tile_dtype`) and multiplied by a GEMM, which is
   compute-bound there and amortises the decode over the batch.
 
 Built on first use like the other CPU kernels (distributed/native_build.py). Where it
@@ -32,6 +33,7 @@ import torch
 
 from distributed.native_build import load_kernel
 from distributed.native_calls import NativeLibrary
+from models.layers import cpu_sgemm
 from models.layers.cpu_bf16_gemm import cpu_has_avx512_bf16
 
 if TYPE_CHECKING:
@@ -46,7 +48,7 @@ LINK_LIBS = ("-lm",)
 # 1-4 tokens, 5.5 ms for 16, 8.1 ms for 24, tiles 4.4-7.6 ms; the float32 GEMV 1.5 ms for
 # 1 token, 5.2 ms for 8). Keyed by the tiles' dtype (`tile_dtype`): float32 tiles run
 # float32's slower GEMM, so the float32 GEMV is kept longer where the tiles would be
-# float32 (float32 tokens, and bfloat16 ones on a CPU without AVX512-BF16).
+# float32 (float32 tokens, and bfloat16 ones where bfloat16 tiles have no fast GEMM).
 BF16_DOT_MAX_TOKENS = 16
 GEMV_MAX_TOKENS = {torch.bfloat16: 6, torch.float32: 8}
 SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C kernel's scale_dtype
@@ -122,22 +124,33 @@ def dequant_rows_torch(layout: WNA16Layout, start: int, out: torch.Tensor) -> No
 
 
 def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the dequantised tiles (and of the GEMM) for x's dtype: bfloat16 for
-    bfloat16 tokens only where torch's bfloat16 GEMM is the faster one (AVX512-BF16);
-    float32 elsewhere. On an AVX2 CPU torch's bfloat16 GEMM is an emulation: 20 GFLOP/s
-    against float32's 85-135 at 32-128 tokens of a 4096x1024 weight (2026-12-06, the Zen 3
-    VM, 2 threads)."""
-    return torch.bfloat16 if x_dtype == torch.bfloat16 and cpu_has_avx512_bf16() else torch.float32
+    """The dtype of the dequantised tiles for x's dtype: bfloat16 for bfloat16 tokens
+    where a bfloat16 weight has a fast GEMM (`_half_gemm`), float32 elsewhere."""
+    return torch.bfloat16 if x_dtype == torch.bfloat16 and _half_gemm() != "none" else torch.float32
+
+
+def _half_gemm() -> str:
+    """The GEMM of bfloat16 tiles: torch's ("torch") where the CPU has AVX512-BF16;
+    else our AVX2 kernel that widens a bfloat16 weight as it reads it ("avx2",
+    `cpu_sgemm.linear_half`, a bfloat16 model's own GEMM there), since torch's bfloat16
+    GEMM is an emulation on such CPUs (20 GFLOP/s against float32's 85-135 at 32-128 tokens
+    of a 4096x1024 weight, 2026-12-06, the Zen 3 VM, 2 threads); "none" where neither
+    (float32 tiles and torch's float32 GEMM). The AVX2 kernel with bfloat16 tiles against
+    float32 tiles there: 2.5 against 3.5 ms at 32 tokens of that weight, 1.8 against 2.8
+    at 16."""
+    if cpu_has_avx512_bf16():
+        return "torch"
+    return "avx2" if cpu_sgemm.load() is not None else "none"
 
 
 def wna16_matmul(x: torch.Tensor, layout: WNA16Layout, kernel: Wna16Kernel | None) -> torch.Tensor:
     """y [M, N] = x [M, Kp] (float32 or bfloat16, contiguous, already in the layout's input
     order) times W^T; float32 from the GEMVs, `tile_dtype(x.dtype)` from the tiles.
     `kernel` None: torch only. bfloat16 x of up to BF16_DOT_MAX_TOKENS tokens: the
-    bfloat16-dot GEMV (int4, AVX512-BF16); else up to GEMV_MAX_TOKENS[x.dtype] tokens the
-    float32 GEMV; above, tiles of W in `tile_dtype` (bfloat16 tiles, where bfloat16's GEMM
-    is the faster: the weight rounded to bfloat16, as a bfloat16 model's weights are), at
-    most `_TILE_BYTES` (or 64 rows) of scratch."""
+    bfloat16-dot GEMV (int4, AVX512-BF16); else up to GEMV_MAX_TOKENS[tile dtype] tokens
+    the float32 GEMV; above, tiles of W in `tile_dtype` (bfloat16 tiles for bfloat16 x
+    where they have a fast GEMM: the weight rounded to bfloat16, as a bfloat16 model's
+    weights are), at most `_TILE_BYTES` (or 64 rows) of scratch."""
     m = x.shape[0]
     if kernel is not None and x.dtype == torch.bfloat16 and m <= BF16_DOT_MAX_TOKENS:
         y = kernel.gemv_bf16(x, layout)
@@ -146,16 +159,18 @@ def wna16_matmul(x: torch.Tensor, layout: WNA16Layout, kernel: Wna16Kernel | Non
     if kernel is not None and m <= GEMV_MAX_TOKENS[tile_dtype(x.dtype)]:
         return kernel.gemv(x.to(torch.float32), layout)
     n, kp = layout.out_features, layout.padded_in_features
-    x = x.to(tile_dtype(x.dtype))
-    tile_rows = max(64, _TILE_BYTES // (x.element_size() * kp))
-    scratch = torch.empty(min(tile_rows, n), kp, dtype=x.dtype)
-    y = torch.empty(x.shape[0], n, dtype=x.dtype)
+    dtype = tile_dtype(x.dtype)
+    widen = dtype == torch.bfloat16 and _half_gemm() == "avx2"
+    x = x.to(torch.float32 if widen else dtype)
+    tile_rows = max(64, _TILE_BYTES // (dtype.itemsize * kp))
+    scratch = torch.empty(min(tile_rows, n), kp, dtype=dtype)
+    y = torch.empty(x.shape[0], n, dtype=dtype)
     dequant = kernel.dequant_rows if kernel is not None else dequant_rows_torch
     for start in range(0, n, tile_rows):
         rows = min(tile_rows, n - start)
         tile = scratch[:rows]
         dequant(layout, start, tile)
-        y[:, start : start + rows] = x @ tile.t()
+        y[:, start : start + rows] = cpu_sgemm.load().linear_half(x, tile) if widen else x @ tile.t()
     return y
 
 
