@@ -201,11 +201,13 @@ def test_avx2_int8_gemm_sums_exactly(monkeypatch):
     if kernel is None or not kernel.has_gemm:
         pytest.skip("no AVX2: int8_cpu.c has no GEMM in this build")
     gen = torch.Generator().manual_seed(13)
-    for m, n, k in [(1, 1, 1), (2, 4, 16), (3, 5, 17), (7, 9, 130), (37, 6, 4096), (40, 13, 1000)]:
+    for m, n, k in [(0, 3, 16), (2, 3, 0), (1, 1, 1), (2, 4, 16), (3, 5, 17), (7, 9, 130), (37, 6, 4096),
+                    (40, 13, 1000)]:
         x = torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8)
         w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-        x[0], w[0] = -128, -128  # the largest products, 16384 each, all of one sign
-        w[-1] = 127
+        if m and k:
+            x[0], w[0] = -128, -128  # the largest products, 16384 each, all of one sign
+            w[-1] = 127
         want = (x.long() @ w.long().t()).to(torch.int32)
         got = kernel.gemm(x, w)
         assert got.dtype == torch.int32 and torch.equal(got, want), (m, n, k)

@@ -37,10 +37,9 @@ INLINE __m256 reduce8(const __m256 *v) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* The part of the next block's rows (K or V: `next`) that token t of this block's would
- * be: its heads' `row_bytes`, fetched while this block is computed (the blocks of a
- * sequence lie anywhere in the cache, so the hardware prefetcher only catches up within
- * a block). */
+/* Row t of the next block (its K or V at `next`), the task's heads' `row_bytes` of it,
+ * fetched while this block is computed: the blocks of a sequence lie anywhere in the
+ * cache, so the hardware prefetcher only catches up within a block. */
 INLINE void prefetch_row(const char *next, int64_t t, int64_t slot_bytes, int64_t row_bytes) {
     if (next)
         for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + t * slot_bytes + off, 0, 3);
@@ -112,8 +111,8 @@ INLINE void block_weighted_v(int bf16, const int64_t D, const char *vp, int64_t 
     }
 }
 
-/* attend() for head size 64 (`D`, 64: the constant the loops above are written for), in attend()'s
- * order: a block at a time, each of the task's kv heads within it (the block's rows come
+/* attend() for head size 64 (`D`: 64, which the loops above are written for), in
+ * attend()'s order: a block at a time, each of the task's kv heads within it (the block's rows come
  * from memory once and serve the later heads from cache), then that head's query rows
  * in groups of up to 4. Scratch, within run()'s buffer: scores [rows, max_len], the
  * scaled queries and the output sums [rows, D] each, 256 floats of partial sums, and

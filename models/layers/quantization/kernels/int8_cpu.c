@@ -1,8 +1,8 @@
 /* W8A8's per-token steps around the int8 GEMM, each one pass over its rows: the
  * activations' dynamic per-token quantisation, and the int32 sums scaled into the
  * output; and, on AVX2 CPUs, the GEMM itself (int8_gemm_s32, exact int32 sums) for
- * where torch's has no int8 kernel. The contract (dtypes, strides, who calls) is in int8_gemm.py, which compiles
- * this file and is its only caller. Both compute what the torch expressions there
+ * where torch's has no int8 kernel. The contract (dtypes, strides, who calls) is in
+ * int8_gemm.py, which compiles this file and is its only caller. Both compute what the torch expressions there
  * compute, operation for operation (a division, not a multiplication by the inverse;
  * products in the same order, never fused: -ffp-contract=off), so the results are the
  * same bits; the rounding is nearbyintf's under the default mode (half to even, as
@@ -169,6 +169,11 @@ static inline __attribute__((always_inline)) void gemm_block(const int rb, const
  * stored. Returns 0, or 1 when the widened chunk could not be allocated. */
 int int8_gemm_s32(const int8_t *x, int64_t m, const int8_t *w, int64_t n, int64_t k, int32_t *acc, int64_t lda,
                   int num_threads) {
+    if (m <= 0 || n <= 0) return 0;
+    if (k <= 0) {
+        for (int64_t t = 0; t < m; ++t) memset(acc + t * lda, 0, (size_t)n * sizeof(int32_t));
+        return 0;
+    }
     const int64_t kp = (k + 15) & ~(int64_t)15;
     int64_t chunk = GEMM_CHUNK_BYTES / (2 * kp);
     chunk = chunk < GEMM_TOKENS ? GEMM_TOKENS : chunk - chunk % GEMM_TOKENS;

@@ -43,7 +43,7 @@ SOURCE = Path(__file__).with_name("wna16_cpu.c")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
-# Above these many tokens, dequantised tiles + torch's GEMM win (scripts/bench_wna16.py,
+# Above these many tokens, dequantised tiles + a GEMM win (scripts/bench_wna16.py,
 # 4096x4096 int4 on one Zen 5 core, bfloat16 tokens: the bfloat16-dot GEMV takes 1.1 ms for
 # 1-4 tokens, 5.5 ms for 16, 8.1 ms for 24, tiles 4.4-7.6 ms; the float32 GEMV 1.5 ms for
 # 1 token, 5.2 ms for 8). Keyed by the tiles' dtype (`tile_dtype`): float32 tiles run
