@@ -211,6 +211,11 @@ def test_avx2_int8_gemm_sums_exactly(monkeypatch):
         want = (x.long() @ w.long().t()).to(torch.int32)
         got = kernel.gemm(x, w)
         assert got.dtype == torch.int32 and torch.equal(got, want), (m, n, k)
+        if m and n and k > 1:  # rows of a wider tensor (a shard's view): strided rows, unit stride along k
+            wide_x = torch.cat([x, x], dim=1)[:, 1 : k + 1]
+            wide_w = torch.cat([w, w], dim=1)[:, 1 : k + 1]
+            want = (wide_x.long() @ wide_w.long().t()).to(torch.int32)
+            assert not wide_w.is_contiguous() and torch.equal(kernel.gemm(wide_x, wide_w), want), (m, n, k)
 
     # int8_linear takes it exactly where torch._int_mm has no int8 kernel
     def refuse(*args):

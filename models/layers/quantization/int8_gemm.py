@@ -54,17 +54,18 @@ class Int8Kernel:
         self._scale.argtypes = [p, i64, i64, i64, p, p, p, p, i32, i64, i32]
         self._gemm = lib.int8_gemm_s32
         self._gemm.restype = i32
-        self._gemm.argtypes = [p, i64, p, i64, i64, p, i64, i32]
+        self._gemm.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, i32]
         # Whether the build has the AVX2 int8 GEMM (`gemm`)
         self.has_gemm = bool(lib.int8_has_gemm())
 
     def gemm(self, xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """xq [M, K] @ weight [N, K]^T as int32 [M, N], exact; both int8 and contiguous.
-        MemoryError if its scratch (a chunk of xq widened to 16 bits) cannot be allocated."""
+        """xq [M, K] @ weight [N, K]^T as int32 [M, N], exact; both int8 with unit stride
+        along K (rows at any stride: a shard's view). MemoryError if its scratch (a chunk
+        of xq widened to 16 bits) cannot be allocated."""
         m, k = xq.shape
         acc = torch.empty(m, weight.shape[0], dtype=torch.int32)
-        if self._gemm(xq.data_ptr(), m, weight.data_ptr(), weight.shape[0], k, acc.data_ptr(), acc.stride(0),
-                      torch.get_num_threads()):
+        if self._gemm(xq.data_ptr(), xq.stride(0), m, weight.data_ptr(), weight.stride(0), weight.shape[0], k,
+                      acc.data_ptr(), acc.stride(0), torch.get_num_threads()):
             raise MemoryError("the int8 GEMM could not allocate its scratch")
         return acc
 
@@ -127,8 +128,8 @@ def int8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w
     `out_dtype`, the integer sums exact and the scaling in float32."""
     m = xq.shape[0]
     kernel = _c_kernel(xq, weight)
-    if (kernel is not None and kernel.has_gemm and not torch_int_mm_has_int8_kernel() and xq.is_contiguous()
-            and weight.is_contiguous()):
+    if (kernel is not None and kernel.has_gemm and not torch_int_mm_has_int8_kernel() and xq.stride(-1) == 1
+            and weight.stride(-1) == 1):
         acc = kernel.gemm(xq, weight)
     else:
         if xq.is_cuda and m <= _CUDA_INT_MM_MIN_ROWS:  # decode batches: pad with zero rows

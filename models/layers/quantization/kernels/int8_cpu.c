@@ -131,13 +131,15 @@ void int8_scale_output(const int32_t *acc, int64_t lda, int64_t m, int64_t n, co
 #define GEMM_TOKENS 2       /* tokens per register block */
 #define GEMM_CHUNK_BYTES (128 << 10) /* widened activations per pass over the weight: L2 */
 
-/* acc[t][j] for rows j0 .. j0 + rb - 1 and tokens t0 .. t0 + tb - 1 (rb <= 4, tb <= 2):
- * 16 values of k at a time, each row's int8 widened to 16 bits and met by each token's
- * (widened once per call) in vpmaddwd, 32-bit sums; the k % 16 tail in scalars. Inlined
- * with constant rb and tb for full blocks, so that the 8 sums are registers. */
+/* acc[t][j] for rows j0 .. j0 + rb - 1 and tokens t0 .. t0 + tb - 1 (rb <= 4, tb <= 2; x's
+ * and w's rows ldx and ldw apart): 16 values of k at a time, each row's int8 widened to 16
+ * bits and met by each token's (widened once per call) in vpmaddwd, 32-bit sums; the
+ * k % 16 tail in scalars. Inlined with constant rb and tb for full blocks, so that the 8
+ * sums are registers. */
 static inline __attribute__((always_inline)) void gemm_block(const int rb, const int tb, const int16_t *x16,
-                                                              int64_t kp, const int8_t *x, const int8_t *w, int64_t k,
-                                                              int64_t j0, int64_t t0, int32_t *acc, int64_t lda) {
+                                                              int64_t kp, const int8_t *x, int64_t ldx, const int8_t *w,
+                                                              int64_t ldw, int64_t k, int64_t j0, int64_t t0,
+                                                              int32_t *acc, int64_t lda) {
     __m256i a[GEMM_ROWS][GEMM_TOKENS];
     for (int r = 0; r < rb; ++r)
         for (int t = 0; t < tb; ++t) a[r][t] = _mm256_setzero_si256();
@@ -146,7 +148,7 @@ static inline __attribute__((always_inline)) void gemm_block(const int rb, const
         __m256i xv[GEMM_TOKENS];
         for (int t = 0; t < tb; ++t) xv[t] = _mm256_loadu_si256((const __m256i *)(x16 + (t0 + t) * kp + kk));
         for (int r = 0; r < rb; ++r) {
-            const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + (j0 + r) * k + kk)));
+            const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + (j0 + r) * ldw + kk)));
             for (int t = 0; t < tb; ++t) a[r][t] = _mm256_add_epi32(a[r][t], _mm256_madd_epi16(wv, xv[t]));
         }
     }
@@ -156,19 +158,20 @@ static inline __attribute__((always_inline)) void gemm_block(const int rb, const
             s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
             s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
             int32_t sum = _mm_cvtsi128_si32(s);
-            for (int64_t kk = k16; kk < k; ++kk) sum += (int32_t)w[(j0 + r) * k + kk] * (int32_t)x[(t0 + t) * k + kk];
+            for (int64_t kk = k16; kk < k; ++kk) sum += (int32_t)w[(j0 + r) * ldw + kk] * (int32_t)x[(t0 + t) * ldx + kk];
             acc[(t0 + t) * lda + j0 + r] = sum;
         }
 }
 
-/* acc [m, n] int32 (row stride lda) = xq [m, k] (contiguous) times w [n, k]^T (contiguous),
- * exact (|sum| <= k * 128 * 128 < 2^31 for k < 2^17): int8_gemm.py's GEMM on CPUs whose
+/* acc [m, n] int32 (row stride lda) = x [m, k] (rows ldx apart) times w [n, k]^T (rows ldw
+ * apart; both unit stride along k: a shard's view is read in place), exact (|sum| <= k *
+ * 128 * 128 < 2^31 for k < 2^17): int8_gemm.py's GEMM on CPUs whose
  * torch._int_mm has no int8 kernel (AVX2 without VNNI, where it ran at 0.6 GOP/s). The
  * activations are widened to 16 bits once, a chunk of tokens at a time (GEMM_CHUNK_BYTES,
  * so that a chunk stays in L2 while every weight row passes it); the weight is read as
  * stored. Returns 0, or 1 when the widened chunk could not be allocated. */
-int int8_gemm_s32(const int8_t *x, int64_t m, const int8_t *w, int64_t n, int64_t k, int32_t *acc, int64_t lda,
-                  int num_threads) {
+int int8_gemm_s32(const int8_t *x, int64_t ldx, int64_t m, const int8_t *w, int64_t ldw, int64_t n, int64_t k,
+                  int32_t *acc, int64_t lda, int num_threads) {
     if (m <= 0 || n <= 0) return 0;
     if (k <= 0) {
         for (int64_t t = 0; t < m; ++t) memset(acc + t * lda, 0, (size_t)n * sizeof(int32_t));
@@ -182,6 +185,8 @@ int int8_gemm_s32(const int8_t *x, int64_t m, const int8_t *w, int64_t n, int64_
     if (!x16) return 1;
     for (int64_t c0 = 0; c0 < m; c0 += chunk) {
         const int64_t mc = m - c0 < chunk ? m - c0 : chunk;
+        const int8_t *xc = x + c0 * ldx; /* this chunk's tokens and sums */
+        int32_t *ac = acc + c0 * lda;
 #pragma omp parallel num_threads(num_threads)
         {
 #pragma omp for schedule(static)
@@ -189,8 +194,8 @@ int int8_gemm_s32(const int8_t *x, int64_t m, const int8_t *w, int64_t n, int64_
                 int64_t kk = 0;
                 for (; kk + 16 <= k; kk += 16)
                     _mm256_storeu_si256((__m256i *)(x16 + t * kp + kk),
-                                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + (c0 + t) * k + kk))));
-                for (; kk < kp; ++kk) x16[t * kp + kk] = kk < k ? x[(c0 + t) * k + kk] : 0;
+                                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xc + t * ldx + kk))));
+                for (; kk < kp; ++kk) x16[t * kp + kk] = kk < k ? xc[t * ldx + kk] : 0;
             }
 #pragma omp for schedule(static)
             for (int64_t j0 = 0; j0 < n; j0 += GEMM_ROWS) {
@@ -198,11 +203,11 @@ int int8_gemm_s32(const int8_t *x, int64_t m, const int8_t *w, int64_t n, int64_
                 int64_t t0 = 0;
                 for (; t0 + GEMM_TOKENS <= mc; t0 += GEMM_TOKENS) {
                     if (rb == GEMM_ROWS)
-                        gemm_block(GEMM_ROWS, GEMM_TOKENS, x16, kp, x + c0 * k, w, k, j0, t0, acc + c0 * lda, lda);
+                        gemm_block(GEMM_ROWS, GEMM_TOKENS, x16, kp, xc, ldx, w, ldw, k, j0, t0, ac, lda);
                     else
-                        gemm_block(rb, GEMM_TOKENS, x16, kp, x + c0 * k, w, k, j0, t0, acc + c0 * lda, lda);
+                        gemm_block(rb, GEMM_TOKENS, x16, kp, xc, ldx, w, ldw, k, j0, t0, ac, lda);
                 }
-                if (t0 < mc) gemm_block(rb, 1, x16, kp, x + c0 * k, w, k, j0, t0, acc + c0 * lda, lda);
+                if (t0 < mc) gemm_block(rb, 1, x16, kp, xc, ldx, w, ldw, k, j0, t0, ac, lda);
             }
         }
     }
@@ -213,9 +218,9 @@ int int8_gemm_s32(const int8_t *x, int64_t m, const int8_t *w, int64_t n, int64_
 /* Whether this build has int8_gemm_s32: 1 or 0. */
 int int8_has_gemm(void) { return 1; }
 #else
-int int8_gemm_s32(const int8_t *x, int64_t m, const int8_t *w, int64_t n, int64_t k, int32_t *acc, int64_t lda,
-                  int num_threads) {
-    (void)x, (void)m, (void)w, (void)n, (void)k, (void)acc, (void)lda, (void)num_threads;
+int int8_gemm_s32(const int8_t *x, int64_t ldx, int64_t m, const int8_t *w, int64_t ldw, int64_t n, int64_t k,
+                  int32_t *acc, int64_t lda, int num_threads) {
+    (void)x, (void)ldx, (void)m, (void)w, (void)ldw, (void)n, (void)k, (void)acc, (void)lda, (void)num_threads;
     return 2;
 }
 int int8_has_gemm(void) { return 0; }
