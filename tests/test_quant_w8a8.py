@@ -240,7 +240,7 @@ def test_portable_int8_passes_give_the_same_bits(tmp_path, monkeypatch):
     from models.layers.quantization import int8_gemm
 
     monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
-    portable = load_kernel(int8_gemm.SOURCE, ("-O2", "-ffp-contract=off", "-fopenmp", "-fPIC"), int8_gemm.LINK_FLAGS,
+    portable = load_kernel(int8_gemm.SOURCES, ("-O2", "-ffp-contract=off", "-fopenmp", "-fPIC"), int8_gemm.LINK_FLAGS,
                            ("-lm",), int8_gemm.Int8Kernel, "%s")
     assert portable is not None and not portable.has_gemm  # no AVX2 in the baseline: torch._int_mm's GEMM
     gen = torch.Generator().manual_seed(12)

@@ -10,6 +10,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "bf16_convert.h"
+
 #define BF16_TILE_ROWS 4
 #define BF16_TILE_TOKENS 4
 
@@ -21,11 +23,6 @@ static inline __m512i bf16_load32(const bf16 *p, __mmask32 mask) {
 
 static inline __m512 bf16_dot(__m512 acc, __m512i a, __m512i b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-}
-
-static inline float bf16_to_float(bf16 v) {
-    union { uint32_t u; float f; } c = { .u = (uint32_t)v << 16 };
-    return c.f;
 }
 
 /* The 16 sums of acc[r][t] (r, t < 4), summed across: one register whose lane 4t + r is

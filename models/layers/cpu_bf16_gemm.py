@@ -30,6 +30,8 @@ from distributed.native_build import cpu_flags, load_kernel
 from distributed.native_calls import NativeLibrary
 
 SOURCE = Path(__file__).with_name("cpu_bf16_gemm.c")
+# The headers it includes: a change to one rebuilds the library.
+SOURCES = (SOURCE, SOURCE.with_name("bf16_tile.h"), SOURCE.with_name("bf16_convert.h"))
 SWITCH = "TP_CPU_BF16_GEMM"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
@@ -69,7 +71,7 @@ def load() -> Bf16GemmKernel | None:
     BF16, where it cannot be built (logged once) or with `TP_CPU_BF16_GEMM=0`."""
     if not cpu_has_avx512_bf16():
         return None
-    return load_kernel(SOURCE, COMPILE_FLAGS, LINK_FLAGS, (), Bf16GemmKernel,
+    return load_kernel(SOURCES, COMPILE_FLAGS, LINK_FLAGS, (), Bf16GemmKernel,
                        "CPU bf16 GEMM unavailable (%s); bf16 weights are packed by oneDNN",
                        switch=SWITCH)
 

@@ -19,27 +19,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_convert.h"
+
 #define INLINE static inline __attribute__((always_inline))
 #define LANES 16 /* independent partial sums: the compiler vectorises them without reassociating */
 
 typedef uint16_t bf16_t;
-
-/* The bf16 conversions repeat paged_decode.c's (this one branch-free, so loops over it
- * vectorise): each kernel is one self-contained file, which native_build keys by its
- * text, so a shared header could change without a rebuild. */
-INLINE float bf16_to_float(bf16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-INLINE bf16_t float_to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* round to nearest even, as torch */
-    return (bf16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? 0x7fc0u : rounded); /* NaN stays NaN */
-}
 
 /* x rounded to bfloat16 and back: the value a bf16 op stores. */
 INLINE float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }

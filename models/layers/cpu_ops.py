@@ -30,6 +30,7 @@ from distributed.native_build import load_kernel
 from distributed.native_calls import NativeLibrary
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
+SOURCES = (SOURCE, SOURCE.with_name("bf16_convert.h"))  # a change to the header rebuilds
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
@@ -113,7 +114,7 @@ class CpuOpsKernel:
 def build_or_load() -> CpuOpsKernel | None:
     """The kernels, built if this machine has none cached; None where they cannot be (the
     reason is logged) or `TP_CPU_FUSED_OPS=0`. Reads the environment on each call."""
-    return load_kernel(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBS, CpuOpsKernel,
+    return load_kernel(SOURCES, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBS, CpuOpsKernel,
                        "CPU fused-op kernels unavailable (%s); RMSNorm and rotary use torch ops",
                        switch="TP_CPU_FUSED_OPS")
 

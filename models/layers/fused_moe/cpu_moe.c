@@ -22,13 +22,6 @@
 
 #include "../bf16_tile.h"
 
-static inline bf16 float_to_bf16(float v) { /* to nearest even, as torch rounds; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 static inline float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
 
 /* y[m, n] = x[m, :] . w[n, :] rounded to bf16 (x [M, K] stride ldx, w [N, K] stride K,

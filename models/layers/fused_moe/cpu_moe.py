@@ -29,7 +29,8 @@ from distributed.native_build import load_kernel
 from distributed.native_calls import NativeLibrary
 from models.layers.cpu_bf16_gemm import cpu_has_avx512_bf16
 
-SOURCES = (Path(__file__).with_name("cpu_moe.c"), Path(__file__).parent.parent / "bf16_tile.h")
+SOURCES = (Path(__file__).with_name("cpu_moe.c"), Path(__file__).parent.parent / "bf16_tile.h",
+           Path(__file__).parent.parent / "bf16_convert.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)

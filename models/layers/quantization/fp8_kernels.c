@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../bf16_convert.h"
+
 #define INLINE static inline __attribute__((always_inline))
 
 /* e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, 0x7f/0xff NaN. */
@@ -30,13 +32,6 @@ INLINE float fp8_e4m3_to_float(uint8_t b) {
     float nan;
     memcpy(&nan, &nan_bits, sizeof nan);
     return exp == 0 ? sub_signed : ((exp == 0xf && man == 0x7) ? nan : f);
-}
-
-INLINE uint16_t float_to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* nearest even, as torch */
-    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? 0x7fc0u : rounded);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 TILE_ELEMENTS = 1 << 20
 GEMV_MAX_ROWS = 8  # up to this many rows (decode batches) the C kernel reads the fp8 bytes directly
 SOURCE = Path(__file__).with_name("fp8_kernels.c")
+SOURCES = (SOURCE, SOURCE.parent.parent / "bf16_convert.h")  # a change to the header rebuilds
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -81,7 +82,7 @@ class Fp8DequantKernel:
 def build_or_load() -> Fp8DequantKernel | None:
     """The kernel, built if this machine has none cached; None where it cannot be (the
     reason is logged) or `TP_CPU_FP8_DEQUANT=0`."""
-    kernel = load_kernel(SOURCE, COMPILE_FLAGS, LINK_FLAGS, (), Fp8DequantKernel,
+    kernel = load_kernel(SOURCES, COMPILE_FLAGS, LINK_FLAGS, (), Fp8DequantKernel,
                          "fp8 dequantise kernel unavailable (%s); fp8 layers dequantise with torch ops",
                          switch="TP_CPU_FP8_DEQUANT")
     if kernel is not None and kernel.path != Path():

@@ -238,13 +238,6 @@ static void rows_times_ax(int qtype, int per32, const uint8_t *w, int64_t row_by
 #undef CASE
 #undef ROWS
 
-static inline float bf16_to_float(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* See gguf_vnni.c's gguf_gemm_q8_shards: the same contract; -2 is never returned here. */
 int gguf_gemm_q8_shards(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
                         const int64_t *row_bytes, int64_t k, const void *x, int x_dtype, int64_t ldx, int64_t m,

@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+
+#include "../bf16_convert.h"
 #if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -67,13 +69,6 @@ typedef struct {
     int dtype;
     int64_t ld;
 } out_t;
-
-static inline uint16_t float_to_bf16(float v) {
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 static inline void out_store(const out_t *y, int64_t t, int64_t c, float v) {
     const int64_t i = t * y->ld + c;

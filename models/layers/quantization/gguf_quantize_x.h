@@ -79,13 +79,6 @@ static void quantize_x(const float *x, int64_t k, int64_t kpad, int order, qx_t 
     }
 }
 
-static inline float bf16_to_float(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* Token t's k activations as float32 (x_dtype 0: float32, 1: bfloat16, 2: float16). */
 static const float *x_row(const void *x, int x_dtype, int64_t ldx, int64_t t, int64_t k, float *buf) {
     if (x_dtype == 0) return (const float *)x + t * ldx;

@@ -37,6 +37,7 @@ _MIN_SCALE = 1e-12  # an all-zero row gets this scale: its values stay exactly 0
 _CUDA_INT_MM_MIN_ROWS = 16  # cuBLASLt's int8 GEMM wants more rows than this
 
 SOURCE = Path(__file__).with_name("kernels") / "int8_cpu.c"
+SOURCES = (SOURCE, Path(__file__).parent.parent / "bf16_convert.h")  # a change to the header rebuilds
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 _C_DTYPES = (torch.float32, torch.bfloat16)  # what the C passes read and write
@@ -90,7 +91,7 @@ class Int8Kernel:
 def load() -> Int8Kernel | None:
     """The passes, built if this machine has none cached; None where they cannot be (the
     reason is logged once) or `TP_CPU_INT8_KERNELS=0`."""
-    return load_kernel(SOURCE, COMPILE_FLAGS, LINK_FLAGS, ("-lm",), Int8Kernel,
+    return load_kernel(SOURCES, COMPILE_FLAGS, LINK_FLAGS, ("-lm",), Int8Kernel,
                        "CPU int8 activation kernels unavailable (%s); W8A8 layers quantise in torch",
                        switch="TP_CPU_INT8_KERNELS")
 

@@ -30,24 +30,11 @@
 #include <string.h>
 #include <math.h>
 
+#include "../../bf16_convert.h"
+
 #define INLINE static inline __attribute__((always_inline))
 
 typedef uint16_t bf16_t;
-
-INLINE float bf16_to_float(bf16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-INLINE bf16_t float_to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                      /* round to nearest even, as torch */
-    return (bf16_t)(u >> 16);
-}
 
 /* `n` elements at `src` (float32, or bfloat16 when `bf16`) as float32: `src` itself, or
  * `scratch` filled with the conversion. */

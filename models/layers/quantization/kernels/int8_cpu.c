@@ -12,23 +12,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../../bf16_convert.h"
+
 #define INT8_MAX_F 127.f
 #define MIN_SCALE 1e-12f
-
-static inline float bf16_to_float(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 static inline float load_x(const void *x, int bf16, int64_t i) {
     return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];

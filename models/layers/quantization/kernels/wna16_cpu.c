@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../bf16_convert.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -384,14 +386,6 @@ int wna16_gemv_int4_bf16(const uint8_t *wq, const void *scales, int scale_dtype,
 
 int wna16_has_gemv_int4_bf16(void) { return 0; }
 #endif
-
-/* x rounded to bfloat16 (to nearest even, as torch; NaN stays NaN). */
-INLINE uint16_t float_to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? 0x7fc0u : rounded);
-}
 
 /* 32 floats of w into row `out` at element `col`: float32, or rounded to bfloat16. */
 INLINE void store_block(const float *w, void *out, int64_t col, int out_bf16) {

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from models.layers.quantization.kernels.wna16_layout import WNA16Layout
 
 SOURCE = Path(__file__).with_name("wna16_cpu.c")
+SOURCES = (SOURCE, SOURCE.parent.parent.parent / "bf16_convert.h")  # a change to the header rebuilds
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
@@ -177,7 +178,7 @@ def wna16_matmul(x: torch.Tensor, layout: WNA16Layout, kernel: Wna16Kernel | Non
 def build_or_load() -> Wna16Kernel | None:
     """The kernels, built if this machine has none cached; None where they cannot be (the
     reason is logged) or `TP_CPU_WNA16=0`."""
-    return load_kernel(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBS, Wna16Kernel,
+    return load_kernel(SOURCES, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBS, Wna16Kernel,
                        "CPU int4/int8 weight kernels unavailable (%s); quantised layers dequantise tiles in torch",
                        switch="TP_CPU_WNA16")
 

@@ -1,0 +1,25 @@
+/* One value between bfloat16 and float32, as torch converts (c10::BFloat16): widening is
+ * exact; narrowing rounds to nearest even, and every NaN becomes 0x7fc0. Shared by the
+ * CPU kernels that read or write bfloat16 (static inline: each includer compiles its
+ * own copy); narrowing is branch-free, so that the compiler vectorises loops of it. */
+#ifndef BF16_CONVERT_H
+#define BF16_CONVERT_H
+
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? 0x7fc0u : rounded);
+}
+
+#endif
