@@ -31,7 +31,8 @@ static inline __m512 load16(const void *x, int bf16, int64_t i, int64_t n) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* bfloat16 of 16 floats, rounded to nearest even; NaN stays NaN (float_to_bf16's rule) */
+/* bfloat16 of 16 floats, rounded to nearest even; a NaN becomes 0x7fc0 (float_to_bf16's
+ * rule, torch's) */
 static inline __m256i to_bf16x16(__m512 v) {
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i one = _mm512_set1_epi32(1);
@@ -39,7 +40,7 @@ static inline __m256i to_bf16x16(__m512 v) {
                                                         _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)));
     r = _mm512_srli_epi32(r, 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
     return _mm512_cvtepi32_epi16(r);
 }
 #endif
