@@ -87,11 +87,11 @@ def measure_limits(device: str, copy_mib: int, matmul_size: int, iters: int = 20
 
     src = torch.ones(copy_mib << 20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy_s = best_seconds(lambda: dst.copy_(src))
+    copy_s = best_seconds(lambda src=src, dst=dst: dst.copy_(src))  # bound now: both are deleted below
     del src, dst
     a = torch.randn(matmul_size, matmul_size, device=device).to(torch.bfloat16)
     b, c = torch.randn_like(a), torch.empty_like(a)
-    matmul_s = best_seconds(lambda: torch.mm(a, b, out=c))
+    matmul_s = best_seconds(lambda a=a, b=b, c=c: torch.mm(a, b, out=c))
     del a, b, c
     if device == "cuda":
         torch.cuda.empty_cache()
