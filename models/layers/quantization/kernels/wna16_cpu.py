@@ -49,7 +49,9 @@ LINK_LIBS = ("-lm",)
 # 1-4 tokens, 5.5 ms for 16, 8.1 ms for 24, tiles 4.4-7.6 ms; the float32 GEMV 1.5 ms for
 # 1 token, 5.2 ms for 8). Keyed by the tiles' dtype (`tile_dtype`): float32 tiles run
 # float32's slower GEMM, so the float32 GEMV is kept longer where the tiles would be
-# float32 (float32 tokens, and bfloat16 ones where bfloat16 tiles have no fast GEMM).
+# float32 (float32 tokens, and bfloat16 ones where bfloat16 tiles have no fast GEMM). On
+# the Zen 3 VM (AVX2, 2026-12-06) the float32 GEMV and bfloat16 tiles with the AVX2 GEMM
+# meet at 6-8 tokens of a 4096x1024 or 1024x4096 int4 weight (1.3-1.6 ms), as here.
 BF16_DOT_MAX_TOKENS = 16
 GEMV_MAX_TOKENS = {torch.bfloat16: 6, torch.float32: 8}
 SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C kernel's scale_dtype
