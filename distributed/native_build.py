@@ -36,6 +36,10 @@ from distributed.native_calls import NativeLibrary
 logger = logging.getLogger(__name__)
 
 _BUILD_TIMEOUT_S = 120
+#: One value's bfloat16 <-> float32 conversion, as torch does it, shared by the C kernels
+#: that read or write bfloat16 (models' and the shm all-reduce's): each names it in the
+#: sources it hands `load_kernel`, so that a change to it rebuilds them.
+BF16_CONVERT_H = Path(__file__).with_name("bf16_convert.h")
 T = TypeVar("T")
 
 

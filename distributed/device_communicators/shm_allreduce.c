@@ -20,24 +20,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../bf16_convert.h"
+
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
-
-/* The bf16 conversions repeat cpu_ops.c's: each kernel is one self-contained file, which
- * native_build keys by its text, so a shared header could change without a rebuild. */
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0u : (uint16_t)rounded;
-}
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -63,12 +48,12 @@ static void sum_bf16(uint16_t *out, char *const *slots, int world, int64_t n) {
     for (int64_t start = 0; start < n; start += BLOCK) {
         int64_t len = n - start < BLOCK ? n - start : BLOCK;
         const uint16_t *s0 = (const uint16_t *)slots[0] + start;
-        for (int64_t i = 0; i < len; i++) acc[i] = bf16_to_f32(s0[i]);
+        for (int64_t i = 0; i < len; i++) acc[i] = bf16_to_float(s0[i]);
         for (int r = 1; r < world; r++) {
             const uint16_t *s = (const uint16_t *)slots[r] + start;
-            for (int64_t i = 0; i < len; i++) acc[i] += bf16_to_f32(s[i]);
+            for (int64_t i = 0; i < len; i++) acc[i] += bf16_to_float(s[i]);
         }
-        for (int64_t i = 0; i < len; i++) out[start + i] = f32_to_bf16(acc[i]);
+        for (int64_t i = 0; i < len; i++) out[start + i] = float_to_bf16(acc[i]);
     }
 }
 

@@ -63,7 +63,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from distributed.native_build import NativeLibrary, load_kernel
+from distributed.native_build import BF16_CONVERT_H, NativeLibrary, load_kernel
 from distributed.shm_utils import attach_shm, memory_fence
 
 # dtypes the fast path covers; anything else goes to gloo.
@@ -395,6 +395,6 @@ def load_all_reduce_kernel() -> AllReduceKernel | None:
         round_fn.restype = norm_fn.restype = gather_fn.restype = i32
         return AllReduceKernel(round_fn, norm_fn, gather_fn)
 
-    return load_kernel(KERNEL_SOURCE, ("-O3", "-march=native", "-ffp-contract=off", "-fPIC"), ("-shared",), (),
+    return load_kernel((KERNEL_SOURCE, BF16_CONVERT_H), ("-O3", "-march=native", "-ffp-contract=off", "-fPIC"), ("-shared",), (),
                        wrap, "the shared-memory all-reduce kernel is unavailable (%s); its torch-op path runs instead",
                        switch="TP_CPU_SHM_ALLREDUCE_KERNEL")

@@ -10,7 +10,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#include "bf16_convert.h"
+#include "../../distributed/bf16_convert.h"
 
 #define BF16_TILE_ROWS 4
 #define BF16_TILE_TOKENS 4

@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from distributed.native_build import cpu_flags, load_kernel
+from distributed.native_build import BF16_CONVERT_H, cpu_flags, load_kernel
 from distributed.native_calls import NativeLibrary
 
 SOURCE = Path(__file__).with_name("cpu_bf16_gemm.c")
 # The headers it includes: a change to one rebuilds the library.
-SOURCES = (SOURCE, SOURCE.with_name("bf16_tile.h"), SOURCE.with_name("bf16_convert.h"))
+SOURCES = (SOURCE, SOURCE.with_name("bf16_tile.h"), BF16_CONVERT_H)
 SWITCH = "TP_CPU_BF16_GEMM"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")

@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16_convert.h"
+#include "../../distributed/bf16_convert.h"
 
 #define INLINE static inline __attribute__((always_inline))
 #define LANES 16 /* independent partial sums: the compiler vectorises them without reassociating */

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from distributed.native_build import load_kernel
+from distributed.native_build import BF16_CONVERT_H, load_kernel
 from distributed.native_calls import NativeLibrary
 from models.layers.cpu_bf16_gemm import cpu_has_avx512_bf16
 
 SOURCES = (Path(__file__).with_name("cpu_moe.c"), Path(__file__).parent.parent / "bf16_tile.h",
-           Path(__file__).parent.parent / "bf16_convert.h")
+           BF16_CONVERT_H)
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)

@@ -16,7 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "../bf16_convert.h"
+#include "../../../distributed/bf16_convert.h"
 
 #define INLINE static inline __attribute__((always_inline))
 

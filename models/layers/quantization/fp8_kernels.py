@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from distributed.native_build import load_kernel
+from distributed.native_build import BF16_CONVERT_H, load_kernel
 from distributed.native_calls import NativeLibrary
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 TILE_ELEMENTS = 1 << 20
 GEMV_MAX_ROWS = 8  # up to this many rows (decode batches) the C kernel reads the fp8 bytes directly
 SOURCE = Path(__file__).with_name("fp8_kernels.c")
-SOURCES = (SOURCE, SOURCE.parent.parent / "bf16_convert.h")  # a change to the header rebuilds
+SOURCES = (SOURCE, BF16_CONVERT_H)  # a change to the header rebuilds
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}

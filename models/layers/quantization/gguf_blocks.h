@@ -9,7 +9,7 @@
 #include <string.h>
 #include <math.h>
 
-#include "../bf16_convert.h"
+#include "../../../distributed/bf16_convert.h"
 #if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from distributed.native_build import cpu_flags, load_kernel
+from distributed.native_build import BF16_CONVERT_H, cpu_flags, load_kernel
 from distributed.native_calls import NativeLibrary
 
 INT8_MAX = 127.0
@@ -37,7 +37,7 @@ _MIN_SCALE = 1e-12  # an all-zero row gets this scale: its values stay exactly 0
 _CUDA_INT_MM_MIN_ROWS = 16  # cuBLASLt's int8 GEMM wants more rows than this
 
 SOURCE = Path(__file__).with_name("kernels") / "int8_cpu.c"
-SOURCES = (SOURCE, Path(__file__).parent.parent / "bf16_convert.h")  # a change to the header rebuilds
+SOURCES = (SOURCE, BF16_CONVERT_H)  # a change to the header rebuilds
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 _C_DTYPES = (torch.float32, torch.bfloat16)  # what the C passes read and write
@@ -114,11 +114,12 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, scale
 
 
+@functools.cache
 def torch_int_mm_has_int8_kernel() -> bool:
     """Whether torch._int_mm has an int8 kernel on this CPU: oneDNN's, where the CPU has
     VNNI (AVX-512 or AVX) or AMX. Without them it runs a reference loop (0.6 GOP/s at 32-128
     tokens of a 4096x1024 weight, 2026-12-06, the Zen 3 VM), and `int8_linear` takes
-    int8_cpu.c's AVX2 GEMM instead."""
+    int8_cpu.c's AVX2 GEMM instead. Asked on every W8A8 GEMM: answered once."""
     flags = cpu_flags().split()
     return any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
 

@@ -30,7 +30,7 @@
 #include <string.h>
 #include <math.h>
 
-#include "../../bf16_convert.h"
+#include "../../../../distributed/bf16_convert.h"
 
 #define INLINE static inline __attribute__((always_inline))
 

@@ -12,7 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "../../bf16_convert.h"
+#include "../../../../distributed/bf16_convert.h"
 
 #define INT8_MAX_F 127.f
 #define MIN_SCALE 1e-12f

@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../bf16_convert.h"
+#include "../../../../distributed/bf16_convert.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from distributed.native_build import load_kernel
+from distributed.native_build import BF16_CONVERT_H, load_kernel
 from distributed.native_calls import NativeLibrary
 from models.layers import cpu_sgemm
 from models.layers.cpu_bf16_gemm import cpu_has_avx512_bf16
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from models.layers.quantization.kernels.wna16_layout import WNA16Layout
 
 SOURCE = Path(__file__).with_name("wna16_cpu.c")
-SOURCES = (SOURCE, SOURCE.parent.parent.parent / "bf16_convert.h")  # a change to the header rebuilds
+SOURCES = (SOURCE, BF16_CONVERT_H)  # a change to the header rebuilds
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
@@ -132,6 +132,7 @@ def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if x_dtype == torch.bfloat16 and _half_gemm() != "none" else torch.float32
 
 
+@functools.cache
 def _half_gemm() -> str:
     """The GEMM of bfloat16 tiles: torch's ("torch") where the CPU has AVX512-BF16;
     else our AVX2 kernel that widens a bfloat16 weight as it reads it ("avx2",
@@ -140,7 +141,7 @@ def _half_gemm() -> str:
     of a 4096x1024 weight, 2026-12-06, the Zen 3 VM, 2 threads); "none" where neither
     (float32 tiles and torch's float32 GEMM). The AVX2 kernel with bfloat16 tiles against
     float32 tiles there: 2.5 against 3.5 ms at 32 tokens of that weight, 1.8 against 2.8
-    at 16."""
+    at 16. Asked on every batch's tiles: answered once per process."""
     if cpu_has_avx512_bf16():
         return "torch"
     return "avx2" if cpu_sgemm.load() is not None else "none"

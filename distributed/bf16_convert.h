@@ -1,9 +1,10 @@
 /* One value between bfloat16 and float32, as torch converts (c10::BFloat16): widening is
  * exact; narrowing rounds to nearest even, and every NaN becomes 0x7fc0 (c10's scalar
  * rule; torch's vectorised CPU conversion writes 0xffff, also a NaN: no kernel promises
- * torch's bits for a NaN). Shared by the CPU kernels that read or write bfloat16 (static
- * inline: each includer compiles its own copy); narrowing is branch-free, so that the
- * compiler vectorises loops of it. */
+ * torch's bits for a NaN). Shared by the CPU kernels that read or write bfloat16, the
+ * models' and the shm all-reduce's (here, below both; static inline: each includer
+ * compiles its own copy; native_build.BF16_CONVERT_H names it in their sources); narrowing
+ * is branch-free, so that the compiler vectorises loops of it. */
 #ifndef BF16_CONVERT_H
 #define BF16_CONVERT_H
 
