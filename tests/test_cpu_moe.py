@@ -1,9 +1,11 @@
 """A decode step's experts in one C call (models/layers/fused_moe/cpu_moe.py): the
 grouped torch kernel's result for bfloat16 (the same roundings, in the same order; only
 the products' float32 summation order differs, and with it an intermediate's bf16
-rounding now and then), under expert parallelism too; where it is taken; refusals; and in
-the engine, bfloat16 MoE decode steps now recorded as CPU graphs, replaying what the
-eager steps compute at TP 1 and 2."""
+rounding now and then), under expert parallelism too, with the products this CPU's build
+takes (AVX-512 BF16's register tile, or AVX2's dot products) and with the AVX2 ones
+built on purpose; where it is taken; refusals; and in the engine, bfloat16 MoE decode
+steps now recorded as CPU graphs, replaying what the eager steps compute at TP 1 and
+2."""
 
 from __future__ import annotations
 
@@ -13,13 +15,16 @@ import pytest
 import torch
 
 from config import SamplingParams
+from distributed.native_build import load_kernel
 from engine.core import EngineCore
+from models.layers.cpu_bf16_gemm import cpu_has_avx512_bf16
+from models.layers.cpu_sgemm import cpu_has_avx2
 from models.layers.fused_moe import cpu_moe, fused_topk
 from models.layers.fused_moe.grouped_moe import grouped_fused_experts
 from tests.moe_checkpoints import write_moe_checkpoint
 
 kernel = cpu_moe.load()
-pytestmark = pytest.mark.skipif(kernel is None, reason="no AVX-512 BF16 in this CPU or build")
+pytestmark = pytest.mark.skipif(kernel is None, reason="neither AVX-512 BF16 nor AVX2 in this CPU, or no build")
 
 
 def _case(num_experts: int, hidden: int, inter: int, tokens: int, top_k: int, seed: int):
@@ -44,6 +49,33 @@ def test_the_grouped_kernels_result(num_experts, hidden, inter, tokens, top_k):
     assert got.dtype == torch.bfloat16 and got.shape == (tokens, hidden)
     scale = expected.abs().amax(-1, keepdim=True)
     assert ((got.float() - expected).abs() <= (top_k + 2) * 2.0 ** -8 * scale + 1e-6).all()
+
+
+def test_the_build_takes_the_cpus_products():
+    assert kernel.products == ("bf16_tile" if cpu_has_avx512_bf16() else "avx2")
+
+
+@pytest.mark.skipif(not cpu_has_avx2(), reason="no AVX2 and FMA in this CPU")
+def test_the_avx2_products_built_on_purpose(tmp_path, monkeypatch):
+    """The same source built without AVX-512 (what a CPU without AVX-512 BF16 builds, here
+    on any AVX2 CPU) gives the grouped kernel's result too, under expert parallelism as
+    well."""
+    monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
+    avx2 = load_kernel(cpu_moe.SOURCES, cpu_moe.COMPILE_FLAGS + ("-mno-avx512f",), cpu_moe.LINK_FLAGS,
+                       cpu_moe.LINK_LIBS, cpu_moe.CpuMoeKernel, "no build: %s")
+    assert avx2 is not None and avx2.products == "avx2"
+    for num_experts, hidden, inter, tokens, top_k in [(8, 256, 96, 5, 2), (16, 512, 128, 33, 4), (6, 130, 18, 3, 2)]:
+        x, w13, w2, weights, ids = _case(num_experts, hidden, inter, tokens, top_k, tokens)
+        expected = grouped_fused_experts(x, w13, w2, weights, ids).float()
+        got = avx2.experts(x, w13, w2, weights, ids, None, num_experts).float()
+        assert ((got - expected).abs() <= (top_k + 2) * 2.0 ** -8 * expected.abs().amax(-1, keepdim=True) + 1e-6).all()
+    x, w13, w2, weights, ids = _case(8, 128, 64, 9, 2, 3)
+    expert_map = torch.full((8,), -1, dtype=torch.int64)
+    expert_map[4:] = torch.arange(4)
+    local13, local2 = w13[4:].contiguous(), w2[4:].contiguous()
+    expected = grouped_fused_experts(x, local13, local2, weights, ids, expert_map).float()
+    got = avx2.experts(x, local13, local2, weights, ids, expert_map, 8).float()
+    assert ((got - expected).abs() <= 4 * 2.0 ** -8 * expected.abs().amax(-1, keepdim=True) + 1e-6).all()
 
 
 def test_only_this_ranks_experts_under_expert_parallelism():

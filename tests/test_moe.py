@@ -25,6 +25,8 @@ from engine.arg_utils import create_engine_config
 from engine.core import EngineCore
 from models.errors import WeightLoadError
 from models.layers.fused_moe import ExpertParallelConfigError, determine_expert_placement, fused_topk
+from models.layers import cpu_sgemm
+from models.layers.cpu_gemm import widens_half_weights
 from models.layers.fused_moe import grouped_moe
 from models.layers.fused_moe.grouped_moe import grouped_fused_experts
 from tests.hf_checkpoints import assert_logprobs_match, hf_prompt_logprobs
@@ -131,6 +133,25 @@ def test_grouped_kernel_computes_only_local_experts_under_ep() -> None:
     # The all-reduce of the two ranks' partial sums is the whole layer.
     torch.testing.assert_close(partials[0] + partials[1], grouped_fused_experts(hidden, w13, w2, weights, ids),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_experts_take_the_product_a_bf16_dense_layer_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU whose oneDNN has no bf16 GEMM (AVX2), bf16 experts go through our AVX2
+    kernel (`cpu_sgemm.linear_half`) as the dense layers do, 2 calls per active expert,
+    rather than torch's product, which converts the weight on every call there; on other
+    CPUs, F.linear. Either way the float64 reference on the bf16 values, to bf16 rounding
+    (the gate/up products, the activation and the outputs each rounded once)."""
+    w13, w2 = (w.bfloat16() for w in random_experts(6, 64, 40, seed=5))
+    weights, ids = random_routing(11, 6, 2, seed=6)
+    hidden = torch.randn(11, 64, generator=torch.Generator().manual_seed(7)).bfloat16()
+    calls = []
+    real_half = cpu_sgemm.linear_half
+    monkeypatch.setattr(cpu_sgemm, "linear_half", lambda x, w, *a: calls.append(x.shape[0]) or real_half(x, w, *a))
+    out = grouped_fused_experts(hidden, w13, w2, weights, ids)
+    assert out.dtype == torch.bfloat16
+    assert len(calls) == (2 * ids.unique().numel() if widens_half_weights(w13[0]) else 0)
+    ref = naive_moe_reference(hidden, w13, w2, weights, ids)
+    assert ((out.double() - ref).abs() <= 4 * 2.0 ** -8 * ref.abs().amax(-1, keepdim=True) + 1e-6).all()
 
 
 def test_grouped_kernel_runs_one_gemm_pair_per_active_expert(monkeypatch: pytest.MonkeyPatch) -> None:

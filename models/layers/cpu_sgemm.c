@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "avx2_transpose.h"
+#include "half_dot.h"
 
 #define NR 16
 #define MR 6
@@ -110,7 +111,7 @@ void cpu_sgemm(const float *x, int64_t m, int64_t k, const float *packed, int64_
  *
  * out[m, n] = x[m, k] . w[n, k]^T (+ bias[n]) in float32 for a bfloat16 or float16 weight
  * w [n, k] (rows at stride ldw) read where it was loaded: no packed copy.
- * - Up to DOT_MAX_ROWS rows of x (decode batches), each output is a dot product of a
+ * - Up to DOT_MAX_ROWS rows of x (decode batches), each output is a dot product (half_dot.h) of a
  *   weight row and a row of x, 8 values a step: a tile of W weight rows widened once per
  *   step serves R <= DOT_ROWS rows of x (W * R <= 12 running sums); the weight is read
  *   from memory once, at its 2 bytes a value, and from L2 for the next group of rows.
@@ -125,26 +126,7 @@ void cpu_sgemm(const float *x, int64_t m, int64_t k, const float *packed, int64_
  * Products and sums are float32 (a bf16 or fp16 value widens exactly). Each output is one
  * thread's sum, so results do not depend on the thread count. */
 
-#define DOT_ROWS 6      /* rows of x per register tile of dot products */
 #define DOT_MAX_ROWS 16 /* up to this many rows of x, dot products; above, widened panels */
-#define DOT_BLOCK 24     /* weight rows per task: a multiple of every tile's W (8, 6, 4, 3, 2) */
-
-static inline __attribute__((always_inline)) __m256 widen8(const uint16_t *p, const int bf16) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    if (bf16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
-}
-
-static inline float widen1(uint16_t v, const int bf16) {
-    if (bf16) {
-        uint32_t bits = (uint32_t)v << 16;
-        float f;
-        memcpy(&f, &bits, sizeof f);
-        return f;
-    }
-    return _cvtsh_ss(v);
-}
 
 /* Rows [n0, n0 + cols) of w, widened into one panel: p[kk * NR + c] (zero for c >= cols). */
 static inline __attribute__((always_inline)) void widen_panel(const uint16_t *w, int64_t ldw, int64_t n0,
@@ -164,69 +146,6 @@ static inline __attribute__((always_inline)) void widen_panel(const uint16_t *w,
     for (; kk < k; kk++)
         for (int64_t c = 0; c < NR; c++)
             p[kk * NR + c] = c < cols ? widen1(w[(n0 + c) * ldw + kk], bf16) : 0.0f;
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* Outputs [n0, n0 + nw) (nw <= W) of the R rows of x at x (rows k apart), into out
- * (rows ldo apart): W x R running sums of 8 lanes, 8 values a step. W * R <= 12 keeps them
- * in registers with the widened weight vectors and one row of x; enough independent sums
- * to hide the FMA latency even for one row of x. */
-static inline __attribute__((always_inline)) void dot_tile(const int W, const int R, const float *x, int64_t k,
-                                                           const uint16_t *w, int64_t ldw, int64_t n0, int64_t nw,
-                                                           const float *bias, float *out, int64_t ldo,
-                                                           const int bf16) {
-    __m256 acc[8][6];
-    const uint16_t *rows[8];
-    for (int i = 0; i < W; i++) {
-        rows[i] = w + (n0 + (i < nw ? i : 0)) * ldw; /* rows past nw repeat row n0: computed, not stored */
-        for (int r = 0; r < R; r++)
-            acc[i][r] = _mm256_setzero_ps();
-    }
-    int64_t kk = 0;
-    for (; kk + 8 <= k; kk += 8) {
-        __m256 v[8];
-        for (int i = 0; i < W; i++)
-            v[i] = widen8(rows[i] + kk, bf16);
-        for (int r = 0; r < R; r++) {
-            __m256 a = _mm256_loadu_ps(x + r * k + kk);
-            for (int i = 0; i < W; i++)
-                acc[i][r] = _mm256_fmadd_ps(v[i], a, acc[i][r]);
-        }
-    }
-    for (int i = 0; i < nw; i++)
-        for (int r = 0; r < R; r++) {
-            float sum = hsum(acc[i][r]);
-            for (int64_t t = kk; t < k; t++)
-                sum += widen1(rows[i][t], bf16) * x[r * k + t];
-            out[r * ldo + n0 + i] = sum + (bias ? bias[n0 + i] : 0.0f);
-        }
-}
-
-/* The R rows of x at x against weight rows [n0, n1), W rows a tile (W * R <= 12). */
-static inline __attribute__((always_inline)) void dot_rows(const int R, const float *x, int64_t k, const uint16_t *w,
-                                                           int64_t ldw, int64_t n0, int64_t n1, const float *bias,
-                                                           float *out, int64_t ldo, const int bf16) {
-    const int W = R == 1 ? 8 : R == 2 ? 6 : R == 3 ? 4 : R == 4 ? 3 : 2;
-    for (int64_t j = n0; j < n1; j += W)
-        dot_tile(W, R, x, k, w, ldw, j, n1 - j < W ? n1 - j : W, bias, out, ldo, bf16);
-}
-
-static void dot_group(int R, const float *x, int64_t k, const uint16_t *w, int64_t ldw, int64_t n0, int64_t n1,
-                      const float *bias, float *out, int64_t ldo, const int bf16) {
-    switch (R) {
-    case 1: dot_rows(1, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
-    case 2: dot_rows(2, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
-    case 3: dot_rows(3, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
-    case 4: dot_rows(4, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
-    case 5: dot_rows(5, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
-    default: dot_rows(6, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
-    }
 }
 
 static void half_gemm(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t ldw, int64_t n,

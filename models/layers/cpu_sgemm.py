@@ -37,7 +37,7 @@ from distributed.native_calls import NativeLibrary
 
 SOURCE = Path(__file__).with_name("cpu_sgemm.c")
 #: What the library is built from: the kernel and the transpose it shares with the GGUF tiles.
-SOURCES = (SOURCE, SOURCE.with_name("avx2_transpose.h"))
+SOURCES = (SOURCE, SOURCE.with_name("avx2_transpose.h"), SOURCE.with_name("half_dot.h"))
 COMPILE_FLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 PANEL = 16  # the kernel's NR: output columns per packed panel

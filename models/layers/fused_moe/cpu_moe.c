@@ -1,43 +1,83 @@
-/* A mixture-of-experts block's experts in one C call (cpu_moe_bf16), for bfloat16 on a
- * CPU with AVX-512 BF16: the grouping grouped_moe.py does in torch (pairs sorted by
- * expert, each active expert's gate/up and down products over its tokens, the routed
- * weights, the sum back into each token), with no host read of the counts in between,
- * so a decode step that holds it can be recorded and replayed (worker/cpu_graph.py).
- * Its contract is in cpu_moe.py, which compiles it and is its only caller.
+/* A mixture-of-experts block's experts in one C call (cpu_moe_bf16), for bfloat16: the
+ * grouping grouped_moe.py does in torch (pairs sorted by expert, each active expert's
+ * gate/up and down products over its tokens, the routed weights, the sum back into each
+ * token), with no host read of the counts in between, so a decode step that holds it can
+ * be recorded and replayed (worker/cpu_graph.py). Its contract is in cpu_moe.py, which
+ * compiles it and is its only caller.
  *
- * The products are our bf16 register tile (../bf16_tile.h: float32 sums of bf16
- * products, each output rounded once to bf16, as F.linear's bf16 output is); the gate
- * is silu(g) * u with each of the two rounded to bf16 as torch's bf16 ops round them;
- * each pair's output times its routing weight is rounded to bf16 and added into its
- * token's row in bf16, pairs in expert order (the order grouped_moe.py adds them).
+ * The products: on a CPU with AVX-512 BF16, our bf16 register tile (../bf16_tile.h); on
+ * one without (AVX2 and FMA), the dot products of ../half_dot.h, the expert's rows widened
+ * to float32 as they are read and the tokens' rows widened once (the AVX2 kernel the
+ * dense layers and grouped_moe.py use there, cpu_sgemm.c, is built on the same code).
+ * Either way float32 sums of exact products, each output rounded once to bf16, as
+ * F.linear's bf16 output is; the gate is silu(g) * u with each of the two rounded to bf16
+ * as torch's bf16 ops round them; each pair's output times its routing weight is rounded
+ * to bf16 and added into its token's row in bf16, pairs in expert order (the order
+ * grouped_moe.py adds them).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
 
-#if !defined(__AVX512BF16__) || !defined(__AVX512BW__)
-#error "needs AVX-512 BF16 and BW (the loader only builds this where the CPU has them)"
-#endif
-
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include "../bf16_tile.h"
 
-static inline float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
+/* The products' inputs (a token's row, an activation) are bf16 here. */
+typedef bf16 xval;
+static inline xval to_xval(float v) { return float_to_bf16(v); }
+#define ITEM_ROWS BF16_TILE_ROWS /* weight rows per work item */
+#define PRODUCTS 1
 
-/* y[m, n] = x[m, :] . w[n, :] rounded to bf16 (x [M, K] stride ldx, w [N, K] stride K,
- * y stride ldy), for the row tile n0 (BF16_TILE_ROWS rows) and every token group. */
-static void tile_rows(const bf16 *x, int64_t ldx, int64_t M, const bf16 *w, int64_t N, int64_t K, int64_t n0,
-                      bf16 *y, int64_t ldy) {
+/* y[m, n0 .. n0 + ITEM_ROWS) = x[m, :] . w[n, :] rounded to bf16 (x [M, K] bf16, row
+ * stride K; w [N, K]; y stride ldy), every token group. */
+static void item_rows(const xval *x, int64_t M, const bf16 *w, int64_t N, int64_t K, int64_t n0, bf16 *y,
+                      int64_t ldy) {
     const int rows = (int)(N - n0 < BF16_TILE_ROWS ? N - n0 : BF16_TILE_ROWS);
     for (int64_t m0 = 0; m0 < M; m0 += BF16_TILE_TOKENS) {
         const int tokens = (int)(M - m0 < BF16_TILE_TOKENS ? M - m0 : BF16_TILE_TOKENS);
         float out[BF16_TILE_ROWS * BF16_TILE_TOKENS];
-        _mm512_storeu_ps(out, bf16_run_tile(w + n0 * K, K, x + m0 * ldx, ldx, K, rows, tokens, NULL, 0, 1));
+        _mm512_storeu_ps(out, bf16_run_tile(w + n0 * K, K, x + m0 * K, K, K, rows, tokens, NULL, 0, 1));
         for (int t = 0; t < tokens; t++)
             for (int r = 0; r < rows; r++)
                 y[(m0 + t) * ldy + n0 + r] = float_to_bf16(out[t * BF16_TILE_ROWS + r]);
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "../../../distributed/bf16_convert.h"
+#include "../half_dot.h"
+
+typedef uint16_t bf16;
+/* The products' inputs are float32 here (bf16 values, widened exactly). */
+typedef float xval;
+static inline xval to_xval(float v) { return v; }
+#define ITEM_ROWS DOT_BLOCK
+#define PRODUCTS 2
+
+/* As above, for the DOT_BLOCK rows from n0 (x [M, K] float32), tokens in groups of at
+ * most DOT_ROWS. */
+static void item_rows(const xval *x, int64_t M, const bf16 *w, int64_t N, int64_t K, int64_t n0, bf16 *y,
+                      int64_t ldy) {
+    const int64_t rows = N - n0 < DOT_BLOCK ? N - n0 : DOT_BLOCK, groups = (M + DOT_ROWS - 1) / DOT_ROWS;
+    float out[DOT_ROWS * DOT_BLOCK];
+    int64_t m0 = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        const int R = (int)((M - m0 + groups - g - 1) / (groups - g)); /* equal groups */
+        dot_group(R, x + m0 * K, K, w + n0 * K, K, 0, rows, NULL, out, DOT_BLOCK, 1);
+        for (int t = 0; t < R; t++)
+            for (int64_t r = 0; r < rows; r++)
+                y[(m0 + t) * ldy + n0 + r] = float_to_bf16(out[t * DOT_BLOCK + r]);
+        m0 += R;
+    }
+}
+#else
+#error "needs AVX-512 BF16 and BW, or AVX2 and FMA (the loader builds this only where the CPU has one)"
+#endif
+
+static inline float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
+
+/* Which products this build computes with: 1 the bf16 register tile, 2 the AVX2 dot products. */
+int cpu_moe_products(void) { return PRODUCTS; }
 
 /* out [T, H] (bf16, written whole) = sum over the pairs (t, j) whose expert this rank
  * holds of topk_w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]
@@ -71,39 +111,45 @@ int cpu_moe_bf16(const bf16 *x, int64_t ldx, int64_t T, int64_t H, const bf16 *w
     for (int64_t e = 0; e < E_local; e++) count[e + 1] += count[e]; /* count[e]: expert e's first sorted pair */
     const int64_t kept = count[E_local];
     int64_t *fill = malloc((size_t)(E_local ? E_local : 1) * sizeof(int64_t));
-    bf16 *rows = malloc((size_t)(kept ? kept : 1) * (size_t)(H + 2 * I + H) * sizeof(bf16));
-    if (!fill || !rows) {
-        free(count), free(pair), free(local), free(fill), free(rows);
+    const size_t n_rows = (size_t)(kept ? kept : 1);
+    xval *xs = malloc(n_rows * (size_t)(H + I) * sizeof(xval)); /* [kept, H] rows, then [kept, I] activations */
+    bf16 *gu = malloc(n_rows * (size_t)(2 * I + H) * sizeof(bf16)); /* [kept, 2I] gate/up, then [kept, H] outputs */
+    if (!fill || !xs || !gu) {
+        free(count), free(pair), free(local), free(fill), free(xs), free(gu);
         return -3;
     }
     memcpy(fill, count, (size_t)E_local * sizeof(int64_t));
     for (int64_t p = 0; p < P; p++) /* stable: an expert's pairs keep their token order */
         if (local[p] >= 0) pair[fill[local[p]]++] = p;
-    bf16 *xs = rows, *gu = rows + kept * H, *ys = gu + kept * 2 * I; /* [kept, H], [kept, 2I], [kept, H] */
-    for (int64_t s = 0; s < kept; s++) memcpy(xs + s * H, x + (pair[s] / K) * ldx, (size_t)H * sizeof(bf16));
+    xval *act = xs + kept * H;
+    bf16 *ys = gu + kept * 2 * I;
+    for (int64_t s = 0; s < kept; s++) {
+        const bf16 *row = x + (pair[s] / K) * ldx;
+        for (int64_t h = 0; h < H; h++) xs[s * H + h] = to_xval(bf16_to_float(row[h])); /* exact either way */
+    }
 
-    /* (expert, row tile) work items of each product, over the active experts only */
-    const int64_t tiles13 = (2 * I + BF16_TILE_ROWS - 1) / BF16_TILE_ROWS, tiles2 = (H + BF16_TILE_ROWS - 1) / BF16_TILE_ROWS;
+    /* (expert, block of ITEM_ROWS weight rows) work items of each product, over the active experts only */
+    const int64_t items13 = (2 * I + ITEM_ROWS - 1) / ITEM_ROWS, items2 = (H + ITEM_ROWS - 1) / ITEM_ROWS;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < E_local * tiles13; item++) {
-            const int64_t e = item / tiles13, n = count[e + 1] - count[e];
-            if (n) tile_rows(xs + count[e] * H, H, n, w13 + e * 2 * I * H, 2 * I, H, (item % tiles13) * BF16_TILE_ROWS,
+        for (int64_t item = 0; item < E_local * items13; item++) {
+            const int64_t e = item / items13, n = count[e + 1] - count[e];
+            if (n) item_rows(xs + count[e] * H, n, w13 + e * 2 * I * H, 2 * I, H, (item % items13) * ITEM_ROWS,
                              gu + count[e] * 2 * I, 2 * I);
         }
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < kept; s++) { /* silu(g) * u, each rounded to bf16 as torch's bf16 ops are */
-            bf16 *g = gu + s * 2 * I;
+            const bf16 *g = gu + s * 2 * I;
             for (int64_t i = 0; i < I; i++) {
                 const float a = bf16_to_float(g[i]), silu = round_bf16(a / (1.0f + expf(-a)));
-                g[i] = float_to_bf16(silu * bf16_to_float(g[I + i])); /* the act where the gate was */
+                act[s * I + i] = to_xval(round_bf16(silu * bf16_to_float(g[I + i])));
             }
         }
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < E_local * tiles2; item++) {
-            const int64_t e = item / tiles2, n = count[e + 1] - count[e];
-            if (n) tile_rows(gu + count[e] * 2 * I, 2 * I, n, w2 + e * H * I, H, I, (item % tiles2) * BF16_TILE_ROWS,
+        for (int64_t item = 0; item < E_local * items2; item++) {
+            const int64_t e = item / items2, n = count[e + 1] - count[e];
+            if (n) item_rows(act + count[e] * I, n, w2 + e * H * I, H, I, (item % items2) * ITEM_ROWS,
                              ys + count[e] * H, H);
         }
     }
@@ -116,6 +162,6 @@ int cpu_moe_bf16(const bf16 *x, int64_t ldx, int64_t T, int64_t H, const bf16 *w
         for (int64_t h = 0; h < H; h++)
             o[h] = float_to_bf16(bf16_to_float(o[h]) + round_bf16(bf16_to_float(y[h]) * wt));
     }
-    free(count), free(pair), free(local), free(fill), free(rows);
+    free(count), free(pair), free(local), free(fill), free(xs), free(gu);
     return 0;
 }

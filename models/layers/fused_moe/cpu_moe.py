@@ -5,16 +5,18 @@ loops over the active experts in Python, reading the per-expert counts on the ho
 step holding it cannot be recorded as a CPU graph (worker/cpu_graph.py refuses the host
 read), so a MoE model's decode steps ran eagerly, Python and all. `cpu_moe.c` does the
 same grouping and products inside one C call that reads the routing from tensors, so
-the whole step records and replays. Its products are our bf16 register tile, which
-reads the experts' weights as loaded; up to `MAX_TOKENS` tokens (a decode step's batch),
-where that tile is the faster product; a prefill's larger batches keep the grouped
-oneDNN GEMMs.
+the whole step records and replays. Its products read the experts' weights as loaded:
+our bf16 register tile on CPUs with AVX-512 BF16, the AVX2 dot products of
+`half_dot.h` (the experts' rows widened to float32 as they are read) on CPUs without it;
+up to `MAX_TOKENS` tokens (a decode step's batch), where these are the faster product; a
+prefill's larger batches keep the grouped GEMMs.
 
-Built on first use like the other CPU kernels (distributed/native_build.py), only on
-CPUs with AVX-512 BF16; `TP_CPU_MOE_KERNEL=0` turns it off. Called by `FusedMoE.forward`
-on every rank with this rank's experts and the routing every rank computed alike.
-Memory: for the call, the pairs' gathered rows, gate/up products and outputs (bf16,
-(2H + 2I) values a pair) and the sorting's indices; nothing is kept.
+Built on first use like the other CPU kernels (distributed/native_build.py), on CPUs
+with AVX-512 BF16 or AVX2 and FMA; `TP_CPU_MOE_KERNEL=0` turns it off. Called by
+`FusedMoE.forward` on every rank with this rank's experts and the routing every rank
+computed alike. Memory: for the call, the pairs' gathered rows and activations (H + I
+values a pair: bf16, float32 on AVX2), their gate/up products and outputs (bf16, 2I + H
+a pair) and the sorting's indices; nothing is kept.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ import torch
 from distributed.native_build import BF16_CONVERT_H, load_kernel
 from distributed.native_calls import NativeLibrary
 from models.layers.cpu_bf16_gemm import cpu_has_avx512_bf16
+from models.layers.cpu_sgemm import cpu_has_avx2
 
 SOURCES = (Path(__file__).with_name("cpu_moe.c"), Path(__file__).parent.parent / "bf16_tile.h",
-           BF16_CONVERT_H)
+           Path(__file__).parent.parent / "half_dot.h", BF16_CONVERT_H)
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
@@ -39,10 +42,13 @@ MAX_TOKENS = 64
 
 
 class CpuMoeKernel:
-    """The loaded library's `cpu_moe_bf16`."""
+    """The loaded library's `cpu_moe_bf16`; `products` says which products the build
+    computes with: "bf16_tile" (AVX-512 BF16) or "avx2"."""
 
     def __init__(self, lib: NativeLibrary, path: Path) -> None:
         self.path = path
+        lib.cpu_moe_products.restype = ctypes.c_int
+        self.products = {1: "bf16_tile", 2: "avx2"}[lib.cpu_moe_products()]
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._moe = lib.cpu_moe_bf16
         self._moe.restype = ctypes.c_int
@@ -71,9 +77,9 @@ class CpuMoeKernel:
 
 @functools.cache
 def load() -> CpuMoeKernel | None:
-    """The kernel, built if this machine has none cached; None on a CPU without AVX-512
-    BF16, where it cannot be built (logged once) or with `TP_CPU_MOE_KERNEL=0`."""
-    if not cpu_has_avx512_bf16():
+    """The kernel, built if this machine has none cached; None on a CPU with neither AVX-512
+    BF16 nor AVX2, where it cannot be built (logged once) or with `TP_CPU_MOE_KERNEL=0`."""
+    if not (cpu_has_avx512_bf16() or cpu_has_avx2()):
         return None
     return load_kernel(SOURCES, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBS, CpuMoeKernel,
                        "CPU MoE kernel unavailable (%s); experts are grouped in torch", switch="TP_CPU_MOE_KERNEL")

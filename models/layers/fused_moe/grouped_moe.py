@@ -9,14 +9,25 @@ routed-weighted rows are scatter-added back into their tokens. The Python loop r
 over the active experts only (at most E per step, usually all of them for a prefill),
 so a step costs 2 GEMMs per active expert whatever its token count.
 
+The GEMMs are `F.linear`, but on a CPU whose oneDNN has no GEMM for the experts' 16-bit
+dtype (AVX2 CPUs: `cpu_gemm.widens_half_weights`) our AVX2 kernel, which reads each
+expert's rows where they lie and widens them to float32 inside (`cpu_sgemm.linear_half`),
+as the dense layers there do: torch's bf16 product on such a CPU converts the weight on
+every call (a 32-request Qwen3-MoE run, 2026-12-06, Zen 3 VM: see docs/benchmarks.md).
+
 Memory: the gathered rows [T*k, H], their gate/up products [T*k, 2I] and outputs
 [T*k, H], plus the result [T, H]; nothing is kept between calls.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+
+from models.layers import cpu_sgemm
+from models.layers.cpu_gemm import widens_half_weights
 
 
 def sort_by_expert(
@@ -37,6 +48,12 @@ def sort_by_expert(
     sorted_ids, order = torch.sort(local_ids, stable=True)
     counts = torch.bincount(sorted_ids, minlength=num_local_experts)
     return pairs[order], sorted_ids, counts
+
+
+def expert_linear(w13: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """The product the experts of `w13` [E_local, 2I, H] go through: `cpu_sgemm.linear_half`
+    where the dense layers of the same dtype use it (the module docstring), else F.linear."""
+    return cpu_sgemm.linear_half if w13.numel() and widens_half_weights(w13[0]) else F.linear
 
 
 def grouped_fused_experts(
@@ -64,14 +81,15 @@ def grouped_fused_experts(
     weights = topk_weights.reshape(-1).index_select(0, pairs)
     expert_out = torch.empty_like(rows)
     intermediate = w2.shape[2]
+    linear = expert_linear(w13)
     start = 0
     for expert, count in enumerate(counts.tolist()):  # one host read of the counts
         if count == 0:
             continue
         seg = slice(start, start + count)
-        gate_up = F.linear(rows[seg], w13[expert])
+        gate_up = linear(rows[seg], w13[expert])
         act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        expert_out[seg] = F.linear(act, w2[expert])
+        expert_out[seg] = linear(act, w2[expert])
         start += count
     expert_out = (expert_out * weights.unsqueeze(1)).to(hidden_states.dtype)
     return out.index_add_(0, tokens, expert_out)

@@ -1,0 +1,98 @@
+/* Dot products of float32 activation rows with 16-bit (bfloat16 or float16) weight rows
+ * read where they lie, widened to float32 8 values at a time, with AVX2 and FMA: the
+ * decode-size product of cpu_sgemm.c (its `half_gemm`, whose comment has the numbers)
+ * and the experts of fused_moe/cpu_moe.c on CPUs without AVX-512 BF16. Each output is
+ * one dot product in k order, summed in 8 lanes and then across, so it does not depend
+ * on how a caller splits its rows among threads. Static inline: each includer compiles
+ * its own copy. */
+#ifndef HALF_DOT_H
+#define HALF_DOT_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define DOT_ROWS 6      /* rows of x per register tile of dot products */
+#define DOT_BLOCK 24     /* weight rows per task: a multiple of every tile's W (8, 6, 4, 3, 2) */
+
+static inline __attribute__((always_inline)) __m256 widen8(const uint16_t *p, const int bf16) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+static inline float widen1(uint16_t v, const int bf16) {
+    if (bf16) {
+        uint32_t bits = (uint32_t)v << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    return _cvtsh_ss(v);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Outputs [n0, n0 + nw) (nw <= W) of the R rows of x at x (rows k apart), into out
+ * (rows ldo apart): W x R running sums of 8 lanes, 8 values a step. W * R <= 12 keeps them
+ * in registers with the widened weight vectors and one row of x; enough independent sums
+ * to hide the FMA latency even for one row of x. */
+static inline __attribute__((always_inline)) void dot_tile(const int W, const int R, const float *x, int64_t k,
+                                                           const uint16_t *w, int64_t ldw, int64_t n0, int64_t nw,
+                                                           const float *bias, float *out, int64_t ldo,
+                                                           const int bf16) {
+    __m256 acc[8][6];
+    const uint16_t *rows[8];
+    for (int i = 0; i < W; i++) {
+        rows[i] = w + (n0 + (i < nw ? i : 0)) * ldw; /* rows past nw repeat row n0: computed, not stored */
+        for (int r = 0; r < R; r++)
+            acc[i][r] = _mm256_setzero_ps();
+    }
+    int64_t kk = 0;
+    for (; kk + 8 <= k; kk += 8) {
+        __m256 v[8];
+        for (int i = 0; i < W; i++)
+            v[i] = widen8(rows[i] + kk, bf16);
+        for (int r = 0; r < R; r++) {
+            __m256 a = _mm256_loadu_ps(x + r * k + kk);
+            for (int i = 0; i < W; i++)
+                acc[i][r] = _mm256_fmadd_ps(v[i], a, acc[i][r]);
+        }
+    }
+    for (int i = 0; i < nw; i++)
+        for (int r = 0; r < R; r++) {
+            float sum = hsum(acc[i][r]);
+            for (int64_t t = kk; t < k; t++)
+                sum += widen1(rows[i][t], bf16) * x[r * k + t];
+            out[r * ldo + n0 + i] = sum + (bias ? bias[n0 + i] : 0.0f);
+        }
+}
+
+/* The R rows of x at x against weight rows [n0, n1), W rows a tile (W * R <= 12). */
+static inline __attribute__((always_inline)) void dot_rows(const int R, const float *x, int64_t k, const uint16_t *w,
+                                                           int64_t ldw, int64_t n0, int64_t n1, const float *bias,
+                                                           float *out, int64_t ldo, const int bf16) {
+    const int W = R == 1 ? 8 : R == 2 ? 6 : R == 3 ? 4 : R == 4 ? 3 : 2;
+    for (int64_t j = n0; j < n1; j += W)
+        dot_tile(W, R, x, k, w, ldw, j, n1 - j < W ? n1 - j : W, bias, out, ldo, bf16);
+}
+
+static inline void dot_group(int R, const float *x, int64_t k, const uint16_t *w, int64_t ldw, int64_t n0, int64_t n1,
+                      const float *bias, float *out, int64_t ldo, const int bf16) {
+    switch (R) {
+    case 1: dot_rows(1, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
+    case 2: dot_rows(2, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
+    case 3: dot_rows(3, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
+    case 4: dot_rows(4, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
+    case 5: dot_rows(5, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
+    default: dot_rows(6, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
+    }
+}
+
+#endif
