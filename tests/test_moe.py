@@ -26,7 +26,7 @@ from engine.core import EngineCore
 from models.errors import WeightLoadError
 from models.layers.fused_moe import ExpertParallelConfigError, determine_expert_placement, fused_topk
 from models.layers import cpu_sgemm
-from models.layers.cpu_gemm import widens_half_weights
+from models.layers.cpu_gemm import widens_half_dtype
 from models.layers.fused_moe import grouped_moe
 from models.layers.fused_moe.grouped_moe import grouped_fused_experts
 from tests.hf_checkpoints import assert_logprobs_match, hf_prompt_logprobs
@@ -149,7 +149,7 @@ def test_bf16_experts_take_the_product_a_bf16_dense_layer_takes(monkeypatch: pyt
     monkeypatch.setattr(cpu_sgemm, "linear_half", lambda x, w, *a: calls.append(x.shape[0]) or real_half(x, w, *a))
     out = grouped_fused_experts(hidden, w13, w2, weights, ids)
     assert out.dtype == torch.bfloat16
-    assert len(calls) == (2 * ids.unique().numel() if widens_half_weights(w13[0]) else 0)
+    assert len(calls) == (2 * ids.unique().numel() if widens_half_dtype(torch.bfloat16) else 0)
     ref = naive_moe_reference(hidden, w13, w2, weights, ids)
     assert ((out.double() - ref).abs() <= 4 * 2.0 ** -8 * ref.abs().amax(-1, keepdim=True) + 1e-6).all()
 

@@ -28,6 +28,8 @@ import torch
 
 from config import ConfigError
 from engine.arg_utils import create_engine_config
+from models.layers import cpu_sgemm
+from models.layers.cpu_gemm import widens_half_dtype
 from models.layers.quantization.fp8_kernels import dequant_rows_torch, fp8_linear
 from models.layers.quantization.fp8_kernels import load as load_fp8_kernel
 from tests.conftest import run_tp
@@ -185,6 +187,22 @@ def test_fp8_linear_matches_float64(shape, block, rows, monkeypatch):
     got_bf16 = fp8_linear(x.bfloat16(), q, scale, *block, bias)
     assert got_bf16.dtype == torch.bfloat16
     assert ((got_bf16.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_fp8_tiles_in_16_bits_take_the_product_a_dense_layer_takes(monkeypatch):
+    """bf16 tiles (batches past the GEMV) go through our AVX2 kernel where a bf16 dense
+    layer does (a CPU whose oneDNN has no bf16 GEMM: torch's product converts each tile on
+    every call there), one call per tile; F.linear elsewhere. The products as above."""
+    gen = torch.Generator().manual_seed(4)
+    q, scale = quantize_fp8_blocks(torch.randn(1000, 600, generator=gen), 128, 96)
+    x = torch.randn(40, 600, generator=gen)
+    calls = []
+    real_half = cpu_sgemm.linear_half
+    monkeypatch.setattr(cpu_sgemm, "linear_half", lambda a, w, *r: calls.append(w.shape[0]) or real_half(a, w, *r))
+    got = fp8_linear(x.bfloat16(), q, scale, 128, 96)
+    assert sum(calls) == (1000 if widens_half_dtype(torch.bfloat16) else 0)
+    ref = x.double() @ dequantize_fp8_blocks(q, scale, 128, 96).double().t()
+    assert got.dtype == torch.bfloat16 and ((got.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
 # ------------------------------------------------------------------ models, TP 1

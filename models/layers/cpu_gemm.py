@@ -107,11 +107,15 @@ def lacks_native_gemm(weight: torch.Tensor) -> bool:
     """A bfloat16/float16 CPU weight on a CPU with no GEMM for that dtype (no AVX-512
     BF16/FP16, AMX or AVX-NE-CONVERT): oneDNN then converts the weight on every call, about
     4x slower than float32 at decode sizes and 8x at prefill sizes on the AVX2 dev VM."""
-    if weight.device.type != "cpu" or weight.dim() != 2 or not onednn_packing_available():
+    return weight.device.type == "cpu" and weight.dim() == 2 and _lacks_native_gemm(weight.dtype)
+
+
+def _lacks_native_gemm(dtype: torch.dtype) -> bool:
+    if not onednn_packing_available():
         return False
-    if weight.dtype == torch.bfloat16:
+    if dtype == torch.bfloat16:
         return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if weight.dtype == torch.float16:
+    if dtype == torch.float16:
         return not torch.ops.mkldnn._is_mkldnn_fp16_supported()
     return False
 
@@ -122,8 +126,15 @@ def widens_half_weights(weight: torch.Tensor) -> bool:
     oneDNN has no GEMM for its dtype (`lacks_native_gemm`: AVX2 CPUs, and AVX-512 ones
     without BF16/FP16), the kernel builds here, and `TP_CPU_PACKED_GEMM` does not ask for
     another kernel (which then packs a float32 copy). Asked once per weight, at load."""
-    return (lacks_native_gemm(weight) and weight.stride(1) == 1
-            and os.environ.get("TP_CPU_PACKED_GEMM", "avx2") == "avx2" and packing_available("avx2"))
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.stride(1) == 1
+            and widens_half_dtype(weight.dtype))
+
+
+def widens_half_dtype(dtype: torch.dtype) -> bool:
+    """`widens_half_weights` for any 2-D CPU weight of `dtype` with unit stride along k:
+    what a kernel asks of the 16-bit tiles it dequantises (fp8, MoE experts)."""
+    return (_lacks_native_gemm(dtype) and os.environ.get("TP_CPU_PACKED_GEMM", "avx2") == "avx2"
+            and packing_available("avx2"))
 
 
 def onednn_packing_available() -> bool:

@@ -10,7 +10,7 @@ over the active experts only (at most E per step, usually all of them for a pref
 so a step costs 2 GEMMs per active expert whatever its token count.
 
 The GEMMs are `F.linear`, but on a CPU whose oneDNN has no GEMM for the experts' 16-bit
-dtype (AVX2 CPUs: `cpu_gemm.widens_half_weights`) our AVX2 kernel, which reads each
+dtype (AVX2 CPUs: `cpu_gemm.widens_half_dtype`) our AVX2 kernel, which reads each
 expert's rows where they lie and widens them to float32 inside (`cpu_sgemm.linear_half`),
 as the dense layers there do: torch's bf16 product on such a CPU converts the weight on
 every call (a 32-request Qwen3-MoE run, 2026-12-06, Zen 3 VM: see docs/benchmarks.md).
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from models.layers import cpu_sgemm
-from models.layers.cpu_gemm import widens_half_weights
+from models.layers.cpu_gemm import widens_half_dtype
 
 
 def sort_by_expert(
@@ -53,7 +53,7 @@ def sort_by_expert(
 def expert_linear(w13: torch.Tensor) -> Callable[..., torch.Tensor]:
     """The product the experts of `w13` [E_local, 2I, H] go through: `cpu_sgemm.linear_half`
     where the dense layers of the same dtype use it (the module docstring), else F.linear."""
-    return cpu_sgemm.linear_half if w13.numel() and widens_half_weights(w13[0]) else F.linear
+    return cpu_sgemm.linear_half if w13.device.type == "cpu" and widens_half_dtype(w13.dtype) else F.linear
 
 
 def grouped_fused_experts(
