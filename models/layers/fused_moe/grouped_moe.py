@@ -21,7 +21,7 @@ Memory: the gathered rows [T*k, H], their gate/up products [T*k, 2I] and outputs
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
