@@ -122,30 +122,42 @@ static inline __attribute__((always_inline)) void unpack_superblock_q(const int 
 
 /* Q8_0 rows [0, nr) (rows past nr are zeros), values [256 s, 256 s + 256), into slot c
  * (0 or 1: each takes two of the K-quants' slots): the codes sign-extended to 16 bits,
- * value pair j of a block in lane r of vector j. */
+ * value pair j of a block in lane r of vector j. The 8 rows' code pairs are transposed as
+ * 16-bit elements within each 128-bit half (pairs 0-7 low, 8-15 high: 24 unpacks), then
+ * each half widened: a third fewer shuffles than widening first and transposing 32-bit
+ * lanes twice. */
 static void unpack_q8_0(const uint8_t *w, int64_t row_bytes, int nr, int64_t s, tile_t *u, int c) {
     __m256i(*W)[16][2] = Q8_W(u, c);
     for (int v = 0; v < 2; ++v)
         for (int g = 0; g < 8; ++g) {
-            __m256i lo[8], hi[8]; /* [row]: value pairs 0-7, 8-15 */
+            __m256i q[8]; /* [row]: 16 code pairs */
             float d[8];
             for (int r = 0; r < 8; ++r) {
                 const uint8_t *b = w + (8 * v + r) * row_bytes + (8 * s + g) * 34;
                 if (8 * v + r >= nr) {
-                    lo[r] = hi[r] = _mm256_setzero_si256();
+                    q[r] = _mm256_setzero_si256();
                     d[r] = 0.f;
                     continue;
                 }
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2));
-                lo[r] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
-                hi[r] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+                q[r] = _mm256_loadu_si256((const __m256i *)(b + 2));
                 d[r] = load_fp16(b);
             }
-            transpose8i(lo);
-            transpose8i(hi);
-            for (int j = 0; j < 8; ++j) {
-                W[g][j][v] = lo[j];
-                W[g][8 + j][v] = hi[j];
+            __m256i t[8], x[8];
+            for (int i = 0; i < 4; ++i) { /* (row 2i, row 2i + 1) pairs interleaved */
+                t[2 * i] = _mm256_unpacklo_epi16(q[2 * i], q[2 * i + 1]);
+                t[2 * i + 1] = _mm256_unpackhi_epi16(q[2 * i], q[2 * i + 1]);
+            }
+            for (int h = 0; h < 2; ++h) /* x[4h + j]: pairs 2j and 2j + 1 of rows 4h .. 4h + 3 */
+                for (int i = 0; i < 2; ++i) {
+                    x[4 * h + 2 * i] = _mm256_unpacklo_epi32(t[4 * h + i], t[4 * h + i + 2]);
+                    x[4 * h + 2 * i + 1] = _mm256_unpackhi_epi32(t[4 * h + i], t[4 * h + i + 2]);
+                }
+            for (int j = 0; j < 4; ++j) { /* pair 2j (lo) and 2j + 1 (hi) of rows 0-7; + 8 in the high halves */
+                const __m256i lo = _mm256_unpacklo_epi64(x[j], x[4 + j]), hi = _mm256_unpackhi_epi64(x[j], x[4 + j]);
+                W[g][2 * j][v] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo));
+                W[g][2 * j + 1][v] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi));
+                W[g][8 + 2 * j][v] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo, 1));
+                W[g][9 + 2 * j][v] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1));
             }
             u->dq[c][g][v] = _mm256_loadu_ps(d);
         }
