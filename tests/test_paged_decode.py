@@ -73,7 +73,8 @@ CASES = {
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)],
+                         ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_kernel_equals_attention_over_the_gathered_context(case, dtype, atol):
     seq_lens, num_kv_heads, group, head_size, block_size = CASES[case]
@@ -95,10 +96,13 @@ def _cpu_has(*flags: str) -> bool:
 
 # The build for this CPU takes one path for head sizes 64 and 128; these builds take the
 # others where the CPU can run them: the AVX2 one (head size 64) on an AVX-512 CPU, and
-# the portable attend() on any (GCC's -mno-avx2 turns AVX-512 off with it).
+# the portable attend() on any (GCC's -mno-avx2 turns AVX-512 off with it), also
+# without F16C.
 OTHER_PATHS = {
     "avx2": (("-mno-avx512f",), {"avx512": False, "avx2": _cpu_has("avx2", "fma")}),
     "portable": (("-mno-avx2",), {"avx512": False, "avx2": False}),
+    # float16 converted by the compiler's _Float16 rather than F16C
+    "portable-no-f16c": (("-mno-avx2", "-mno-f16c"), {"avx512": False, "avx2": False}),
 }
 
 
@@ -113,7 +117,7 @@ def test_every_path_of_the_build_equals_attention_over_the_gathered_context(path
     assert kernel is not None and {"avx512": kernel.avx512, "avx2": kernel.avx2} == flags
     for case in ("gqa3-d64", "gqa4-d128", "gqa7-d128-bs32", "gqa8-d64-bs8", "one-sequence", "mha-d64"):
         seq_lens, num_kv_heads, group, head_size, block_size = CASES[case]
-        for dtype, atol in [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]:
+        for dtype, atol in [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)]:
             q, cache, tables = paged_case(seq_lens, num_kv_heads, group, head_size, block_size, dtype)
             scale = head_size**-0.5
             out, lse = kernel(q, cache, tables, torch.tensor(seq_lens), scale, start=0, with_lse=True)
@@ -131,14 +135,15 @@ def test_every_path_of_the_build_equals_attention_over_the_gathered_context(path
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_start_skips_a_shared_prefix(dtype):
     block_size, start = 16, 32
     seq_lens = [33, 40, 100, 48, 49]
     q, cache, tables = paged_case(seq_lens, 2, 3, 64, block_size, dtype, seed=1)
     out, lse = KERNEL(q, cache, tables, torch.tensor(seq_lens), 0.125, start=start, with_lse=True)
     expected, expected_lse = reference(q, cache, tables, seq_lens, 0.125, start=start)
-    torch.testing.assert_close(out.double(), expected, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0)
+    torch.testing.assert_close(out.double(), expected, atol={torch.float32: 1e-5, torch.bfloat16: 1e-2}.get(dtype, 2e-3),
+                               rtol=0)
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=0)
 
 
@@ -178,7 +183,8 @@ def test_cpu_backend_uses_the_kernel_only_for_the_dtypes_it_covers():
     cache = torch.zeros(4, 2, 16, 2, 8)
     assert KERNEL.supports(torch.zeros(1, 2, 8), cache)
     assert KERNEL.supports(torch.zeros(1, 2, 8, dtype=torch.bfloat16), cache.bfloat16())
-    assert not KERNEL.supports(torch.zeros(1, 2, 8, dtype=torch.float16), cache.half())
+    assert KERNEL.supports(torch.zeros(1, 2, 8, dtype=torch.float16), cache.half())
+    assert not KERNEL.supports(torch.zeros(1, 2, 8, dtype=torch.float16), cache.bfloat16())
     assert not KERNEL.supports(torch.zeros(1, 2, 8, dtype=torch.bfloat16), cache)  # e.g. an fp32 cache
     assert CPUAttentionBackend(num_layers=1, paged_decode=False).kernel is None
 
@@ -298,7 +304,7 @@ def test_a_table_or_length_out_of_range_is_an_error_before_any_read():
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_write_kv_equals_the_index_assignment(dtype):
     """The kernel's KV write (vLLM's reshape_and_cache) puts each token's keys and values
     where the SDPA backend's index assignment puts them, from rows of the qkv

@@ -31,18 +31,55 @@
 #include <math.h>
 
 #include "../../../../distributed/bf16_convert.h"
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #define INLINE static inline __attribute__((always_inline))
 
-typedef uint16_t bf16_t;
 
-/* `n` elements at `src` (float32, or bfloat16 when `bf16`) as float32: `src` itself, or
- * `scratch` filled with the conversion. */
-INLINE const float *as_float(const void *src, int bf16, float *scratch, int64_t n) {
-    if (!bf16) return (const float *)src;
-    const bf16_t *b = (const bf16_t *)src;
-    for (int64_t i = 0; i < n; ++i) scratch[i] = bf16_to_float(b[i]);
+/* The dtypes `dt` names (paged_decode.py's _DTYPES): q, the cache and the output share one. */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+/* float16 to and from float32, rounding to nearest even (F16C, or the compiler's _Float16). */
+INLINE float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    _Float16 x;
+    memcpy(&x, &h, sizeof x);
+    return (float)x;
+#endif
+}
+
+INLINE uint16_t float_to_half(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, 0); /* 0: round to nearest even */
+#else
+    const _Float16 x = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &x, sizeof h);
+    return h;
+#endif
+}
+
+/* `n` elements at `src` (of dtype `dt`) as float32: `src` itself, or `scratch` filled
+ * with the conversion. */
+INLINE const float *as_float(const void *src, int dt, float *scratch, int64_t n) {
+    if (dt == DT_F32) return (const float *)src;
+    const uint16_t *b = (const uint16_t *)src;
+    for (int64_t i = 0; i < n; ++i) scratch[i] = dt == DT_BF16 ? bf16_to_float(b[i]) : half_to_float(b[i]);
     return scratch;
+}
+
+/* Output row o[0..D) (of dtype `dt`) = acc[0..D) * inv. */
+INLINE void store_row(void *o, int dt, const float *acc, float inv, int64_t D) {
+    if (dt == DT_F32) {
+        for (int64_t d = 0; d < D; ++d) ((float *)o)[d] = acc[d] * inv;
+    } else {
+        uint16_t *h = (uint16_t *)o;
+        for (int64_t d = 0; d < D; ++d) h[d] = dt == DT_BF16 ? float_to_bf16(acc[d] * inv) : float_to_half(acc[d] * inv);
+    }
 }
 
 /* s[0..n) <- exp(s - max s), in place; returns the sum, and the maximum in *top. */
@@ -92,11 +129,11 @@ INLINE void soft_cap_in_place(float *s, int64_t n, float cap) {
 }
 
 /* Sequence g, kv heads [h0, h1). `D` is a constant in the specialised copies. */
-INLINE void attend(const Args *a, int bf16, const int64_t D, int64_t g, int64_t h0, int64_t h1,
+INLINE void attend(const Args *a, int dt, const int64_t D, int64_t g, int64_t h0, int64_t h1,
                    int64_t max_len, float *scratch) {
     const int64_t R = a->group, Hkv = a->num_kv_heads, H = Hkv * R, bs = a->block_size;
     const int64_t rows = (h1 - h0) * R; /* query rows of this task */
-    const int64_t esize = bf16 ? 2 : 4;
+    const int64_t esize = dt == DT_F32 ? 4 : 2;
     float *scores = scratch;            /* [rows, max_len] */
     float *acc = scores + rows * max_len; /* [rows, D] */
     float *qf = acc + rows * D;           /* [rows, D] */
@@ -106,7 +143,7 @@ INLINE void attend(const Args *a, int bf16, const int64_t D, int64_t g, int64_t 
     const int64_t start = seq_start(a, g), n = a->seq_lens[g] - start;
     const int64_t *table = a->tables + g * a->table_stride;
     const char *qg = (const char *)a->q + (g * a->q_seq_stride + h0 * R * D) * esize;
-    const float *qs = as_float(qg, bf16, qf, rows * D);
+    const float *qs = as_float(qg, dt, qf, rows * D);
     for (int64_t i = 0; i < rows * D; ++i) qf[i] = qs[i] * a->scale;
 
     const int64_t slot_elems = Hkv * D, kv_elems = bs * slot_elems;
@@ -137,7 +174,7 @@ INLINE void attend(const Args *a, int bf16, const int64_t D, int64_t g, int64_t 
                 if (next)
                     for (int64_t off = 0; off < row_bytes; off += 64)
                         __builtin_prefetch(next + (first + t) * slot_elems * esize + off, 0, 3);
-                const float *x = as_float(base + t * slot_elems * esize, bf16, row, (h1 - h0) * D);
+                const float *x = as_float(base + t * slot_elems * esize, dt, row, (h1 - h0) * D);
                 for (int64_t hh = 0; hh < h1 - h0; ++hh) {
                     const float *xh = x + hh * D;
                     for (int64_t r = hh * R; r < (hh + 1) * R; ++r) {
@@ -159,13 +196,7 @@ INLINE void attend(const Args *a, int bf16, const int64_t D, int64_t g, int64_t 
     for (int64_t r = 0; r < rows; ++r) {
         const float inv = 1.f / row_sum[r];
         const int64_t head = h0 * R + r;
-        if (bf16) {
-            bf16_t *o = (bf16_t *)a->out + (g * H + head) * D;
-            for (int64_t d = 0; d < D; ++d) o[d] = float_to_bf16(acc[r * D + d] * inv);
-        } else {
-            float *o = (float *)a->out + (g * H + head) * D;
-            for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
-        }
+        store_row((char *)a->out + (g * H + head) * D * esize, dt, acc + r * D, inv, D);
         if (a->lse) a->lse[g * H + head] = row_max[r] + logf(row_sum[r]);
     }
 }
@@ -192,7 +223,7 @@ INLINE int check(const Args *a) {
     return 0;
 }
 
-INLINE int run(const Args *a, int bf16, int64_t D, int num_threads) {
+INLINE int run(const Args *a, int dt, int64_t D, int num_threads) {
     const int bad = check(a);
     if (bad) return bad;
     int64_t max_len = 1;
@@ -222,21 +253,21 @@ INLINE int run(const Args *a, int bf16, int64_t D, int num_threads) {
             if (h0 >= h1) continue;
 #if defined(__AVX512F__)
             if (D == 64)
-                attend_avx512(a, bf16, 64, g, h0, h1, max_len, scratch);
+                attend_avx512(a, dt, 64, g, h0, h1, max_len, scratch);
             else if (D == 128)
-                attend_avx512(a, bf16, 128, g, h0, h1, max_len, scratch);
+                attend_avx512(a, dt, 128, g, h0, h1, max_len, scratch);
             else
 #elif defined(__AVX2__) && defined(__FMA__)
             if (D == 64)
-                attend_avx2(a, bf16, 64, g, h0, h1, max_len, scratch);
+                attend_avx2(a, dt, 64, g, h0, h1, max_len, scratch);
             else
 #endif
             if (D == 64)
-                attend(a, bf16, 64, g, h0, h1, max_len, scratch);
+                attend(a, dt, 64, g, h0, h1, max_len, scratch);
             else if (D == 128)
-                attend(a, bf16, 128, g, h0, h1, max_len, scratch);
+                attend(a, dt, 128, g, h0, h1, max_len, scratch);
             else
-                attend(a, bf16, D, g, h0, h1, max_len, scratch);
+                attend(a, dt, D, g, h0, h1, max_len, scratch);
         }
         free(scratch);
     }
@@ -245,7 +276,7 @@ INLINE int run(const Args *a, int bf16, int64_t D, int num_threads) {
 
 /* Returns 0; 1 when a thread's scratch could not be allocated; 2-4 for an input out of
  * range (check), before anything is read through it. */
-#define EXPORT(NAME, BF16)                                                                      \
+#define EXPORT(NAME, DT)                                                                      \
     int NAME(const void *q, int64_t q_seq_stride, const void *cache, int64_t num_blocks,       \
              const int64_t *tables, int64_t table_stride, int64_t table_width,                 \
              const int64_t *seq_lens, int64_t start, void *out, float *lse, int64_t num_seqs,  \
@@ -254,11 +285,12 @@ INLINE int run(const Args *a, int bf16, int64_t D, int num_threads) {
         const Args a = {q, q_seq_stride, cache, tables, table_stride, table_width, num_blocks, \
                         seq_lens, start, out, lse, num_seqs, num_kv_heads, group, block_size,   \
                         scale, window, soft_cap};                                               \
-        return run(&a, BF16, head_size, num_threads);                                          \
+        return run(&a, DT, head_size, num_threads);                                            \
     }
 
-EXPORT(paged_decode_f32, 0)
-EXPORT(paged_decode_bf16, 1)
+EXPORT(paged_decode_f32, DT_F32)
+EXPORT(paged_decode_bf16, DT_BF16)
+EXPORT(paged_decode_f16, DT_F16)
 
 /* Whether head sizes 64 and 128 run attend_avx512(): 1 or 0. */
 int paged_decode_avx512(void) {

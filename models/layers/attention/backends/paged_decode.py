@@ -10,6 +10,12 @@ paged cache, with no gather, no padding and no mask, and returns the log-sum-exp
 (the cascade merges with it). It knows a sliding window (each query reads only its
 window's blocks) and Gemma 2's logit soft cap, so windowed and capped layers keep it.
 
+q, the cache and the output are float32, bfloat16 or float16 (one dtype; every path
+computes in float32, 16-bit values widened as they are read: float16 with F16C, as the
+CPU's other float16 kernels), so a float16 model's decode steps take it and record as
+CPU graphs like a bfloat16 one's: on the Zen 3 VM (2026-12-06) a 100M Llama in float16
+had run at 0.62x its bfloat16 throughput, its decode attention in torch's flash kernel.
+
 A prefill chunk is attended by the same kernel, each of its query tokens as a query of
 its own against the positions up to it (the backend's `CPUAttentionImpl.forward`):
 torch's causal flash kernel took 2-3x as long for prompts of 32-1024 tokens here, and
@@ -56,7 +62,8 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lmvec", "-lm")  # after the object, or --as-needed drops them
 
-_DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+# One entry point per dtype (paged_decode.c's EXPORTs): q, the cache and the output share it.
+_DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16", torch.float16: "paged_decode_f16"}
 _INPUT_ERRORS = {
     2: "paged decode: a sequence length is not above start={start}",
     3: "paged decode: a block table entry is outside the cache's {blocks} blocks",

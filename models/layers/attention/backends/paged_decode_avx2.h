@@ -1,6 +1,6 @@
 /* paged_decode.c's attend() with AVX2 and FMA intrinsics, for head size 64 on CPUs
  * without AVX-512: included by paged_decode.c (its only includer, after Args,
- * seq_start, exp_in_place, soft_cap_in_place and float_to_bf16) where the compiler
+ * seq_start, exp_in_place, soft_cap_in_place and store_row) where the compiler
  * targets AVX2 and FMA but not AVX-512.
  *
  * attend()'s order (a cache block at a time, every kv head of the task within it, so
@@ -21,11 +21,20 @@
 #define PAGED_DECODE_AVX2_H
 #include <immintrin.h>
 
-/* 8 elements at `p` (float32, or bfloat16 when `bf16`) as one float32 vector. */
-INLINE __m256 load8(const void *p, int bf16) {
-    if (!bf16) return _mm256_loadu_ps(p);
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+/* 8 elements at `p` (of dtype `dt`) as one float32 vector. */
+INLINE __m256 load8(const void *p, int dt) {
+    if (dt == DT_F32) return _mm256_loadu_ps(p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+#if defined(__F16C__)
+    if (dt == DT_F16) return _mm256_cvtph_ps(h);
+#else
+    if (dt == DT_F16) {
+        float f[8];
+        for (int i = 0; i < 8; ++i) f[i] = half_to_float(((const uint16_t *)p)[i]);
+        return _mm256_loadu_ps(f);
+    }
+#endif
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 /* The horizontal sums of v[0], ..., v[7], in that order, as one vector. */
@@ -49,16 +58,16 @@ INLINE void prefetch_row(const char *next, int64_t t, int64_t slot_bytes, int64_
  * against the `count` tokens of K at kp (a token every slot_elems elements, the rows'
  * head at element 0), from position j0: one vector of partial sums per (row, token),
  * reduced 8 tokens at a time. */
-INLINE void block_scores(int bf16, const int64_t D, const char *kp, int64_t slot_elems, int64_t count,
+INLINE void block_scores(int dt, const int64_t D, const char *kp, int64_t slot_elems, int64_t count,
                          const float *qf, int64_t r0, int64_t rg, float *scores, int64_t max_len, int64_t j0,
                          float *partial) {
     enum { RG = 4 };
-    const int64_t esize = bf16 ? 2 : 4;
+    const int64_t esize = dt == DT_F32 ? 4 : 2;
     int64_t pending = 0; /* tokens whose vectors wait in `partial` ([RG][8][8]) */
     for (int64_t t = 0; t < count; ++t) {
         const char *k_t = kp + t * slot_elems * esize;
         __m256 s[RG], k[8];
-        for (int c = 0; c < 8; ++c) k[c] = load8(k_t + c * 8 * esize, bf16);
+        for (int c = 0; c < 8; ++c) k[c] = load8(k_t + c * 8 * esize, dt);
         for (int64_t r = 0; r < RG && r < rg; ++r) {
             const float *qr = qf + (r0 + r) * D;
             s[r] = _mm256_mul_ps(_mm256_loadu_ps(qr), k[0]);
@@ -86,11 +95,11 @@ INLINE void block_scores(int bf16, const int64_t D, const char *kp, int64_t slot
 /* acc[row][c0 .. c0 + 16) += the weights of rows r0 .. r0 + rg - 1 (rg <= 4) at positions
  * j0 .. j0 + count - 1 times those tokens of V at vp (the rows' head, column c0): a 4-row
  * by 16-column product in registers, each token's 16 values converted once. */
-INLINE void block_weighted_v(int bf16, const int64_t D, const char *vp, int64_t slot_elems, int64_t count,
+INLINE void block_weighted_v(int dt, const int64_t D, const char *vp, int64_t slot_elems, int64_t count,
                              const float *scores, int64_t max_len, int64_t j0, int64_t r0, int64_t rg, int64_t c0,
                              float *acc) {
     enum { RG = 4 };
-    const int64_t esize = bf16 ? 2 : 4;
+    const int64_t esize = dt == DT_F32 ? 4 : 2;
     __m256 a[RG][2];
     for (int64_t r = 0; r < RG && r < rg; ++r) {
         a[r][0] = _mm256_loadu_ps(acc + (r0 + r) * D + c0);
@@ -98,7 +107,7 @@ INLINE void block_weighted_v(int bf16, const int64_t D, const char *vp, int64_t 
     }
     for (int64_t t = 0; t < count; ++t) {
         const char *v_t = vp + (t * slot_elems + c0) * esize;
-        const __m256 v0 = load8(v_t, bf16), v1 = load8(v_t + 8 * esize, bf16);
+        const __m256 v0 = load8(v_t, dt), v1 = load8(v_t + 8 * esize, dt);
         for (int64_t r = 0; r < RG && r < rg; ++r) {
             const __m256 w = _mm256_broadcast_ss(scores + (r0 + r) * max_len + j0 + t);
             a[r][0] = _mm256_fmadd_ps(w, v0, a[r][0]);
@@ -117,10 +126,10 @@ INLINE void block_weighted_v(int bf16, const int64_t D, const char *vp, int64_t 
  * in groups of up to 4. Scratch, within run()'s buffer: scores [rows, max_len], the
  * scaled queries and the output sums [rows, D] each, 256 floats of partial sums, and
  * the rows' maxima and sums. */
-INLINE void attend_avx2(const Args *a, int bf16, const int64_t D, int64_t g, int64_t h0, int64_t h1,
+INLINE void attend_avx2(const Args *a, int dt, const int64_t D, int64_t g, int64_t h0, int64_t h1,
                         int64_t max_len, float *scratch) {
     const int64_t R = a->group, Hkv = a->num_kv_heads, H = Hkv * R, bs = a->block_size;
-    const int64_t rows = (h1 - h0) * R, esize = bf16 ? 2 : 4;
+    const int64_t rows = (h1 - h0) * R, esize = dt == DT_F32 ? 4 : 2;
     float *scores = scratch, *qf = scores + rows * max_len, *acc = qf + rows * D, *partial = acc + rows * D;
     float *top = partial + 256, *sum = top + rows;
     const int64_t start = seq_start(a, g), n = a->seq_lens[g] - start;
@@ -130,7 +139,7 @@ INLINE void attend_avx2(const Args *a, int bf16, const int64_t D, int64_t g, int
 
     const char *qg = (const char *)a->q + (g * a->q_seq_stride + h0 * R * D) * esize;
     const __m256 scale = _mm256_set1_ps(a->scale);
-    for (int64_t i = 0; i < rows * D; i += 8) _mm256_storeu_ps(qf + i, _mm256_mul_ps(load8(qg + i * esize, bf16), scale));
+    for (int64_t i = 0; i < rows * D; i += 8) _mm256_storeu_ps(qf + i, _mm256_mul_ps(load8(qg + i * esize, dt), scale));
     memset(acc, 0, sizeof(float) * rows * D);
     for (int pass = 0; pass < 2; ++pass) { /* 0: scores from K, 1: weighted sum of V */
         if (pass == 1)
@@ -156,10 +165,10 @@ INLINE void attend_avx2(const Args *a, int bf16, const int64_t D, int64_t g, int
                      * rows' sums become registers */
 #define ROWS(RG)                                                                                        \
     if (pass == 0)                                                                                      \
-        block_scores(bf16, D, head, slot_elems, count, qf, row0, RG, scores, max_len, j, partial);      \
+        block_scores(dt, D, head, slot_elems, count, qf, row0, RG, scores, max_len, j, partial);      \
     else                                                                                                \
         for (int64_t c0 = 0; c0 < D; c0 += 16)                                                          \
-            block_weighted_v(bf16, D, head, slot_elems, count, scores, max_len, j, row0, RG, c0, acc);
+            block_weighted_v(dt, D, head, slot_elems, count, scores, max_len, j, row0, RG, c0, acc);
                     switch (rg) {
                     case 4: ROWS(4) break;
                     case 3: ROWS(3) break;
@@ -175,13 +184,7 @@ INLINE void attend_avx2(const Args *a, int bf16, const int64_t D, int64_t g, int
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t out_row = g * H + h0 * R + r;
         const float inv = 1.f / sum[r];
-        if (bf16) {
-            bf16_t *o = (bf16_t *)a->out + out_row * D;
-            for (int64_t d = 0; d < D; ++d) o[d] = float_to_bf16(acc[r * D + d] * inv);
-        } else {
-            float *o = (float *)a->out + out_row * D;
-            for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
-        }
+        store_row((char *)a->out + out_row * D * esize, dt, acc + r * D, inv, D);
         if (a->lse) a->lse[out_row] = top[r] + logf(sum[r]);
     }
 }

@@ -1,15 +1,16 @@
 /* paged_decode.c's attend() with AVX-512 intrinsics, for head sizes 64 and 128: included
  * by paged_decode.c (its only includer, after Args, seq_start, exp_in_place,
- * soft_cap_in_place and float_to_bf16) where the compiler targets AVX-512. */
+ * soft_cap_in_place and store_row) where the compiler targets AVX-512. */
 #ifndef PAGED_DECODE_AVX512_H
 #define PAGED_DECODE_AVX512_H
 #include <immintrin.h>
 
-/* 16 elements at `p` (float32, or bfloat16 when `bf16`) as one float32 vector. */
-INLINE __m512 load16(const void *p, int bf16) {
-    if (!bf16) return _mm512_loadu_ps(p);
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+/* 16 elements at `p` (of dtype `dt`) as one float32 vector. */
+INLINE __m512 load16(const void *p, int dt) {
+    if (dt == DT_F32) return _mm512_loadu_ps(p);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (dt == DT_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* The horizontal sums of v[0], ..., v[15], in that order, as one vector: 45 shuffles and
@@ -39,7 +40,7 @@ INLINE __m512 reduce16(const __m512 *v) {
  * are reduced together (reduce16). The arithmetic is attend()'s, in float32, with the
  * additions in another order. On a Zen 5 core, bfloat16, head size 64: 2-2.5x faster than
  * attend() with the K/V in cache, 1.3-1.5x with it in memory (a decode step's case). */
-INLINE void attend_avx512(const Args *a, int bf16, const int64_t D, int64_t g, int64_t h0, int64_t h1,
+INLINE void attend_avx512(const Args *a, int dt, const int64_t D, int64_t g, int64_t h0, int64_t h1,
                           int64_t max_len, float *scratch) {
     enum { RG = 4, MAX_C = 8 };
     /* Rows per group: the K pass holds a row's q (C vectors), the V pass its acc (C), and a
@@ -47,7 +48,7 @@ INLINE void attend_avx512(const Args *a, int bf16, const int64_t D, int64_t g, i
      * (16 + 4), 2 at D=128 (16 + 8). */
     const int64_t C = D / 16, group_rows = D == 64 ? 4 : 2;
     const int64_t R = a->group, Hkv = a->num_kv_heads, H = Hkv * R, bs = a->block_size;
-    const int64_t esize = bf16 ? 2 : 4;
+    const int64_t esize = dt == DT_F32 ? 4 : 2;
     const int64_t start = seq_start(a, g), n = a->seq_lens[g] - start;
     const int64_t *table = a->tables + g * a->table_stride;
     const int64_t slot_elems = Hkv * D, kv_elems = bs * slot_elems;
@@ -68,7 +69,7 @@ INLINE void attend_avx512(const Args *a, int bf16, const int64_t D, int64_t g, i
                     if (r < rg) {
                         const char *qp = (const char *)a->q
                                          + (g * a->q_seq_stride + (h * R + r0 + r) * D + c * 16) * esize;
-                        q[r][c] = _mm512_mul_ps(load16(qp, bf16), scale);
+                        q[r][c] = _mm512_mul_ps(load16(qp, dt), scale);
                     }
                 }
             int64_t pending = 0; /* tokens whose dot vectors wait in `partial` */
@@ -83,7 +84,7 @@ INLINE void attend_avx512(const Args *a, int bf16, const int64_t D, int64_t g, i
                         for (int64_t off = 0; off < D * esize; off += 64)
                             __builtin_prefetch(next + (first + t) * slot_elems * esize + off, 0, 3);
                     __m512 k[MAX_C];
-                    for (int64_t c = 0; c < C; ++c) k[c] = load16(kp + c * 16 * esize, bf16);
+                    for (int64_t c = 0; c < C; ++c) k[c] = load16(kp + c * 16 * esize, dt);
                     for (int64_t r = 0; r < RG && r < rg; ++r) {
                         __m512 s = _mm512_mul_ps(q[r][0], k[0]);
                         for (int64_t c = 1; c < C; ++c) s = _mm512_fmadd_ps(q[r][c], k[c], s);
@@ -119,7 +120,7 @@ INLINE void attend_avx512(const Args *a, int bf16, const int64_t D, int64_t g, i
                         for (int64_t off = 0; off < D * esize; off += 64)
                             __builtin_prefetch(next + (first + t) * slot_elems * esize + off, 0, 3);
                     __m512 v[MAX_C];
-                    for (int64_t c = 0; c < C; ++c) v[c] = load16(vp + c * 16 * esize, bf16);
+                    for (int64_t c = 0; c < C; ++c) v[c] = load16(vp + c * 16 * esize, dt);
                     for (int64_t r = 0; r < RG && r < rg; ++r) {
                         const __m512 w = _mm512_set1_ps(scores[(r0 + r) * max_len + j]);
                         for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w, v[c], acc[r][c]);
@@ -131,12 +132,7 @@ INLINE void attend_avx512(const Args *a, int bf16, const int64_t D, int64_t g, i
                 float row[MAX_C * 16];
                 const __m512 inv = _mm512_set1_ps(1.f / sum[r]);
                 for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(row + c * 16, _mm512_mul_ps(acc[r][c], inv));
-                if (bf16) {
-                    bf16_t *o = (bf16_t *)a->out + (g * H + head) * D;
-                    for (int64_t d = 0; d < D; ++d) o[d] = float_to_bf16(row[d]);
-                } else {
-                    memcpy((float *)a->out + (g * H + head) * D, row, sizeof(float) * D);
-                }
+                store_row((char *)a->out + (g * H + head) * D * esize, dt, row, 1.f, D);
                 if (a->lse) a->lse[g * H + head] = top[r] + logf(sum[r]);
             }
         }
