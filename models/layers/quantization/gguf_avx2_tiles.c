@@ -275,13 +275,8 @@ static inline void store8(const out_t *y, int64_t t, int64_t c, __m256 v) {
     __m128i h;
     if (y->dtype == 2) {
         h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
-    } else { /* float_to_bf16's rounding, a NaN as 0x7fc0 */
-        const __m256i u = _mm256_castps_si256(v);
-        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
-        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-        h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    } else {
+        h = float_to_bf16x8(v);
     }
     _mm_storeu_si128((__m128i *)((uint16_t *)y->p + t * y->ld + c), h);
 }

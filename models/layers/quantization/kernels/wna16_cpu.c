@@ -11,7 +11,9 @@
  * decoded once into registers and used for every token of the tile, so the weight is
  * streamed once per call at its packed size. wna16_dequant: rows [r0, r0 + rows) of w as
  * float32 (or rounded to bfloat16, for bfloat16 activations), for a larger batch's GEMM
- * on a bounded tile (the caller's).
+ * on a bounded tile (the caller's); vectorised with AVX-512 or AVX2 (on the Zen 3 VM,
+ * 2026-12-06, a 4096x1024 int4 weight to bfloat16 in 0.71-0.77 ms where the scalar loop
+ * took 1.08-1.26, 2 threads: 1.1-1.2x a 16-32-token product).
  *
  * The contract (shapes, who calls) is in wna16_cpu.py, which compiles this file and is
  * its only caller. Rows are spread over the caller's OpenMP threads; each row's sums run
@@ -24,7 +26,7 @@
 
 #include "../../../../distributed/bf16_convert.h"
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -387,6 +389,25 @@ int wna16_gemv_int4_bf16(const uint8_t *wq, const void *scales, int scale_dtype,
 int wna16_has_gemv_int4_bf16(void) { return 0; }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__)
+/* The block as four vectors of 8, (q - z) * s with q - z exact in int32: one rounding,
+ * the value decode_block_scalar gives. `zv` and `sv` are the group's z and s, broadcast. */
+INLINE void decode_block_avx2(int bits, const uint8_t *row, int64_t b, __m256i zv, __m256 sv, __m256 w[4]) {
+    __m128i lo, hi; /* inputs 0-15 and 16-31 of the block, one code a byte */
+    if (bits == 4) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + b * 16)), m4 = _mm_set1_epi8(15);
+        lo = _mm_and_si128(bytes, m4);
+        hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), m4);
+    } else {
+        lo = _mm_loadu_si128((const __m128i *)(row + b * BLOCK));
+        hi = _mm_loadu_si128((const __m128i *)(row + b * BLOCK + 16));
+    }
+    const __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; ++i)
+        w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(q[i]), zv)), sv);
+}
+#endif
+
 /* 32 floats of w into row `out` at element `col`: float32, or rounded to bfloat16. */
 INLINE void store_block(const float *w, void *out, int64_t col, int out_bf16) {
     if (out_bf16) {
@@ -409,19 +430,31 @@ int wna16_dequant(int bits, const uint8_t *wq, const void *scales, int scale_dty
         char *row_out = (char *)out + i * ldo * elem;
         for (int64_t b = 0; b < kp / BLOCK; ++b) {
             const int32_t g = block_group[b];
+#if defined(__AVX512F__)
             float w[BLOCK];
-#ifdef __AVX512F__
             __m512 w0, w1;
             const __m512i zv = _mm512_set1_epi32(zeros[n * g_count + g]);
             const __m512 sv = _mm512_set1_ps(load_scale(scales, n * g_count + g, scale_dtype));
             decode_block(bits, wq + n * row_bytes, b, zv, sv, int4_table(zv, sv), &w0, &w1);
             _mm512_storeu_ps(w, w0);
             _mm512_storeu_ps(w + 16, w1);
+            store_block(w, row_out, b * BLOCK, out_bf16);
+#elif defined(__AVX2__)
+            __m256 v[4];
+            decode_block_avx2(bits, wq + n * row_bytes, b, _mm256_set1_epi32(zeros[n * g_count + g]),
+                              _mm256_set1_ps(load_scale(scales, n * g_count + g, scale_dtype)), v);
+            for (int i = 0; i < 4; ++i) {
+                if (out_bf16)
+                    _mm_storeu_si128((__m128i *)((uint16_t *)row_out + b * BLOCK + 8 * i), float_to_bf16x8(v[i]));
+                else
+                    _mm256_storeu_ps((float *)row_out + b * BLOCK + 8 * i, v[i]);
+            }
 #else
+            float w[BLOCK];
             decode_block_scalar(bits, wq + n * row_bytes, b, load_scale(scales, n * g_count + g, scale_dtype),
                                 zeros[n * g_count + g], w);
-#endif
             store_block(w, row_out, b * BLOCK, out_bf16);
+#endif
         }
     }
     return 0;
