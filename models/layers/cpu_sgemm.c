@@ -111,10 +111,11 @@ void cpu_sgemm(const float *x, int64_t m, int64_t k, const float *packed, int64_
  *
  * out[m, n] = x[m, k] . w[n, k]^T (+ bias[n]) in float32 for a bfloat16 or float16 weight
  * w [n, k] (rows at stride ldw) read where it was loaded: no packed copy.
- * - Up to DOT_MAX_ROWS rows of x (decode batches), each output is a dot product (half_dot.h) of a
- *   weight row and a row of x, 8 values a step: a tile of W weight rows widened once per
- *   step serves R <= DOT_ROWS rows of x (W * R <= 12 running sums); the weight is read
- *   from memory once, at its 2 bytes a value, and from L2 for the next group of rows.
+ * - Up to DOT_MAX_ROWS rows of x (decode batches), each output is a dot product of a
+ *   weight row and a row of x, 8 values a step (half_dot.h): a tile of W weight rows
+ *   widened once per step serves R <= DOT_ROWS rows of x (W * R <= 12 running sums); the
+ *   weight is read from memory once, at its 2 bytes a value, and from L2 for the next
+ *   group of rows.
  * - More rows: each thread widens a 16-row panel of w into its own buffer in the packed
  *   panels' layout (8x8 blocks transposed in registers) and runs the same 6x16 tiles as
  *   the packed weights over every row of the block: the widening is paid once per panel
