@@ -37,7 +37,6 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-
 /* The dtypes `dt` names (paged_decode.py's _DTYPES): q, the cache and the output share one. */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
