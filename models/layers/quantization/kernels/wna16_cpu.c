@@ -1,106 +1,22 @@
-/* Weight-only int4/int8 linear layers on the CPU, from the WNA16 layout (wna16_layout.py):
- *
- *   qweight  uint8 [N, Kp*bits/8]  per output row, blocks of 32 inputs. 4 bits: block b is
- *            bytes [16b, 16b+16); byte j holds input 32b+j in its low nibble and input
- *            32b+16+j in its high nibble. 8 bits: byte k is input k.
- *   scales   [N, G] float32, float16 or bfloat16 (scale_dtype 0, 1, 2: the checkpoint's, kept
- *            when exact), zeros uint8 [N, G]: w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g]
- *            with g = block_group[k / 32] (every block lies in one group).
+/* Weight-only int4/int8 linear layers on the CPU, a few tokens at a time, from the WNA16
+ * layout (wna16_blocks.h).
  *
  * wna16_gemv: y[m, n] = sum_k x[m, k] w[n, k] for a few tokens (decode): each block is
  * decoded once into registers and used for every token of the tile, so the weight is
- * streamed once per call at its packed size. wna16_dequant: rows [r0, r0 + rows) of w as
- * float32 (or rounded to bfloat16, for bfloat16 activations), for a larger batch's GEMM
- * on a bounded tile (the caller's); vectorised with AVX-512 or AVX2 (on the Zen 3 VM,
- * 2026-12-06, a 4096x1024 int4 weight to bfloat16 in 0.71-0.77 ms where the scalar loop
- * took 1.08-1.26, 2 threads: 1.1-1.2x a 16-32-token product).
+ * streamed once per call at its packed size. wna16_gemv_int4_bf16: the same for int4
+ * weights and bfloat16 tokens, by bfloat16 dot products (AVX-512 BF16). Larger batches
+ * dequantise tiles (wna16_dequant.c) for a GEMM.
  *
  * The contract (shapes, who calls) is in wna16_cpu.py, which compiles this file and is
  * its only caller. Rows are spread over the caller's OpenMP threads; each row's sums run
  * in a fixed order, so results do not depend on the thread count.
  */
 
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "wna16_blocks.h"
 
-#include "../../../../distributed/bf16_convert.h"
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-#define INLINE static inline __attribute__((always_inline))
-
-/* Scale i as float32, exactly, from its stored dtype (read once per group, not per block). */
-INLINE float load_scale(const void *scales, int64_t i, int scale_dtype) {
-    if (scale_dtype == 0) return ((const float *)scales)[i];
-    const uint16_t h = ((const uint16_t *)scales)[i];
-    uint32_t u;
-    if (scale_dtype == 2) {
-        u = (uint32_t)h << 16;
-    } else { /* IEEE half: sign, 5-bit exponent, 10-bit mantissa */
-        const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-        if (exp == 0x1fu) {
-            u = sign | 0x7f800000u | (man << 13);
-        } else if (exp != 0) {
-            u = sign | ((exp + 112u) << 23) | (man << 13);
-        } else if (man == 0) {
-            u = sign;
-        } else { /* subnormal: normalise */
-            int e = -1;
-            uint32_t m = man;
-            do { ++e; m <<= 1; } while (!(m & 0x400u));
-            u = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ffu) << 13);
-        }
-    }
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-#define BLOCK 32
 #define TOKENS 4 /* tokens per tile: at most 8 (rows x tokens) x 2 halves = 16 accumulators */
 
-/* One block of row `n` as floats (q - z) * s, into w[0..32). */
-INLINE void decode_block_scalar(int bits, const uint8_t *row, int64_t b, float s, int z, float *w) {
-    if (bits == 4) {
-        const uint8_t *p = row + b * 16;
-        for (int j = 0; j < 16; ++j) {
-            w[j] = (float)((int)(p[j] & 15) - z) * s;
-            w[j + 16] = (float)((int)(p[j] >> 4) - z) * s;
-        }
-    } else {
-        const uint8_t *p = row + b * BLOCK;
-        for (int j = 0; j < BLOCK; ++j) w[j] = (float)((int)p[j] - z) * s;
-    }
-}
-
 #ifdef __AVX512F__
-/* The block as two vectors of 16, (q - z) * s with q - z exact in int32: one rounding,
- * as the formats define the weight. `zv` and `sv` are the block's group's z and s,
- * broadcast; for 4 bits, `table` holds the group's 16 possible weights, (j - z) * s,
- * and a code is its index (vpermps reads an index's low 4 bits only, so the nibbles
- * need no mask). */
-INLINE void decode_block(int bits, const uint8_t *row, int64_t b, __m512i zv, __m512 sv, __m512 table, __m512 *w0,
-                         __m512 *w1) {
-    if (bits == 4) {
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + b * 16));
-        *w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(bytes), table);
-        *w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(bytes, 4)), table);
-        return;
-    }
-    const __m128i lo = _mm_loadu_si128((const __m128i *)(row + b * BLOCK));
-    const __m128i hi = _mm_loadu_si128((const __m128i *)(row + b * BLOCK + 16));
-    *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(lo), zv)), sv);
-    *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(hi), zv)), sv);
-}
-
-/* The 16 weights an int4 code can stand for in a group: (j - z) * s, j = 0..15. */
-INLINE __m512 int4_table(__m512i zv, __m512 sv) {
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iota, zv)), sv);
-}
-
 /* Rows n0 .. n0+NR-1 (NR 1, 2 or 4) against MT tokens (1..TOKENS), NR * MT <= 8:
  * specialised per (NR, MT), so the NR * MT * 2 accumulators stay in registers. A
  * group's broadcast scale and zero are computed when the group changes (blocks of a
@@ -388,74 +304,3 @@ int wna16_gemv_int4_bf16(const uint8_t *wq, const void *scales, int scale_dtype,
 
 int wna16_has_gemv_int4_bf16(void) { return 0; }
 #endif
-
-#if !defined(__AVX512F__) && defined(__AVX2__)
-/* The block as four vectors of 8, (q - z) * s with q - z exact in int32: one rounding,
- * the value decode_block_scalar gives. `zv` and `sv` are the group's z and s, broadcast. */
-INLINE void decode_block_avx2(int bits, const uint8_t *row, int64_t b, __m256i zv, __m256 sv, __m256 w[4]) {
-    __m128i lo, hi; /* inputs 0-15 and 16-31 of the block, one code a byte */
-    if (bits == 4) {
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + b * 16)), m4 = _mm_set1_epi8(15);
-        lo = _mm_and_si128(bytes, m4);
-        hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), m4);
-    } else {
-        lo = _mm_loadu_si128((const __m128i *)(row + b * BLOCK));
-        hi = _mm_loadu_si128((const __m128i *)(row + b * BLOCK + 16));
-    }
-    const __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int i = 0; i < 4; ++i)
-        w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(q[i]), zv)), sv);
-}
-#endif
-
-/* 32 floats of w into row `out` at element `col`: float32, or rounded to bfloat16. */
-INLINE void store_block(const float *w, void *out, int64_t col, int out_bf16) {
-    if (out_bf16) {
-        for (int j = 0; j < BLOCK; ++j) ((uint16_t *)out)[col + j] = float_to_bf16(w[j]);
-    } else {
-        memcpy((float *)out + col, w, BLOCK * sizeof(float));
-    }
-}
-
-/* out [rows, Kp] (row stride ldo elements; float32, or bfloat16 when out_bf16) = w[r0 .. r0 + rows).
- * Returns 0. */
-int wna16_dequant(int bits, const uint8_t *wq, const void *scales, int scale_dtype, const uint8_t *zeros,
-                  const int32_t *block_group, int64_t r0, int64_t rows, int64_t kp, int64_t g_count, void *out,
-                  int64_t ldo, int out_bf16, int num_threads) {
-    const int64_t row_bytes = kp * bits / 8;
-    const int64_t elem = out_bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * kp >= (1 << 15))
-    for (int64_t i = 0; i < rows; ++i) {
-        const int64_t n = r0 + i;
-        char *row_out = (char *)out + i * ldo * elem;
-        for (int64_t b = 0; b < kp / BLOCK; ++b) {
-            const int32_t g = block_group[b];
-#if defined(__AVX512F__)
-            float w[BLOCK];
-            __m512 w0, w1;
-            const __m512i zv = _mm512_set1_epi32(zeros[n * g_count + g]);
-            const __m512 sv = _mm512_set1_ps(load_scale(scales, n * g_count + g, scale_dtype));
-            decode_block(bits, wq + n * row_bytes, b, zv, sv, int4_table(zv, sv), &w0, &w1);
-            _mm512_storeu_ps(w, w0);
-            _mm512_storeu_ps(w + 16, w1);
-            store_block(w, row_out, b * BLOCK, out_bf16);
-#elif defined(__AVX2__)
-            __m256 v[4];
-            decode_block_avx2(bits, wq + n * row_bytes, b, _mm256_set1_epi32(zeros[n * g_count + g]),
-                              _mm256_set1_ps(load_scale(scales, n * g_count + g, scale_dtype)), v);
-            for (int i = 0; i < 4; ++i) {
-                if (out_bf16)
-                    _mm_storeu_si128((__m128i *)((uint16_t *)row_out + b * BLOCK + 8 * i), float_to_bf16x8(v[i]));
-                else
-                    _mm256_storeu_ps((float *)row_out + b * BLOCK + 8 * i, v[i]);
-            }
-#else
-            float w[BLOCK];
-            decode_block_scalar(bits, wq + n * row_bytes, b, load_scale(scales, n * g_count + g, scale_dtype),
-                                zeros[n * g_count + g], w);
-            store_block(w, row_out, b * BLOCK, out_bf16);
-#endif
-        }
-    }
-    return 0;
-}

@@ -1,4 +1,5 @@
-"""The CPU kernels of weight-only int4/int8 layers (`wna16_cpu.c`), and their torch fallback.
+"""The CPU kernels of weight-only int4/int8 layers (`wna16_cpu.c`: the GEMVs; `wna16_dequant.c`:
+the tiles; both decode blocks with `wna16_blocks.h`), and their torch fallback.
 
 `wna16_matmul(x, layout)` computes y = x W^T from the WNA16 layout
 (models/layers/quantization/kernels/wna16_layout.py) without ever dequantising the
@@ -40,7 +41,8 @@ if TYPE_CHECKING:
     from models.layers.quantization.kernels.wna16_layout import WNA16Layout
 
 SOURCE = Path(__file__).with_name("wna16_cpu.c")
-SOURCES = (SOURCE, BF16_CONVERT_H)  # a change to the header rebuilds
+# The GEMVs, the tile dequantiser and the block decoders they share; a change to a header rebuilds.
+SOURCES = (SOURCE, SOURCE.with_name("wna16_dequant.c"), SOURCE.with_name("wna16_blocks.h"), BF16_CONVERT_H)
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
