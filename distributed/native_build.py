@@ -40,6 +40,8 @@ _BUILD_TIMEOUT_S = 120
 #: that read or write bfloat16 (models' and the shm all-reduce's): each names it in the
 #: sources it hands `load_kernel`, so that a change to it rebuilds them.
 BF16_CONVERT_H = Path(__file__).with_name("bf16_convert.h")
+#: The same for float16 (fp16_convert.h), in the sources of the kernels that read or write it.
+FP16_CONVERT_H = Path(__file__).with_name("fp16_convert.h")
 T = TypeVar("T")
 
 

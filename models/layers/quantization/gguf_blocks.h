@@ -10,6 +10,7 @@
 #include <math.h>
 
 #include "../../../distributed/bf16_convert.h"
+#include "../../../distributed/fp16_convert.h"
 #if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -30,33 +31,10 @@
 
 enum { T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 }; /* ggml's type ids */
 
-static inline float fp16_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
-    if (exp == 0x1fu) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112u) << 23) | (mant << 13);
-    } else if (mant == 0) {
-        bits = sign;
-    } else { /* subnormal: normalise */
-        int e = -1;
-        do { mant <<= 1; ++e; } while (!(mant & 0x400u));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((mant & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 static inline float load_fp16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
-#if defined(__F16C__)
-    return _cvtsh_ss(h); /* exact, as the portable conversion */
-#else
     return fp16_to_float(h);
-#endif
 }
 
 #if defined(__F16C__)

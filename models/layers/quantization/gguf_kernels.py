@@ -87,7 +87,7 @@ from pathlib import Path
 
 import torch
 
-from distributed.native_build import BF16_CONVERT_H, load_kernel
+from distributed.native_build import BF16_CONVERT_H, FP16_CONVERT_H, load_kernel
 from distributed.native_calls import NativeLibrary
 from models.layers.cpu_gemm import lacks_native_gemm
 from models.layers.quantization.gguf_dequant import (
@@ -107,7 +107,7 @@ SOURCES = (SOURCE, SOURCE.with_name("gguf_vnni.c"), SOURCE.with_name("gguf_avx2.
            SOURCE.with_name("gguf_vnni_tiles.c"), SOURCE.with_name("gguf_avx2_tiles.c"),
            SOURCE.with_name("gguf_avx2_unpack.h"),
            SOURCE.with_name("gguf_bf16.c"), SOURCE.with_name("gguf_blocks.h"), SOURCE.parent.parent / "bf16_tile.h",
-           SOURCE.parent.parent / "avx2_transpose.h", BF16_CONVERT_H)
+           SOURCE.parent.parent / "avx2_transpose.h", BF16_CONVERT_H, FP16_CONVERT_H)
 COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)

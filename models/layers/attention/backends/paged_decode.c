@@ -31,43 +31,19 @@
 #include <math.h>
 
 #include "../../../../distributed/bf16_convert.h"
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include "../../../../distributed/fp16_convert.h"
 
 #define INLINE static inline __attribute__((always_inline))
 
 /* The dtypes `dt` names (paged_decode.py's _DTYPES): q, the cache and the output share one. */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
-/* float16 to and from float32, rounding to nearest even (F16C, or the compiler's _Float16). */
-INLINE float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    _Float16 x;
-    memcpy(&x, &h, sizeof x);
-    return (float)x;
-#endif
-}
-
-INLINE uint16_t float_to_half(float f) {
-#if defined(__F16C__)
-    return (uint16_t)_cvtss_sh(f, 0); /* 0: round to nearest even */
-#else
-    const _Float16 x = (_Float16)f;
-    uint16_t h;
-    memcpy(&h, &x, sizeof h);
-    return h;
-#endif
-}
-
 /* `n` elements at `src` (of dtype `dt`) as float32: `src` itself, or `scratch` filled
  * with the conversion. */
 INLINE const float *as_float(const void *src, int dt, float *scratch, int64_t n) {
     if (dt == DT_F32) return (const float *)src;
     const uint16_t *b = (const uint16_t *)src;
-    for (int64_t i = 0; i < n; ++i) scratch[i] = dt == DT_BF16 ? bf16_to_float(b[i]) : half_to_float(b[i]);
+    for (int64_t i = 0; i < n; ++i) scratch[i] = dt == DT_BF16 ? bf16_to_float(b[i]) : fp16_to_float(b[i]);
     return scratch;
 }
 
@@ -77,7 +53,7 @@ INLINE void store_row(void *o, int dt, const float *acc, float inv, int64_t D) {
         for (int64_t d = 0; d < D; ++d) ((float *)o)[d] = acc[d] * inv;
     } else {
         uint16_t *h = (uint16_t *)o;
-        for (int64_t d = 0; d < D; ++d) h[d] = dt == DT_BF16 ? float_to_bf16(acc[d] * inv) : float_to_half(acc[d] * inv);
+        for (int64_t d = 0; d < D; ++d) h[d] = dt == DT_BF16 ? float_to_bf16(acc[d] * inv) : float_to_fp16(acc[d] * inv);
     }
 }
 

@@ -30,7 +30,7 @@ INLINE __m256 load8(const void *p, int dt) {
 #else
     if (dt == DT_F16) {
         float f[8];
-        for (int i = 0; i < 8; ++i) f[i] = half_to_float(((const uint16_t *)p)[i]);
+        for (int i = 0; i < 8; ++i) f[i] = fp16_to_float(((const uint16_t *)p)[i]);
         return _mm256_loadu_ps(f);
     }
 #endif

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "../../../../distributed/bf16_convert.h"
+#include "../../../../distributed/fp16_convert.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -29,27 +30,7 @@
 INLINE float load_scale(const void *scales, int64_t i, int scale_dtype) {
     if (scale_dtype == 0) return ((const float *)scales)[i];
     const uint16_t h = ((const uint16_t *)scales)[i];
-    uint32_t u;
-    if (scale_dtype == 2) {
-        u = (uint32_t)h << 16;
-    } else { /* IEEE half: sign, 5-bit exponent, 10-bit mantissa */
-        const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-        if (exp == 0x1fu) {
-            u = sign | 0x7f800000u | (man << 13);
-        } else if (exp != 0) {
-            u = sign | ((exp + 112u) << 23) | (man << 13);
-        } else if (man == 0) {
-            u = sign;
-        } else { /* subnormal: normalise */
-            int e = -1;
-            uint32_t m = man;
-            do { ++e; m <<= 1; } while (!(m & 0x400u));
-            u = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ffu) << 13);
-        }
-    }
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
+    return scale_dtype == 2 ? bf16_to_float(h) : fp16_to_float(h);
 }
 #define BLOCK 32
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from distributed.native_build import BF16_CONVERT_H, load_kernel
+from distributed.native_build import BF16_CONVERT_H, FP16_CONVERT_H, load_kernel
 from distributed.native_calls import NativeLibrary
 from models.layers import cpu_sgemm
 from models.layers.cpu_bf16_gemm import cpu_has_avx512_bf16
@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 
 SOURCE = Path(__file__).with_name("wna16_cpu.c")
 # The GEMVs, the tile dequantiser and the block decoders they share; a change to a header rebuilds.
-SOURCES = (SOURCE, SOURCE.with_name("wna16_dequant.c"), SOURCE.with_name("wna16_blocks.h"), BF16_CONVERT_H)
+SOURCES = (SOURCE, SOURCE.with_name("wna16_dequant.c"), SOURCE.with_name("wna16_blocks.h"), BF16_CONVERT_H,
+           FP16_CONVERT_H)
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
