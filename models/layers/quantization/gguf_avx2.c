@@ -47,21 +47,40 @@ typedef struct {
     float *xs32; /* [k / 32]: dx * sum of xq per 32 values */
 } ax_t;
 
-static void quantize_groups(const float *x, int64_t k, int group, ax_t *q) {
+/* Values [i, i + 8) of a token's row x (x_dtype 0: float32, 1: bfloat16, 2: float16). */
+static inline __m256 load8_x(const void *x, int x_dtype, int64_t i) {
+    if (x_dtype == 0) return _mm256_loadu_ps((const float *)x + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+    if (x_dtype == 1) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+/* A token's k values (row x, of x_dtype) quantised per `group` (32 or 256): one pass for
+ * each group's amax, one that rounds x * (127 / amax) to nearest even (cvtps2dq in the
+ * default rounding mode, as nearbyintf) 16 values at a time and sums them. */
+static void quantize_groups(const void *x, int x_dtype, int64_t k, int group, ax_t *q) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t g = 0; g < k / group; ++g) {
-        const float *xg = x + g * group;
-        float amax = 0.f;
-        for (int i = 0; i < group; ++i) amax = fmaxf(amax, fabsf(xg[i]));
-        const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        const int64_t g0 = g * group;
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < group; i += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(load8_x(x, x_dtype, g0 + i), abs_mask));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float a = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float dx = a / 127.f;
+        const __m256 inv = _mm256_set1_ps(a > 0.f ? 127.f / a : 0.f);
         q->dx[g] = dx;
-        for (int i0 = 0; i0 < group; i0 += 16) {
-            int sum = 0;
-            for (int i = i0; i < i0 + 16; ++i) {
-                const int v = (int)nearbyintf(xg[i] * inv); /* to nearest even, as cvtps2dq */
-                q->xq[g * group + i] = (int8_t)v;
-                sum += v;
-            }
-            q->xs16[(g * group + i0) / 16] = dx * (float)sum;
+        for (int64_t i0 = g0; i0 < g0 + group; i0 += 16) {
+            const __m256i r0 = _mm256_cvtps_epi32(_mm256_mul_ps(load8_x(x, x_dtype, i0), inv));
+            const __m256i r1 = _mm256_cvtps_epi32(_mm256_mul_ps(load8_x(x, x_dtype, i0 + 8), inv));
+            const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xd8); /* 16 in order */
+            _mm_storeu_si128((__m128i *)(q->xq + i0),
+                             _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1)));
+            const __m256i s8 = _mm256_add_epi32(r0, r1);
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            q->xs16[i0 / 16] = dx * (float)_mm_cvtsi128_si32(s4);
         }
     }
     for (int64_t j = 0; j < k / 32; ++j) q->xs32[j] = q->xs16[2 * j] + q->xs16[2 * j + 1];
@@ -255,28 +274,22 @@ int gguf_gemm_q8_shards(int n, const int *qtypes, const uint8_t *const *w, const
      * KQ_PER32_TOKENS on (prefill, batches), as gguf_vnni.c and its tiles split them. */
     const int kq_group = m >= KQ_PER32_TOKENS ? 32 : 256;
     const size_t per_token = (size_t)k + ((size_t)k / 32 + (size_t)k / 16 + (size_t)k / 32) * sizeof(float);
-    uint8_t *scratch = malloc(2 * per_token * (size_t)m + (size_t)k * sizeof(float) + 64);
+    uint8_t *scratch = malloc(2 * per_token * (size_t)m + 64);
     ax_t *ax = malloc(2 * sizeof(ax_t) * (size_t)m);
     if (!scratch || !ax) {
         free(scratch);
         free(ax);
         return -3;
     }
-    float *xf = (float *)(scratch + 2 * per_token * (size_t)m);
+    const size_t x_bytes = x_dtype == 0 ? sizeof(float) : sizeof(uint16_t);
     for (int64_t t = 0; t < m; ++t) {
-        const float *xt = (const float *)x + t * ldx;
-        if (x_dtype != 0) {
-            const uint16_t *h = (const uint16_t *)x + t * ldx;
-            for (int64_t i = 0; i < k; ++i)
-                xf[i] = x_dtype == 1 ? bf16_to_float(h[i]) : load_fp16((const uint8_t *)(h + i));
-            xt = xf;
-        }
+        const void *xt = (const uint8_t *)x + (size_t)(t * ldx) * x_bytes;
         for (int g = 0; g < 2; ++g) {
             if (!used[g]) continue;
             uint8_t *base = scratch + ((size_t)g * (size_t)m + (size_t)t) * per_token;
             float *f = (float *)(base + k); /* k is a multiple of 32: aligned enough for floats */
             ax[g * m + t] = (ax_t){(int8_t *)base, f, f + k / 32, f + k / 32 + k / 16};
-            quantize_groups(xt, k, g ? kq_group : 32, &ax[g * m + t]);
+            quantize_groups(xt, x_dtype, k, g ? kq_group : 32, &ax[g * m + t]);
         }
     }
     /* each thread a contiguous run of the shards' rows (as a static schedule splits them) */
