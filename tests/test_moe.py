@@ -135,12 +135,15 @@ def test_grouped_kernel_computes_only_local_experts_under_ep() -> None:
                                atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_experts_take_the_product_a_bf16_dense_layer_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("switch", ["1", "0"], ids=["kernel-on", "TP_CPU_BF16_GEMM=0"])
+def test_bf16_experts_take_the_product_a_bf16_dense_layer_takes(monkeypatch: pytest.MonkeyPatch, switch: str) -> None:
     """On a CPU whose oneDNN has no bf16 GEMM (AVX2), bf16 experts go through our AVX2
     kernel (`cpu_sgemm.linear_half`) as the dense layers do, 2 calls per active expert,
     rather than torch's product, which converts the weight on every call there; on other
-    CPUs, F.linear. Either way the float64 reference on the bf16 values, to bf16 rounding
-    (the gate/up products, the activation and the outputs each rounded once)."""
+    CPUs, and wherever `TP_CPU_BF16_GEMM=0` turns the dense layers' kernel off, F.linear.
+    Either way the float64 reference on the bf16 values, to bf16 rounding (the gate/up
+    products, the activation and the outputs each rounded once)."""
+    monkeypatch.setenv("TP_CPU_BF16_GEMM", switch)
     w13, w2 = (w.bfloat16() for w in random_experts(6, 64, 40, seed=5))
     weights, ids = random_routing(11, 6, 2, seed=6)
     hidden = torch.randn(11, 64, generator=torch.Generator().manual_seed(7)).bfloat16()
@@ -150,6 +153,8 @@ def test_bf16_experts_take_the_product_a_bf16_dense_layer_takes(monkeypatch: pyt
     out = grouped_fused_experts(hidden, w13, w2, weights, ids)
     assert out.dtype == torch.bfloat16
     assert len(calls) == (2 * ids.unique().numel() if widens_half_dtype(torch.bfloat16) else 0)
+    if switch == "0":
+        assert not calls
     ref = naive_moe_reference(hidden, w13, w2, weights, ids)
     assert ((out.double() - ref).abs() <= 4 * 2.0 ** -8 * ref.abs().amax(-1, keepdim=True) + 1e-6).all()
 

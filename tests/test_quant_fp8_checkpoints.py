@@ -189,10 +189,13 @@ def test_fp8_linear_matches_float64(shape, block, rows, monkeypatch):
     assert ((got_bf16.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-def test_fp8_tiles_in_16_bits_take_the_product_a_dense_layer_takes(monkeypatch):
+@pytest.mark.parametrize("switch", ["1", "0"], ids=["kernel-on", "TP_CPU_BF16_GEMM=0"])
+def test_fp8_tiles_in_16_bits_take_the_product_a_dense_layer_takes(monkeypatch, switch):
     """bf16 tiles (batches past the GEMV) go through our AVX2 kernel where a bf16 dense
     layer does (a CPU whose oneDNN has no bf16 GEMM: torch's product converts each tile on
-    every call there), one call per tile; F.linear elsewhere. The products as above."""
+    every call there), one call per tile; F.linear elsewhere, and wherever
+    `TP_CPU_BF16_GEMM=0` turns the dense layers' kernel off. The products as above."""
+    monkeypatch.setenv("TP_CPU_BF16_GEMM", switch)
     gen = torch.Generator().manual_seed(4)
     q, scale = quantize_fp8_blocks(torch.randn(1000, 600, generator=gen), 128, 96)
     x = torch.randn(40, 600, generator=gen)
@@ -201,6 +204,8 @@ def test_fp8_tiles_in_16_bits_take_the_product_a_dense_layer_takes(monkeypatch):
     monkeypatch.setattr(cpu_sgemm, "linear_half", lambda a, w, *r: calls.append(w.shape[0]) or real_half(a, w, *r))
     got = fp8_linear(x.bfloat16(), q, scale, 128, 96)
     assert sum(calls) == (1000 if widens_half_dtype(torch.bfloat16) else 0)
+    if switch == "0":
+        assert not calls
     ref = x.double() @ dequantize_fp8_blocks(q, scale, 128, 96).double().t()
     assert got.dtype == torch.bfloat16 and ((got.double() - ref).norm() / ref.norm()).item() < 1e-2
 

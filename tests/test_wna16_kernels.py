@@ -20,6 +20,7 @@ from torch import nn
 from models.errors import WeightLoadError
 from models.layers import cpu_sgemm
 from models.layers.cpu_bf16_gemm import cpu_has_avx512_bf16
+from models.layers.cpu_gemm import lacks_native_gemm
 from models.layers.quantization.kernels import wna16_cpu
 from models.layers.quantization.kernels.wna16_layout import (
     apply_wna16,
@@ -118,14 +119,19 @@ def test_bfloat16_tokens_through_bfloat16_dot_products(grouping: str, scale_dtyp
                                    atol=0.02 * expected.abs().max().item(), rtol=0.01)
 
 
+@pytest.mark.parametrize("switch", ["1", "0"], ids=["kernel-on", "TP_CPU_BF16_GEMM=0"])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_bfloat16_batches_use_weight_tiles_rounded_to_bfloat16(bits: int) -> None:
+def test_bfloat16_batches_use_weight_tiles_rounded_to_bfloat16(bits: int, switch: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """bfloat16 tiles (the weights rounded to bfloat16, as a bfloat16 model's) wherever a
     bfloat16 weight has a fast GEMM: torch's with AVX512-BF16, our AVX2 kernel's
-    (`cpu_sgemm.linear_half`) where torch's is emulated; float32 tiles (the exact weights)
-    where neither is."""
+    (`cpu_sgemm.linear_half`) where torch's is emulated, unless `TP_CPU_BF16_GEMM=0` turns
+    it off as for the dense layers; float32 tiles (the exact weights) where neither is."""
+    monkeypatch.setenv("TP_CPU_BF16_GEMM", switch)
     assert wna16_cpu.tile_dtype(torch.float32) == torch.float32
-    half_gemm = "torch" if cpu_has_avx512_bf16() else "avx2" if cpu_sgemm.load() is not None else "none"
+    kernel_on = (switch == "1" and cpu_sgemm.load() is not None
+                 and lacks_native_gemm(torch.zeros(2, 2, dtype=torch.bfloat16)))
+    half_gemm = "torch" if cpu_has_avx512_bf16() else "avx2" if kernel_on else "none"
     assert wna16_cpu._half_gemm() == half_gemm
     assert wna16_cpu.tile_dtype(torch.bfloat16) == (torch.float32 if half_gemm == "none" else torch.bfloat16)
     layer, weight = _layer(96, 256, bits, GROUPINGS["act_order_g32"](256))

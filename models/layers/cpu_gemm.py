@@ -30,7 +30,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from models.layers import cpu_sgemm
+from models.layers import cpu_bf16_gemm, cpu_sgemm
 
 # ideep (torch's oneDNN glue) and oneDNN keep one primitive per (weight, row count) they
 # have seen, up to 1024 each at about 0.5 MiB. A server sees every batch size from 1 to
@@ -124,17 +124,19 @@ def widens_half_weights(weight: torch.Tensor) -> bool:
     """Whether a bfloat16/float16 CPU weight is multiplied where it was loaded by the AVX2
     kernel (`cpu_sgemm.linear_half`, widening it to float32) rather than packed: the CPU's
     oneDNN has no GEMM for its dtype (`lacks_native_gemm`: AVX2 CPUs, and AVX-512 ones
-    without BF16/FP16), the kernel builds here, and `TP_CPU_PACKED_GEMM` does not ask for
-    another kernel (which then packs a float32 copy). Asked once per weight, at load."""
+    without BF16/FP16), the kernel builds here, and neither `TP_CPU_BF16_GEMM=0` nor
+    `TP_CPU_PACKED_GEMM` asks for another kernel (which then packs a float32 copy). Asked
+    once per weight, at load."""
     return (weight.device.type == "cpu" and weight.dim() == 2 and weight.stride(1) == 1
             and widens_half_dtype(weight.dtype))
 
 
 def widens_half_dtype(dtype: torch.dtype) -> bool:
     """`widens_half_weights` for any 2-D CPU weight of `dtype` with unit stride along k:
-    what a kernel asks of the 16-bit tiles it dequantises (fp8, MoE experts)."""
-    return (_lacks_native_gemm(dtype) and os.environ.get("TP_CPU_PACKED_GEMM", "avx2") == "avx2"
-            and packing_available("avx2"))
+    what a kernel asks of the 16-bit tiles it dequantises (fp8, MoE experts).
+    `TP_CPU_BF16_GEMM=0` answers False here as for the dense weights (read on each call)."""
+    return (os.environ.get(cpu_bf16_gemm.SWITCH, "1") != "0" and _lacks_native_gemm(dtype)
+            and os.environ.get("TP_CPU_PACKED_GEMM", "avx2") == "avx2" and packing_available("avx2"))
 
 
 def onednn_packing_available() -> bool:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-import os
 from collections import defaultdict
 from typing import Any, Callable, Iterator
 
@@ -139,7 +138,7 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
         it. `TP_CPU_BF16_GEMM=0` turns both off (read per weight, at load)."""
         if cpu_bf16_gemm.serves(weight):
             return "bf16"
-        if os.environ.get(cpu_bf16_gemm.SWITCH, "1") != "0" and widens_half_weights(weight):
+        if widens_half_weights(weight):
             return "avx2"
         return None
 

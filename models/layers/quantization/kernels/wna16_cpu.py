@@ -36,6 +36,7 @@ from distributed.native_build import BF16_CONVERT_H, FP16_CONVERT_H, load_kernel
 from distributed.native_calls import NativeLibrary
 from models.layers import cpu_sgemm
 from models.layers.cpu_bf16_gemm import cpu_has_avx512_bf16
+from models.layers.cpu_gemm import widens_half_dtype
 
 if TYPE_CHECKING:
     from models.layers.quantization.kernels.wna16_layout import WNA16Layout
@@ -135,19 +136,20 @@ def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if x_dtype == torch.bfloat16 and _half_gemm() != "none" else torch.float32
 
 
-@functools.cache
 def _half_gemm() -> str:
     """The GEMM of bfloat16 tiles: torch's ("torch") where the CPU has AVX512-BF16;
     else our AVX2 kernel that widens a bfloat16 weight as it reads it ("avx2",
-    `cpu_sgemm.linear_half`, a bfloat16 model's own GEMM there), since torch's bfloat16
-    GEMM is an emulation on such CPUs (20 GFLOP/s against float32's 85-135 at 32-128 tokens
-    of a 4096x1024 weight, 2026-12-06, the Zen 3 VM, 2 threads); "none" where neither
-    (float32 tiles and torch's float32 GEMM). The AVX2 kernel with bfloat16 tiles against
-    float32 tiles there: 2.5 against 3.5 ms at 32 tokens of that weight, 1.8 against 2.8
-    at 16. Asked on every batch's tiles: answered once per process."""
+    `cpu_sgemm.linear_half`) wherever a bfloat16 dense layer's weights go through it
+    (`cpu_gemm.widens_half_dtype`, which `TP_CPU_BF16_GEMM=0` and `TP_CPU_PACKED_GEMM`
+    turn off as for those), since torch's bfloat16 GEMM is an emulation on such CPUs (20
+    GFLOP/s against float32's 85-135 at 32-128 tokens of a 4096x1024 weight, 2026-12-06,
+    the Zen 3 VM, 2 threads); "none" where neither (float32 tiles and torch's float32
+    GEMM). The AVX2 kernel with bfloat16 tiles against float32 tiles there: 2.5 against
+    3.5 ms at 32 tokens of that weight, 1.8 against 2.8 at 16. Asked on every batch's
+    tiles (a few microseconds against their milliseconds)."""
     if cpu_has_avx512_bf16():
         return "torch"
-    return "avx2" if cpu_sgemm.load() is not None else "none"
+    return "avx2" if widens_half_dtype(torch.bfloat16) else "none"
 
 
 def wna16_matmul(x: torch.Tensor, layout: WNA16Layout, kernel: Wna16Kernel | None) -> torch.Tensor:
