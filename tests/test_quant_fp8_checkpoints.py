@@ -151,6 +151,21 @@ def check_loaded(name: str, result: dict[str, Any], checkpoints: dict[str, Any],
 # ------------------------------------------------------------------ kernels
 
 
+def test_the_registry_sends_an_fp8_checkpoint_to_its_own_config_and_online_fp8_to_fp8config():
+    """quantization="fp8" names two configs: `Fp8Config` quantises a full-precision
+    checkpoint online, `Fp8CheckpointConfig` reads one already in fp8; the registry picks
+    by whether the checkpoint has a quantization_config, and `Fp8Config` refuses one."""
+    from models.layers.quantization import get_quantization_config
+    from models.layers.quantization.fp8 import Fp8Config
+    from models.layers.quantization.fp8_checkpoint import Fp8CheckpointConfig
+
+    assert type(get_quantization_config("fp8", None)) is Fp8Config
+    settings = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert type(get_quantization_config("fp8", settings)) is Fp8CheckpointConfig
+    with pytest.raises(ValueError, match="Fp8CheckpointConfig"):
+        Fp8Config.from_config(settings)
+
+
 def test_fp8_dequant_kernel_is_exact_for_every_byte():
     kernel = load_fp8_kernel()
     assert kernel is not None, "the fp8 tile kernel builds on this machine"

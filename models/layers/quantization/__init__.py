@@ -19,12 +19,17 @@ from typing import Any
 from models.layers.quantization.base import LinearMethodBase, QuantizationConfig
 
 # name -> "module:class"; the class has `from_config(hf_quant_config: dict | None)`.
+# For a method that is also applied online, this class serves a full-precision checkpoint
+# (hf_quant_config None) and _SERIALIZED's a checkpoint already quantised by it.
 _METHODS: dict[str, str] = {
     "fp8": "models.layers.quantization.fp8:Fp8Config",
     "gptq": "models.layers.quantization.gptq:GPTQConfig",
     "awq": "models.layers.quantization.awq:AWQConfig",
     "compressed-tensors": "models.layers.quantization.compressed_tensors:CompressedTensorsConfig",
     "gguf": "models.layers.quantization.gguf:GGUFConfig",
+}
+_SERIALIZED: dict[str, str] = {
+    "fp8": "models.layers.quantization.fp8_checkpoint:Fp8CheckpointConfig",
 }
 QUANTIZATION_METHODS: tuple[str, ...] = tuple(_METHODS)
 #: Methods `EngineConfig(quantization=...)` can apply to a full-precision checkpoint;
@@ -41,6 +46,8 @@ def get_quantization_config(name: str | QuantizationConfig | None,
     target = _METHODS.get(name)
     if target is None:
         raise ValueError(f"quantization={name!r} is not supported; supported methods: {list(QUANTIZATION_METHODS)}")
+    if hf_quant_config is not None:
+        target = _SERIALIZED.get(name, target)
     module, cls_name = target.split(":")
     cls = getattr(importlib.import_module(module), cls_name)
     return cls.from_config(hf_quant_config)

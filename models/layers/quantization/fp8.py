@@ -23,8 +23,8 @@ its own slice, and each rank scales its partial sum before the all-reduce.
 
 A checkpoint that is already fp8 (config.json's `quantization_config` with
 `quant_method: "fp8"`: per-tensor or 128x128-block scales, as DeepSeek-V3 and
-Qwen3-FP8 ship) is not quantised here: `Fp8Config.from_config` hands its settings to
-fp8_checkpoint.py.
+Qwen3-FP8 ship) is not quantised here: the registry (`get_quantization_config`) hands
+its settings to fp8_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -127,20 +127,19 @@ class Fp8Config(QuantizationConfig):
     """`quantization="fp8"` on a full-precision checkpoint: every parallel linear layer
     gets `Fp8LinearMethod`. A checkpoint already in fp8 (config.json's
     quantization_config with `quant_method: "fp8"`) is served by
-    fp8_checkpoint.Fp8CheckpointConfig instead, which `from_config` returns for it."""
+    fp8_checkpoint.Fp8CheckpointConfig instead (the registry's choice:
+    `get_quantization_config`)."""
 
     name = "fp8"
 
     @classmethod
     def from_config(cls, hf_quant_config: dict[str, Any] | None) -> QuantizationConfig:
-        """None: online quantisation; the checkpoint's quantization_config: its serialized
-        fp8 weights. Raises ValueError naming the field and value it cannot serve."""
-        if hf_quant_config is None:
-            return cls()
-        # Imported here: its kernels load only when a checkpoint is in fp8.
-        from models.layers.quantization.fp8_checkpoint import Fp8CheckpointConfig
-
-        return Fp8CheckpointConfig.from_config(hf_quant_config)
+        """Online quantisation: hf_quant_config must be None. Raises ValueError for a
+        checkpoint's quantization_config, which fp8_checkpoint.Fp8CheckpointConfig reads."""
+        if hf_quant_config is not None:
+            raise ValueError("Fp8Config quantises a full-precision checkpoint online; a checkpoint with "
+                             "quantization_config quant_method='fp8' is read by Fp8CheckpointConfig")
+        return cls()
 
     def get_linear_method(self, layer: nn.Module, prefix: str = "",
                           packed_modules_mapping: dict[str, tuple[str, str | int]] | None = None

@@ -6,8 +6,8 @@ Two producers write them, with the same tensors under different names:
   float8_e4m3fn and, with `weight_block_size: [bn, bk]`, `weight_scale_inv`
   [ceil(out/bn), ceil(in/bk)] float32 (the factor that multiplies q back, despite its
   name); without blocks, a per-tensor `weight_scale` (one per checkpoint module).
-  `Fp8CheckpointConfig` reads that quantization_config (Fp8Config.from_config hands it
-  over);
+  `Fp8CheckpointConfig` reads that quantization_config (`get_quantization_config`
+  chooses it over the online Fp8Config when a checkpoint has one);
 - compressed-tensors FP8 (`float-quantized`): `weight` and `weight_scale` [out, 1]
   (strategy "channel"), [1] ("tensor") or [out/bn, in/bk] ("block");
   schemes/w8a8_fp8.py builds this same method.
