@@ -27,9 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.layers.quantization.kernels import wna16_cpu
+from models.layers.quantization.kernels.wna16_apply import apply_wna16, dequantize_wna16
 from models.layers.quantization.kernels.wna16_layout import (
-    apply_wna16,
-    dequantize_wna16,
     get_wna16_layout,
     set_wna16_layout,
 )

@@ -22,10 +22,9 @@ from models.layers import cpu_sgemm
 from models.layers.cpu_bf16_gemm import cpu_has_avx512_bf16
 from models.layers.cpu_gemm import lacks_native_gemm
 from models.layers.quantization.kernels import wna16_cpu
+from models.layers.quantization.kernels.wna16_apply import apply_wna16, dequantize_wna16
 from models.layers.quantization.kernels.wna16_layout import (
-    apply_wna16,
     compact_scales,
-    dequantize_wna16,
     get_wna16_layout,
     set_wna16_layout,
 )

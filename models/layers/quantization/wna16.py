@@ -18,7 +18,8 @@ from torch import nn
 
 from models.errors import WeightLoadError
 from models.layers.quantization.base import LinearMethodBase, QuantizationConfig
-from models.layers.quantization.kernels.wna16_layout import BLOCK, apply_wna16
+from models.layers.quantization.kernels.wna16_apply import apply_wna16
+from models.layers.quantization.kernels.wna16_layout import BLOCK
 from models.layers.weight_utils import load_whole
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM layout: value AWQ_PACK_ORDER[j] sits at nibble j

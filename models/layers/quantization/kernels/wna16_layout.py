@@ -1,5 +1,5 @@
 """The WNA16 layout: the one form GPTQ, AWQ and compressed-tensors W4A16/W8A16 weights take
-after loading, and the forward that reads it.
+after loading.
 
 Every format unpacks, in its `process_weights_after_loading`, into (this rank's shard):
 
@@ -25,8 +25,9 @@ in any of the global groups, pads each group it holds to whole blocks (at most 3
 codes a group). `Kp` is therefore K, except on such a shard: there, with groups of 128
 split over 2 ranks, about 1.25 K; with groups of 32, nearly 2 K.
 
-`apply_wna16(layer, x, bias)` is the forward: the CPU kernels (kernels/wna16_cpu.py)
-or, on CUDA, the Triton kernel (kernels/wna16_triton.py). Both read this layout.
+The kernels that read it (kernels/wna16_cpu.py, kernels/wna16_triton.py) import this
+module, and the forward that picks one (kernels/wna16_apply.py's `apply_wna16`) imports
+them all: this module imports none of them.
 """
 
 from __future__ import annotations
@@ -164,43 +165,3 @@ def get_wna16_layout(layer: nn.Module) -> WNA16Layout | None:
                          buffers["wna16_zeros"], buffers["wna16_block_group"], buffers["wna16_input_perm"])
     layer.__dict__["_wna16_layout"] = layout
     return layout
-
-
-def dequantize_wna16(layout: WNA16Layout) -> torch.Tensor:
-    """The whole weight [N, K] float32 in the activations' input order: for tests and
-    debugging only (the forward never builds it)."""
-    from models.layers.quantization.kernels.wna16_cpu import dequant_rows_torch
-
-    w = torch.empty(layout.out_features, layout.padded_in_features, dtype=torch.float32,
-                    device=layout.qweight.device)
-    dequant_rows_torch(layout, 0, w)
-    if layout.input_perm is None:
-        return w
-    out = torch.zeros(layout.out_features, layout.in_features + 1, dtype=torch.float32, device=w.device)
-    out.index_copy_(1, layout.input_perm, w)  # the padding lands in the dropped last column
-    return out[:, : layout.in_features]
-
-
-def apply_wna16(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x W^T (+ bias) from the layer's WNA16 layout, in x's dtype; the products in
-    float32 (bfloat16 activations over 8 tokens: bfloat16 tiles of W on the CPU).
-    Called from the layer's forward on every rank."""
-    layout = get_wna16_layout(layer)
-    if layout is None:
-        raise RuntimeError(f"{type(layer).__name__}: quantised weights used before process_weights_after_loading")
-    x2 = x.reshape(-1, x.shape[-1])
-    if x.is_cuda:
-        from models.layers.quantization.kernels.wna16_triton import wna16_matmul_triton
-
-        y = wna16_matmul_triton(x2, layout)
-    else:
-        from models.layers.quantization.kernels import wna16_cpu
-
-        xq = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.to(torch.float32)
-        if layout.input_perm is not None:
-            xq = F.pad(xq, (0, 1)).index_select(1, layout.input_perm)
-        y = wna16_cpu.wna16_matmul(xq.contiguous(), layout, wna16_cpu.load())
-    y = y.to(x.dtype)
-    if bias is not None:
-        y += bias
-    return y.reshape(*x.shape[:-1], layout.out_features)

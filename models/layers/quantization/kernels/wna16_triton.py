@@ -9,7 +9,8 @@ y. Activations in bfloat16/float16 meet weights rounded to their dtype (as vLLM'
 GPTQ/AWQ Triton kernels do); float32 activations use IEEE products.
 
 Tested on the CPU under Triton's interpreter (TRITON_INTERPRET=1, tiny shapes); its
-speed on a GPU has not been measured here. Called from `apply_wna16` on every rank.
+speed on a GPU has not been measured here. Called from `apply_wna16`
+(kernels/wna16_apply.py) on every rank.
 """
 
 from __future__ import annotations

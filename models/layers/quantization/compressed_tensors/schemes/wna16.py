@@ -37,10 +37,8 @@ from torch import nn
 from models.layers.quantization.compressed_tensors.schemes.base import (
     CompressedTensorsScheme,
 )
-from models.layers.quantization.kernels.wna16_layout import (
-    apply_wna16,
-    set_wna16_layout,
-)
+from models.layers.quantization.kernels.wna16_apply import apply_wna16
+from models.layers.quantization.kernels.wna16_layout import set_wna16_layout
 from models.layers.quantization.wna16 import (
     check_bits_and_group,
     fused_replica_loader,
