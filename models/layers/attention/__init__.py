@@ -1,9 +1,11 @@
 """Attention: the layer models call, and the backends that run it per platform.
 
-    layer.py               Attention (the nn.Module), AttentionSpec, causal_sdpa
-    masked_attention.py    causal_attention, capped_attention: sliding window and soft cap
-                           with explicit, memory-bounded masks
-    backends/abstract.py   AttentionBackend, AttentionImpl, AttentionMetadata, gather_paged_kv
+    layer.py               Attention (the nn.Module), AttentionSpec
+    masked_attention.py    causal_sdpa (one sequence, no cache); causal_attention,
+                           capped_attention: sliding window and soft cap with explicit,
+                           memory-bounded masks
+    backends/abstract.py   AttentionBackend, AttentionImpl, AttentionMetadata, AttentionLayer
+                           (what a backend reads of the layer), gather_paged_kv
     backends/triton_attn.py TritonAttentionBackend: TRITON_ATTN, Triton paged attention
                            (CUDA; the CPU under Triton's interpreter)
     backends/torch_sdpa.py TorchSDPABackend: TORCH_SDPA, portable SDPA over gathered K/V

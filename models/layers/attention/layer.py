@@ -13,13 +13,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from models.layers.attention.masked_attention import causal_attention
+from models.layers.attention.masked_attention import causal_sdpa
 
 if TYPE_CHECKING:
-    from models.layers.attention.backends.abstract import AttentionImpl, AttentionMetadata
+    from models.layers.attention.backends.abstract import (
+        AttentionImpl,
+        AttentionMetadata,
+    )
 
 
 @dataclass(frozen=True)
@@ -30,37 +32,6 @@ class AttentionSpec:
     num_kv_heads: int  # on this rank
     head_size: int
     dtype: torch.dtype
-
-
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
-    """Causal attention of one sequence: q [T, H, D], k and v [T, Hkv, D] -> [T, H, D].
-
-    A window shorter than the sequence, or a soft cap, takes `causal_attention`'s
-    explicit masks, in query blocks whose scores stay under CHUNK_SCORES_BYTES; without
-    either, one causal SDPA call (its flash kernel, no mask).
-
-    On CUDA the kv heads are repeated for GQA instead of asking SDPA for `enable_gqa`,
-    which only its flash kernel takes: a float32 model would otherwise fall to the
-    math kernel, whose [H, T, T] scores grow with the square of the prompt (the
-    profile run at max_num_batched_tokens among them). The copies are O(T)."""
-    if soft_cap is not None or (sliding_window is not None and sliding_window < q.shape[0]):
-        return causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), scale, sliding_window=sliding_window,
-                                soft_cap=soft_cap)
-    gqa = q.shape[1] != k.shape[1]
-    if gqa and q.is_cuda:
-        repeats = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-        gqa = False
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        is_causal=True,
-        scale=scale,
-        enable_gqa=gqa,
-    )
-    return out.squeeze(0).transpose(0, 1)
 
 
 class Attention(nn.Module):

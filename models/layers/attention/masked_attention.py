@@ -9,8 +9,10 @@ between the product and the softmax, inside SDPA.
 Both bound their memory the same way the SDPA backend's chunk path does: the queries
 are split into rows whose scores, probabilities and mask ([H, rows, keys]) stay under
 CHUNK_SCORES_BYTES, and with a window each row block reads only the keys its window
-reaches. Used by `Attention.forward` without metadata (`causal_sdpa`: the profile run and
-`model(input_ids, positions)`) and by the SDPA and CPU backends, on every rank alike.
+reaches. `causal_sdpa` attends one whole sequence with them where it needs a mask and
+with one SDPA call where not: `Attention.forward` without metadata (the profile run and
+`model(input_ids, positions)`) and the SDPA backend's prefills. Used by the SDPA and CPU
+backends too, on every rank alike.
 """
 
 from __future__ import annotations
@@ -103,3 +105,34 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
             res = res.reshape(num_heads, hi - lo, head_size)
         out[lo:hi] = res.transpose(0, 1)
     return out
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+    """Causal attention of one sequence: q [T, H, D], k and v [T, Hkv, D] -> [T, H, D].
+
+    A window shorter than the sequence, or a soft cap, takes `causal_attention`'s
+    explicit masks, in query blocks whose scores stay under CHUNK_SCORES_BYTES; without
+    either, one causal SDPA call (its flash kernel, no mask).
+
+    On CUDA the kv heads are repeated for GQA instead of asking SDPA for `enable_gqa`,
+    which only its flash kernel takes: a float32 model would otherwise fall to the
+    math kernel, whose [H, T, T] scores grow with the square of the prompt (the
+    profile run at max_num_batched_tokens among them). The copies are O(T)."""
+    if soft_cap is not None or (sliding_window is not None and sliding_window < q.shape[0]):
+        return causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), scale, sliding_window=sliding_window,
+                                soft_cap=soft_cap)
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and q.is_cuda:
+        repeats = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        gqa = False
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=gqa,
+    )
+    return out.squeeze(0).transpose(0, 1)

@@ -17,12 +17,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from models.layers.attention.layer import Attention
+
+class AttentionLayer(Protocol):
+    """What a backend reads of the `Attention` layer it serves (vLLM's name for it):
+    the layer (models/layers/attention/layer.py) imports this module, not the reverse."""
+
+    num_heads: int  # this rank's query heads
+    num_kv_heads: int  # this rank's kv heads
+    head_size: int
+    scale: float
+    sliding_window: int | None
+    logits_soft_cap: float | None
+    dtype: torch.dtype
 
 
 @dataclass
@@ -74,7 +84,7 @@ def gather_paged_kv(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int, ct
 class AttentionImpl(ABC):
     """One layer's paged attention; holds whatever per-layer state the backend keeps."""
 
-    def __init__(self, layer: Attention) -> None:
+    def __init__(self, layer: AttentionLayer) -> None:
         self.num_heads = layer.num_heads
         self.num_kv_heads = layer.num_kv_heads
         self.head_size = layer.head_size
@@ -111,7 +121,7 @@ class AttentionBackend(ABC):
         return (num_blocks, 2, block_size, num_kv_heads, head_size)
 
     @abstractmethod
-    def make_impl(self, layer: Attention) -> AttentionImpl:
+    def make_impl(self, layer: AttentionLayer) -> AttentionImpl:
         """The impl for one layer (called once per layer when its cache is attached)."""
 
     def build_metadata(self, common: AttentionMetadata) -> Any:
@@ -119,7 +129,7 @@ class AttentionBackend(ABC):
         which every layer's impl receives."""
         return common
 
-    def workspace_bytes(self, layer: Attention, max_model_len: int) -> int:
+    def workspace_bytes(self, layer: AttentionLayer, max_model_len: int) -> int:
         """The most memory one layer's attention call allocates beyond its output, at any
         step of up to max_model_len tokens of context: the profile run holds this much
         during its forward, so the KV cache sized after it leaves room for it."""

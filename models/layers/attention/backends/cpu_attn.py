@@ -36,18 +36,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import torch
 
 from distributed.utils import cdiv
-from models.layers.attention.backends.abstract import AttentionImpl, AttentionMetadata, gather_paged_kv
+from models.layers.attention.backends.abstract import (
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadata,
+    gather_paged_kv,
+)
 from models.layers.attention.backends.decode_context import TOTAL_BYTES, DecodeContext
-from models.layers.attention.backends.paged_decode import PagedDecodeKernel, load as load_paged_decode
-from models.layers.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAImpl, TorchSDPAMetadata
-
-if TYPE_CHECKING:
-    from models.layers.attention.layer import Attention
+from models.layers.attention.backends.paged_decode import PagedDecodeKernel
+from models.layers.attention.backends.paged_decode import load as load_paged_decode
+from models.layers.attention.backends.torch_sdpa import (
+    TorchSDPABackend,
+    TorchSDPAImpl,
+    TorchSDPAMetadata,
+)
 
 # A shared prefix shorter than this is attended per sequence like the rest of the context.
 CASCADE_MIN_TOKENS = 64
@@ -193,7 +200,7 @@ class CPUGraphDecodeMetadata:
 
 
 class CPUAttentionImpl(TorchSDPAImpl):
-    def __init__(self, layer: Attention, decode_context_bytes: int, kernel: PagedDecodeKernel | None) -> None:
+    def __init__(self, layer: AttentionLayer, decode_context_bytes: int, kernel: PagedDecodeKernel | None) -> None:
         super().__init__(layer)
         self.kernel = kernel
         self.decode_context = DecodeContext(decode_context_bytes)
@@ -368,7 +375,7 @@ class CPUAttentionBackend(TorchSDPABackend):
             shared += 1
         return shared * block_size >= CASCADE_MIN_TOKENS
 
-    def make_impl(self, layer: Attention) -> AttentionImpl:
+    def make_impl(self, layer: AttentionLayer) -> AttentionImpl:
         impl = CPUAttentionImpl(layer, self.per_layer_bytes, self.kernel)
         self.impls.append(impl)
         return impl

@@ -17,20 +17,35 @@ per step instead. That memory is outside the KV-cache budget, like any activatio
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from distributed.utils import cdiv
 from models.layers.attention.backends.abstract import gather_paged_kv
 
-if TYPE_CHECKING:
-    from models.layers.attention.backends.cpu_attn import CPUAttentionMetadata
-
 # All layers' buffers together stay under this (the backend divides it among the layers).
 TOTAL_BYTES = 256 << 20
 # Spare positions per sequence, so that a batch decodes this many steps between gathers.
 _GROWTH = 64
+
+
+class DecodeBatch(Protocol):
+    """What `DecodeContext.get` reads of a step's metadata: the CPU backend's
+    `CPUAttentionMetadata` (backends/cpu_attn.py, which imports this module)."""
+
+    @property
+    def decode_keys(self) -> tuple[int, ...] | None: ...  # one key per decode sequence
+
+    @property
+    def decode_lens(self) -> tuple[int, ...]: ...  # their context lengths after this step
+
+    @property
+    def decode_gather_blocks(self) -> tuple[torch.Tensor, int]: ...
+
+    def decode_suffix_gather(self, prefix_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, int, torch.Tensor]: ...
+
+    def decode_append_index(self, capacity: int, start: int = 0) -> torch.Tensor: ...
 
 
 class DecodeContext:
@@ -48,7 +63,7 @@ class DecodeContext:
         self.start = 0
 
     def get(
-        self, cache: torch.Tensor, md: CPUAttentionMetadata, k: torch.Tensor, v: torch.Tensor, start: int = 0
+        self, cache: torch.Tensor, md: DecodeBatch, k: torch.Tensor, v: torch.Tensor, start: int = 0
     ) -> torch.Tensor | None:
         """The decode sequences' context from position `start` on ([2, kv_heads, G,
         >= max len - start, head_size], rows in `md.decode_seqs` order, valid up to each

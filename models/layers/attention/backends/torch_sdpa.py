@@ -21,11 +21,16 @@ from distributed.utils import cdiv
 from models.layers.attention.backends.abstract import (
     AttentionBackend,
     AttentionImpl,
+    AttentionLayer,
     AttentionMetadata,
     gather_paged_kv,
 )
-from models.layers.attention.layer import Attention, causal_sdpa
-from models.layers.attention.masked_attention import CHUNK_SCORES_BYTES, capped_attention, causal_attention
+from models.layers.attention.masked_attention import (
+    CHUNK_SCORES_BYTES,
+    capped_attention,
+    causal_attention,
+    causal_sdpa,
+)
 
 # Decode sequences are attended in groups whose padded K/V context (gathered from the
 # paged cache) stays under this many bytes; see TorchSDPAImpl.decode_attention.
@@ -108,7 +113,7 @@ class TorchSDPAMetadata(AttentionMetadata):
 
 
 class TorchSDPAImpl(AttentionImpl):
-    def __init__(self, layer: Attention) -> None:
+    def __init__(self, layer: AttentionLayer) -> None:
         super().__init__(layer)
         self.logits_soft_cap = layer.logits_soft_cap
 
@@ -211,7 +216,7 @@ class TorchSDPAImpl(AttentionImpl):
 class TorchSDPABackend(AttentionBackend):
     name = "TORCH_SDPA"
 
-    def workspace_bytes(self, layer: Attention, max_model_len: int) -> int:
+    def workspace_bytes(self, layer: AttentionLayer, max_model_len: int) -> int:
         """A chunk over a cached context of max_model_len: the context gathered out of
         the cache (and cast), plus the bounded scores (CHUNK_SCORES_BYTES). A soft-capped
         layer computes its scores in float32 from float32 copies of the keys and values
@@ -223,7 +228,7 @@ class TorchSDPABackend(AttentionBackend):
             workspace += max(context * 4, DECODE_GROUP_BYTES * 4 // layer.dtype.itemsize)
         return workspace
 
-    def make_impl(self, layer: Attention) -> AttentionImpl:
+    def make_impl(self, layer: AttentionLayer) -> AttentionImpl:
         return TorchSDPAImpl(layer)
 
     def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:

@@ -16,16 +16,17 @@ step captured in a CUDA graph replays with new lengths written into the same ten
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from models.layers.attention.backends.abstract import AttentionBackend, AttentionImpl, AttentionMetadata
+from models.layers.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadata,
+)
 from models.layers.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from models.layers.attention.ops.triton_unified_attention import unified_attention
-
-if TYPE_CHECKING:
-    from models.layers.attention.layer import Attention
 
 
 @dataclass
@@ -86,7 +87,7 @@ class TritonAttentionMetadata:
 class TritonAttentionImpl(AttentionImpl):
     """One layer's Triton paged attention; keeps no state between steps."""
 
-    def __init__(self, layer: Attention) -> None:
+    def __init__(self, layer: AttentionLayer) -> None:
         super().__init__(layer)
         # Gemma 2's logit soft cap, where a layer declares one (ours do not yet).
         self.logits_soft_cap: float | None = getattr(layer, "logits_soft_cap", None)
@@ -107,7 +108,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "TRITON_ATTN"
     supports_cuda_graphs = True
 
-    def make_impl(self, layer: Attention) -> AttentionImpl:
+    def make_impl(self, layer: AttentionLayer) -> AttentionImpl:
         return TritonAttentionImpl(layer)
 
     def build_metadata(self, common: AttentionMetadata) -> TritonAttentionMetadata:
@@ -121,6 +122,6 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonAttentionMetadata.from_device_tensors(slot_mapping, block_tables, seq_lens, query_start_loc,
                                                            block_size, max_query_len=1)
 
-    def workspace_bytes(self, layer: Attention, max_model_len: int) -> int:
+    def workspace_bytes(self, layer: AttentionLayer, max_model_len: int) -> int:
         """None: the kernels read the cache in place and allocate only the output."""
         return 0
