@@ -2,7 +2,8 @@
 
 - app.py: `build_app()`, the routes and the middleware wiring
 - protocol.py: the pydantic request / response models
-- errors.py: `APIError` and the OpenAI-shaped error bodies and handlers
+- api_error.py: `APIError`, which handlers and request checks raise
+- errors.py: the OpenAI-shaped error bodies and the handlers that render them
 - auth.py: the API-key middleware
 - sse.py: server-sent event streams
 - serving.py: what both handlers share (checks, sampling parameters, submission)

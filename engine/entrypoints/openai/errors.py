@@ -18,18 +18,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.entrypoints.openai.api_error import APIError
 from engine.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, dump
 from engine.metrics import EngineMetrics
 from executor.errors import EngineDeadError
-
-
-class APIError(Exception):
-    """Raised by handlers; rendered as an OpenAI-style error body with `status_code`."""
-
-    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status_code, self.message, self.type, self.param, self.code = status_code, message, type, param, code
 
 
 def error_response(status_code: int, message: str, type: str = "invalid_request_error",

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 
 from config import SamplingParams
 from engine.async_engine import AsyncEngine
-from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.api_error import APIError
 from engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

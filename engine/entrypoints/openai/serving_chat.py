@@ -27,7 +27,7 @@ from fastapi.responses import Response
 from config import StructuredOutputsParams
 from engine.entrypoints.openai.chat_messages import template_messages
 from engine.entrypoints.openai.chat_output import ChoiceOutputParser
-from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.api_error import APIError
 from engine.entrypoints.openai.logprobs import TokenText, chat_logprobs, vllm_prompt_logprobs
 from engine.entrypoints.openai.protocol import (
     ChatCompletionChoice,

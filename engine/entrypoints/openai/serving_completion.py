@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.api_error import APIError
 from engine.entrypoints.openai.logprobs import TextOffsets, TokenText, completion_logprobs, vllm_prompt_logprobs
 from engine.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, dump
 from engine.entrypoints.openai.serving import OpenAIServing, include_usage, merge_streams, text_delta, usage

@@ -35,8 +35,8 @@ from pydantic import (
 )
 
 from engine.async_engine import AsyncEngine
+from engine.entrypoints.openai.api_error import APIError
 from engine.entrypoints.openai.chat_messages import template_messages
-from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import ChatMessage
 from engine.entrypoints.openai.protocol_tools import ToolRequestError, resolve_tools
 from engine.entrypoints.openai.serving_chat import render_chat_prompt

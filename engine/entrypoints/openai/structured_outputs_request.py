@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from config import StructuredOutputsParams
-from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.api_error import APIError
 
 #: Removed in vLLM 0.32 (vLLM's PR #22772 deprecated them): each with its structured_outputs key.
 REMOVED_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
