@@ -2,8 +2,8 @@
 
 `Executor.get_class(config)` maps `distributed_executor_backend` through
 executor.registry: "uni" -> UniProcExecutor (in-process, tp=1), "mp" ->
-MultiprocExecutor (default when tp > 1), any name given to `register_executor_backend`,
-or a user's Executor subclass passed directly. All methods are called from the
+MultiprocExecutor (default when tp > 1), any name given to `register_executor_backend`
+(below), or a user's Executor subclass passed directly. All methods are called from the
 engine's thread.
 """
 
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from executor.registry import get_executor_backend_cls
+from executor.registry import add_executor_backend, get_executor_backend_cls
 from executor.rpc import RPCMethod
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from worker.kv_cache import KVCacheConfig, KVCacheSpec
     from worker.outputs import ModelRunnerOutput, SchedulerOutput
 
-__all__ = ["EXECUTE_MODEL_TIMEOUT_S", "Executor", "RPCMethod"]
+__all__ = ["EXECUTE_MODEL_TIMEOUT_S", "Executor", "RPCMethod", "register_executor_backend"]
 
 # A step that takes longer than this is treated as a hung rank (TimeoutError naming it),
 # rather than blocking the engine forever.
@@ -133,3 +134,23 @@ class Executor(ABC):
 
     def worker_timings(self) -> list[dict[str, float]]:
         return self.collective_rpc("get_timings")
+
+
+T = TypeVar("T", bound=type[Executor])
+
+
+def register_executor_backend(name: str) -> Callable[[T], T]:
+    """Class decorator: ``@register_executor_backend("mine")`` makes
+    ``distributed_executor_backend="mine"`` use it (a user's name wins over a built-in).
+
+    Only the engine's process resolves backends, so registering there, before the
+    engine is built, is enough. Raises TypeError if the class is not an Executor.
+    """
+
+    def wrap(cls: T) -> T:
+        if not (isinstance(cls, type) and issubclass(cls, Executor)):
+            raise TypeError(f"{cls!r} must subclass Executor to be registered as {name!r}")
+        add_executor_backend(name, cls)
+        return cls
+
+    return wrap

@@ -1,18 +1,17 @@
 """distributed_executor_backend name -> Executor class. Built-ins are imported lazily, by name.
 
 Importing this module imports nothing heavy (no torch, no ZeroMQ), so config
-validation can call ``get_supported_executor_backends()`` at any time.
+validation can call ``get_supported_executor_backends()`` at any time. It knows
+classes only as classes: `executor.abstract.register_executor_backend`, which checks
+that a class is an Executor, adds a user's here, and `Executor.get_class` looks names
+up here (this module imports neither).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Callable, TypeVar
 
-if TYPE_CHECKING:
-    from executor.abstract import Executor
-
-__all__ = ["get_executor_backend_cls", "get_supported_executor_backends", "register_executor_backend"]
+__all__ = ["add_executor_backend", "get_executor_backend_cls", "get_supported_executor_backends"]
 
 _BUILTIN_BACKENDS: dict[str, str] = {
     "uni": "executor.uniproc_executor:UniProcExecutor",
@@ -22,28 +21,13 @@ _BUILTIN_BACKENDS: dict[str, str] = {
     # Under torchrun: each rank's own EngineCore drives its in-process worker.
     "external_launcher": "executor.external_launcher_executor:ExternalLauncherExecutor",
 }
-_USER_BACKENDS: dict[str, type["Executor"]] = {}
-
-T = TypeVar("T", bound="type[Executor]")
+_USER_BACKENDS: dict[str, type] = {}
 
 
-def register_executor_backend(name: str) -> Callable[[T], T]:
-    """Class decorator: ``@register_executor_backend("mine")`` makes
-    ``distributed_executor_backend="mine"`` use it (a user's name wins over a built-in).
-
-    Only the engine's process resolves backends, so registering there, before the
-    engine is built, is enough. Raises TypeError if the class is not an Executor.
-    """
-
-    def wrap(cls: T) -> T:
-        from executor.abstract import Executor
-
-        if not (isinstance(cls, type) and issubclass(cls, Executor)):
-            raise TypeError(f"{cls!r} must subclass Executor to be registered as {name!r}")
-        _USER_BACKENDS[name] = cls
-        return cls
-
-    return wrap
+def add_executor_backend(name: str, cls: type) -> None:
+    """Makes ``distributed_executor_backend=name`` resolve to `cls` (a user's name wins
+    over a built-in). Called by `register_executor_backend` once it checked `cls`."""
+    _USER_BACKENDS[name] = cls
 
 
 def get_supported_executor_backends() -> list[str]:
@@ -51,7 +35,7 @@ def get_supported_executor_backends() -> list[str]:
     return sorted({*_BUILTIN_BACKENDS, *_USER_BACKENDS})
 
 
-def get_executor_backend_cls(name: str) -> type["Executor"]:
+def get_executor_backend_cls(name: str) -> type:
     """The Executor class registered as ``name``; imports a built-in's module on first use.
 
     Raises ValueError naming the registered backends if ``name`` is unknown."""

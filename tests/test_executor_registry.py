@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 import executor.registry as registry
-from executor.abstract import Executor
-from executor.registry import get_executor_backend_cls, get_supported_executor_backends, register_executor_backend
+from executor.abstract import Executor, register_executor_backend
+from executor.registry import get_executor_backend_cls, get_supported_executor_backends
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
