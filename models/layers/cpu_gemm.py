@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 from typing import Iterator
 
@@ -110,6 +111,7 @@ def lacks_native_gemm(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dim() == 2 and _lacks_native_gemm(weight.dtype)
 
 
+@functools.cache  # the CPU's and torch's: asked per call by the FP8, WNA16 and MoE tiles
 def _lacks_native_gemm(dtype: torch.dtype) -> bool:
     if not onednn_packing_available():
         return False

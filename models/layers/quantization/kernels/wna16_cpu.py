@@ -165,7 +165,8 @@ def wna16_matmul(x: torch.Tensor, layout: WNA16Layout, kernel: Wna16Kernel | Non
         y = kernel.gemv_bf16(x, layout)
         if y is not None:
             return y
-    if kernel is not None and m <= GEMV_MAX_TOKENS[tile_dtype(x.dtype)]:
+    # (the tile dtype, a few microseconds to ask, only where the two limits disagree)
+    if kernel is not None and (m <= min(GEMV_MAX_TOKENS.values()) or m <= GEMV_MAX_TOKENS[tile_dtype(x.dtype)]):
         return kernel.gemv(x.to(torch.float32), layout)
     n, kp = layout.out_features, layout.padded_in_features
     dtype = tile_dtype(x.dtype)
