@@ -18,10 +18,7 @@ from torch import nn
 from models.layers.attention.masked_attention import causal_sdpa
 
 if TYPE_CHECKING:
-    from models.layers.attention.backends.abstract import (
-        AttentionImpl,
-        AttentionMetadata,
-    )
+    from models.layers.attention.backends.abstract import AttentionImpl, AttentionMetadata
 
 
 @dataclass(frozen=True)

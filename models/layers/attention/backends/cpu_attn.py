@@ -41,20 +41,10 @@ from typing import Iterable
 import torch
 
 from distributed.utils import cdiv
-from models.layers.attention.backends.abstract import (
-    AttentionImpl,
-    AttentionLayer,
-    AttentionMetadata,
-    gather_paged_kv,
-)
+from models.layers.attention.backends.abstract import AttentionImpl, AttentionLayer, AttentionMetadata, gather_paged_kv
 from models.layers.attention.backends.decode_context import TOTAL_BYTES, DecodeContext
-from models.layers.attention.backends.paged_decode import PagedDecodeKernel
-from models.layers.attention.backends.paged_decode import load as load_paged_decode
-from models.layers.attention.backends.torch_sdpa import (
-    TorchSDPABackend,
-    TorchSDPAImpl,
-    TorchSDPAMetadata,
-)
+from models.layers.attention.backends.paged_decode import PagedDecodeKernel, load as load_paged_decode
+from models.layers.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAImpl, TorchSDPAMetadata
 
 # A shared prefix shorter than this is attended per sequence like the rest of the context.
 CASCADE_MIN_TOKENS = 64

@@ -25,12 +25,7 @@ from models.layers.attention.backends.abstract import (
     AttentionMetadata,
     gather_paged_kv,
 )
-from models.layers.attention.masked_attention import (
-    CHUNK_SCORES_BYTES,
-    capped_attention,
-    causal_attention,
-    causal_sdpa,
-)
+from models.layers.attention.masked_attention import CHUNK_SCORES_BYTES, capped_attention, causal_attention, causal_sdpa
 
 # Decode sequences are attended in groups whose padded K/V context (gathered from the
 # paged cache) stays under this many bytes; see TorchSDPAImpl.decode_attention.

@@ -19,12 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.layers.attention.backends.abstract import (
-    AttentionBackend,
-    AttentionImpl,
-    AttentionLayer,
-    AttentionMetadata,
-)
+from models.layers.attention.backends.abstract import AttentionBackend, AttentionImpl, AttentionLayer, AttentionMetadata
 from models.layers.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from models.layers.attention.ops.triton_unified_attention import unified_attention
 

@@ -11,10 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.layers.quantization.kernels import wna16_cpu
-from models.layers.quantization.kernels.wna16_layout import (
-    WNA16Layout,
-    get_wna16_layout,
-)
+from models.layers.quantization.kernels.wna16_layout import WNA16Layout, get_wna16_layout
 
 
 def dequantize_wna16(layout: WNA16Layout) -> torch.Tensor:
