@@ -47,14 +47,6 @@ typedef struct {
     float *xs32; /* [k / 32]: dx * sum of xq per 32 values */
 } ax_t;
 
-/* Values [i, i + 8) of a token's row x (x_dtype 0: float32, 1: bfloat16, 2: float16). */
-static inline __m256 load8_x(const void *x, int x_dtype, int64_t i) {
-    if (x_dtype == 0) return _mm256_loadu_ps((const float *)x + i);
-    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
-    if (x_dtype == 1) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
-}
-
 /* A token's k values (row x, of x_dtype) quantised per `group` (32 or 256): one pass for
  * each group's amax, one that rounds x * (127 / amax) to nearest even (cvtps2dq in the
  * default rounding mode, as nearbyintf) 16 values at a time and sums them. */
@@ -63,24 +55,17 @@ static void quantize_groups(const void *x, int x_dtype, int64_t k, int group, ax
     for (int64_t g = 0; g < k / group; ++g) {
         const int64_t g0 = g * group;
         __m256 amax = _mm256_setzero_ps();
-        for (int i = 0; i < group; i += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(load8_x(x, x_dtype, g0 + i), abs_mask));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float a = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        const float dx = a / 127.f;
+        for (int i = 0; i < group; i += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(x_load8(x, x_dtype, g0 + i), abs_mask));
+        const float a = hmax8(amax), dx = a / 127.f;
         const __m256 inv = _mm256_set1_ps(a > 0.f ? 127.f / a : 0.f);
         q->dx[g] = dx;
         for (int64_t i0 = g0; i0 < g0 + group; i0 += 16) {
-            const __m256i r0 = _mm256_cvtps_epi32(_mm256_mul_ps(load8_x(x, x_dtype, i0), inv));
-            const __m256i r1 = _mm256_cvtps_epi32(_mm256_mul_ps(load8_x(x, x_dtype, i0 + 8), inv));
+            const __m256i r0 = _mm256_cvtps_epi32(_mm256_mul_ps(x_load8(x, x_dtype, i0), inv));
+            const __m256i r1 = _mm256_cvtps_epi32(_mm256_mul_ps(x_load8(x, x_dtype, i0 + 8), inv));
             const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xd8); /* 16 in order */
             _mm_storeu_si128((__m128i *)(q->xq + i0),
                              _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1)));
-            const __m256i s8 = _mm256_add_epi32(r0, r1);
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-            q->xs16[i0 / 16] = dx * (float)_mm_cvtsi128_si32(s4);
+            q->xs16[i0 / 16] = dx * (float)hsum8_epi32(_mm256_add_epi32(r0, r1));
         }
     }
     for (int64_t j = 0; j < k / 32; ++j) q->xs32[j] = q->xs16[2 * j] + q->xs16[2 * j + 1];

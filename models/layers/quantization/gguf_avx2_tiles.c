@@ -61,12 +61,6 @@ typedef struct {
     int16_t *x16; /* [m][k]: xq widened (Q8_0's operand, in pairs), or NULL where no shard is Q8_0 */
 } qx_t;
 
-static inline __m256 load8_float(const uint16_t *x, int x_dtype) {
-    const __m128i h = _mm_loadu_si128((const __m128i *)x);
-    if (x_dtype == 1) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
-}
-
 /* Token t's k values: int8 per 32 (xq, xu), dx and dx * sum(xq) per 32. */
 static void quantize_token(const uint16_t *x, int x_dtype, const qx_t *q, int64_t t) {
     const int64_t k = q->k;
@@ -75,20 +69,14 @@ static void quantize_token(const uint16_t *x, int x_dtype, const qx_t *q, int64_
     for (int64_t g = 0; g < k / 32; ++g) {
         __m256 v[4], amax = _mm256_setzero_ps();
         for (int i = 0; i < 4; ++i) {
-            v[i] = load8_float(x + 32 * g + 8 * i, x_dtype);
+            v[i] = x_load8(x, x_dtype, 32 * g + 8 * i);
             amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
         }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float a = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        const float dx = a / 127.f;
+        const float a = hmax8(amax), dx = a / 127.f;
         const __m256 inv = _mm256_set1_ps(a > 0.f ? 127.f / a : 0.f);
         __m256i r[4];
         for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)); /* nearest even */
-        const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        const int32_t sum = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])));
         const __m256i bytes = _mm256_permutevar8x32_epi32(
             _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3])), order);
         _mm256_storeu_si256((__m256i *)(q->xq + t * k + 32 * g), bytes);
@@ -100,7 +88,7 @@ static void quantize_token(const uint16_t *x, int x_dtype, const qx_t *q, int64_
                                 _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1)));
         }
         q->dx[t * (k / 32) + g] = dx;
-        q->xs[t * (k / 32) + g] = dx * (float)_mm_cvtsi128_si32(s4);
+        q->xs[t * (k / 32) + g] = dx * (float)sum;
     }
 }
 

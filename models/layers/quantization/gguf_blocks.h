@@ -90,6 +90,30 @@ static inline tile_pos_t tile_position(const int64_t *rows, int64_t g, int tile_
 }
 
 #ifdef GGUF_INT8_AVX2
+/* Values [i, i + 8) of a token's row x as float32 (x_dtype 0: float32, 1: bfloat16, 2:
+ * float16): what the AVX2 products quantise (gguf_avx2.c, gguf_avx2_tiles.c). */
+static inline __m256 x_load8(const void *x, int x_dtype, int64_t i) {
+    if (x_dtype == 0) return _mm256_loadu_ps((const float *)x + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+    if (x_dtype == 1) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+/* The largest of v's 8 lanes. */
+static inline float hmax8(__m256 v) {
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
+/* The sum of v's 8 32-bit lanes. */
+static inline int32_t hsum8_epi32(__m256i v) {
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    return _mm_cvtsi128_si32(s4);
+}
+
 /* A K-quant super-block's code bytes as vectors of 32 (gguf_avx2.c, gguf_avx2_tiles.c):
  * Q4_K: qs (4); Q5_K: qh, then qs (5); Q6_K: per 128 values ql's two 32 bytes and qh's
  * 32 (6). k_raw_count gives how many. */
