@@ -1,7 +1,8 @@
 """The house rules a reader can check with `git ls-files`, `wc -l` and the imports.
 
 - Every import points down engine -> executor -> worker -> model_loader -> models ->
-  distributed -> config, typing-only and function-local imports included.
+  distributed -> config, typing-only and function-local imports included; within a
+  layer, no module reaches itself through its imports (no circle).
 - No Python file outside tests/ is over 400 lines.
 - README.md is a newcomer's page of at most 200 lines.
 - docs/design.md's module map names every runtime module, and every module it names exists.
@@ -52,6 +53,45 @@ def test_every_import_points_down_the_layers() -> None:
             if top in rank and rank[top] < rank[layer]:
                 upward.append(f"{path.relative_to(REPO)}:{line} imports {module}")
     assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports(path: Path, names: set[str]) -> set[str]:
+    """The runtime modules `path` imports, anywhere in it: `from pkg import sub` counts as
+    importing the submodule (the package's own __init__ runs first in any case)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            subs = {f"{node.module}.{alias.name}" for alias in node.names} & names
+            found |= subs or {node.module}
+    return found & names
+
+
+def test_no_import_circle() -> None:
+    paths = {module_name(p): p for p in runtime_modules()}
+    names = set(paths)
+    graph = {name: module_imports(path, names) - {name} for name, path in paths.items()}
+    circles, state = [], {}  # state: 1 on the current path, 2 done
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                circles.append(" -> ".join(trail[trail.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, trail + [dep])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, "import circles (typing-only and function-local imports count):\n" + "\n".join(circles)
 
 
 def test_the_runtime_never_imports_transformers_or_the_scripts() -> None:
