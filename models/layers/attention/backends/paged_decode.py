@@ -53,8 +53,8 @@ from distributed.native_calls import NativeLibrary
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 # The headers it includes: a change to one rebuilds the library.
-SOURCES = (SOURCE, SOURCE.with_name("paged_decode_avx512.h"), SOURCE.with_name("paged_decode_avx2.h"),
-           BF16_CONVERT_H, FP16_CONVERT_H)
+SOURCES = (SOURCE, SOURCE.with_name("paged_decode_common.h"), SOURCE.with_name("paged_decode_avx512.h"),
+           SOURCE.with_name("paged_decode_avx2.h"), BF16_CONVERT_H, FP16_CONVERT_H)
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 # No -ffast-math here: linking with it would add crtfastmath.o, whose constructor turns
 # on flush-to-zero for the whole process. libmvec: glibc's vector expf, which the

@@ -1,7 +1,7 @@
 /* paged_decode.c's attend() with AVX2 and FMA intrinsics, for head size 64 on CPUs
- * without AVX-512: included by paged_decode.c (its only includer, after Args,
- * seq_start, exp_in_place, soft_cap_in_place and store_row) where the compiler
- * targets AVX2 and FMA but not AVX-512.
+ * without AVX-512: included by paged_decode.c (its only includer) where the
+ * compiler targets AVX2 and FMA but not AVX-512; what it shares with attend() is in
+ * paged_decode_common.h.
  *
  * attend()'s order (a cache block at a time, every kv head of the task within it, so
  * that the block's rows come from memory once, and the next block's are prefetched
@@ -20,6 +20,8 @@
 #ifndef PAGED_DECODE_AVX2_H
 #define PAGED_DECODE_AVX2_H
 #include <immintrin.h>
+
+#include "paged_decode_common.h"
 
 /* 8 elements at `p` (of dtype `dt`) as one float32 vector. */
 INLINE __m256 load8(const void *p, int dt) {

@@ -1,9 +1,11 @@
 /* paged_decode.c's attend() with AVX-512 intrinsics, for head sizes 64 and 128: included
- * by paged_decode.c (its only includer, after Args, seq_start, exp_in_place,
- * soft_cap_in_place and store_row) where the compiler targets AVX-512. */
+ * by paged_decode.c (its only includer) where the compiler targets AVX-512; what it shares
+ * with attend() is in paged_decode_common.h. */
 #ifndef PAGED_DECODE_AVX512_H
 #define PAGED_DECODE_AVX512_H
 #include <immintrin.h>
+
+#include "paged_decode_common.h"
 
 /* 16 elements at `p` (of dtype `dt`) as one float32 vector. */
 INLINE __m512 load16(const void *p, int dt) {
