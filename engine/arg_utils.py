@@ -285,16 +285,17 @@ def _quantization(config: EngineConfig, hf_config: SimpleNamespace, source: Path
     if method not in QUANTIZATION_METHODS:
         raise ConfigError(f"{source}: quantization_config.quant_method={method!r} is not supported; "
                           f"supported: {list(QUANTIZATION_METHODS)}")
-    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
-        raise ConfigError(f"{source}: quantised mixture-of-experts checkpoints are not supported "
-                          f"(quantization_config.quant_method={method!r}): FusedMoE holds full-precision experts only")
     if config.quantization is not None and config.quantization != method:
         raise ConfigError(f"quantization={config.quantization!r} contradicts the checkpoint, which {source} says is "
                           f"quantised with quant_method={method!r}; leave quantization unset")
     try:
-        get_quantization_config(method, hf_quant)
+        quant_config = get_quantization_config(method, hf_quant)
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
+    is_moe = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    if is_moe and (reason := quant_config.moe_unsupported_reason()) is not None:
+        raise ConfigError(f"{source}: this quantised mixture-of-experts checkpoint is not supported "
+                          f"(quantization_config.quant_method={method!r}): {reason}")
     hf_config.quantization_config = hf_quant
     return method
 

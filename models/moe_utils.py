@@ -19,6 +19,7 @@ from torch import nn
 from models.layers.fused_moe import ExpertPlacement, ExpertWeightsLoader, FusedMoE, determine_expert_placement
 from models.layers.layernorm import RMSNorm
 from models.layers.linear import ReplicatedLinear
+from models.layers.quantization import get_quantization_config
 from models.layers.rotary_embedding import RotaryEmbedding, get_rope
 from models.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, head_dim
@@ -28,16 +29,19 @@ if TYPE_CHECKING:
     from config import EngineConfig
 
 
-def check_unquantized_experts(hf_config: SimpleNamespace) -> None:
-    """Refuse a checkpoint whose config.json declares a quantised format: its expert
-    tensors would be read as if they were plain weights. ValueError names the field."""
+def check_expert_quantization(hf_config: SimpleNamespace) -> None:
+    """Refuse a checkpoint whose config.json declares a quantised format its experts
+    cannot be read in (see `QuantizationConfig.moe_unsupported_reason`): they would be
+    read as if they were plain weights. ValueError names the field."""
     quant = getattr(hf_config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-        raise ValueError(
-            f"quantization_config.quant_method={method!r} in config.json: quantised mixture-of-experts "
-            "checkpoints are not supported; use an unquantised checkpoint"
-        )
+    if not quant:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    config = get_quantization_config(method, quant) if isinstance(quant, dict) and isinstance(method, str) else None
+    reason = config.moe_unsupported_reason() if config is not None else "no quantisation method reads it"
+    if reason is not None:
+        raise ValueError(f"quantization_config.quant_method={method!r} in config.json: this quantised "
+                         f"mixture-of-experts checkpoint is not supported: {reason}")
 
 
 class SparseMoeBlock(nn.Module):
@@ -98,7 +102,7 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         hf_config = config.model_config.hf_config
-        check_unquantized_experts(hf_config)
+        check_expert_quantization(hf_config)
         # Read by build_model, which the base __init__ calls (plain values may be set on a
         # Module before its __init__). The placement raises now if E does not split.
         self.enable_expert_parallel = bool(config.parallel_config.enable_expert_parallel)

@@ -27,6 +27,11 @@ its process. Target: ours >= vLLM-cpu in every cell.
 
 --quick: a 2-layer, 8-expert model of hidden 128 and 8 new tokens, to smoke-test every
 path. Not a test: timings on a shared machine mean little.
+
+--format fp8: the same model as a native block-fp8 checkpoint (Qwen3-MoE-FP8's layout:
+every attention and expert projection float8_e4m3fn in 128x128 blocks with
+`weight_scale_inv`, routers and LM head bfloat16), written once from the bfloat16 one
+(`ensure_fp8_model`); a side that cannot serve it is reported as refused.
 """
 
 from __future__ import annotations
@@ -83,6 +88,43 @@ def ensure_model(root: Path, spec: dict) -> Path:
     marker.write_text(json.dumps(spec))
     print(f"  done in {time.perf_counter() - start:.1f} s", flush=True)
     return model_dir
+
+
+def ensure_fp8_model(model_dir: Path, block: int) -> Path:
+    """`model_dir`'s checkpoint with its projections quantised to fp8 in `block` x `block`
+    blocks (each block's largest magnitude to 448), written once beside it."""
+    out = model_dir.with_name(f"{model_dir.name}-fp8b{block}")
+    marker = out / "bench_spec.json"
+    if marker.is_file() and marker.read_text() == (model_dir / "bench_spec.json").read_text():
+        return out
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    print(f"writing {out} ...", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, weight in load_file(str(model_dir / "model.safetensors")).items():
+        if not name.endswith("_proj.weight"):
+            tensors[name] = weight
+            continue
+        rows, cols = -(-weight.shape[0] // block), -(-weight.shape[1] // block)
+        padded = torch.zeros(rows * block, cols * block)
+        padded[: weight.shape[0], : weight.shape[1]] = weight.float()
+        blocks = padded.reshape(rows, block, cols, block)
+        scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+        q = (blocks / scale[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        tensors[name] = q.reshape(rows * block, cols * block)[: weight.shape[0], : weight.shape[1]].contiguous()
+        tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    layers = range(config["num_hidden_layers"])
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": [block, block],
+                                     "modules_to_not_convert": ["lm_head", *(f"model.layers.{i}.mlp.gate"
+                                                                             for i in layers)]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    marker.write_text((model_dir / "bench_spec.json").read_text())
+    return out
 
 
 # --------------------------------------------------------------------------- children
@@ -198,6 +240,7 @@ def main() -> None:
     p.add_argument("--sides", default=",".join(SIDES), help="comma-separated, of " + ", ".join(SIDES))
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="a tiny model and 8 new tokens: a smoke run")
+    p.add_argument("--format", choices=("bf16", "fp8"), default="bf16", help="the checkpoint's weights")
     p.add_argument("--model-root", default=str(Path.home() / ".cache" / "tp-runtime" / "bench-moe"))
     p.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -224,10 +267,12 @@ def main() -> None:
     spec = QUICK_MODEL if args.quick else FULL_MODEL
     max_tokens = 8 if args.quick else 64
     model = ensure_model(Path(args.model_root), spec)
+    if args.format == "fp8":
+        model = ensure_fp8_model(model, 32 if args.quick else 128)
     workload = {"prompts": random_prompts(NUM_REQUESTS, PROMPT_LEN, spec["vocab_size"]), "max_tokens": max_tokens}
     total = NUM_REQUESTS * max_tokens
-    print(f"Qwen3-MoE {spec}; {NUM_REQUESTS} requests x {PROMPT_LEN} prompt + {max_tokens} new tokens, greedy; "
-          f"cores {sorted(os.sched_getaffinity(0))}; load average {load_average()}", flush=True)
+    print(f"Qwen3-MoE {spec}, {args.format}; {NUM_REQUESTS} requests x {PROMPT_LEN} prompt + {max_tokens} new "
+          f"tokens, greedy; cores {sorted(os.sched_getaffinity(0))}; load average {load_average()}", flush=True)
 
     best: dict[tuple[str, str], float] = {}
     memory: dict[tuple[str, str], list] = {}
@@ -268,7 +313,7 @@ def main() -> None:
     for cell in cells:
         if ("ours", cell) in tokens and ("vllm", cell) in tokens:
             same = sum(a == b for a, b in zip(tokens[("ours", cell)], tokens[("vllm", cell)]))
-            print(f"{cell}: greedy outputs identical to vLLM's in {same}/{NUM_REQUESTS} requests (bfloat16)")
+            print(f"{cell}: greedy outputs identical to vLLM's in {same}/{NUM_REQUESTS} requests ({args.format})")
 
 
 if __name__ == "__main__":

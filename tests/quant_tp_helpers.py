@@ -17,10 +17,12 @@ from tests.quant_checkpoints import module_resident_bytes
 def load_case(case: dict[str, Any], tp_size: int = 1) -> dict[str, Any]:
     """Load `case["model"]` (EngineConfig keywords in `case.get("kwargs")`) and return
     this rank's logits for `case["input_ids"]`, the bytes its linear layers hold and the
-    quantisation method of each; with `case["expect_error"]`, the (type, message) of
-    the error the load raised instead (None if it loaded)."""
+    quantisation method of each, its FusedMoE layers' tensors and their bytes; with
+    `case["expect_error"]`, the (type, message) of the error the load raised instead
+    (None if it loaded)."""
     from engine.arg_utils import create_engine_config
     from model_loader import get_model
+    from models.layers.fused_moe import FusedMoE
     from models.layers.linear import LinearBase
     from tests.tp_helpers import compute_logits_on_rank
 
@@ -35,11 +37,16 @@ def load_case(case: dict[str, Any], tp_size: int = 1) -> dict[str, Any]:
         return {"error": None}
     model = get_model(config)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, LinearBase)}
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
     return {
         "logits": compute_logits_on_rank(model, case["input_ids"]),
         "linear_bytes": sum(module_resident_bytes(m) for m in linears.values()),
         "methods": {name: type(m.quant_method).__name__ for name, m in linears.items()},
         "dtypes": {name: str(m.weight.dtype) for name, m in linears.items()},
+        # mixture-of-experts layers: every tensor each holds, by name (dtype, shape), and their bytes
+        "experts": {name: {p: (str(t.dtype), tuple(t.shape)) for p, t in m.named_parameters()}
+                    for name, m in experts.items()},
+        "expert_bytes": sum(module_resident_bytes(m) for m in experts.values()),
     }
 
 

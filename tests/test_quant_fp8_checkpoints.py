@@ -166,19 +166,40 @@ def test_the_registry_sends_an_fp8_checkpoint_to_its_own_config_and_online_fp8_t
         Fp8Config.from_config(settings)
 
 
-def test_fp8_dequant_kernel_is_exact_for_every_byte():
+@pytest.mark.parametrize("scale", [1.0, 0.37, 3e-5])
+def test_fp8_dequant_kernel_is_exact_for_every_byte(scale):
+    """Every e4m3 byte (subnormals, both zeros, NaN) times a scale, rounded once to the
+    tile's dtype, as torch's `q.float() * s` then `.to(dtype)`."""
     kernel = load_fp8_kernel()
     assert kernel is not None, "the fp8 tile kernel builds on this machine"
     every = torch.arange(256, dtype=torch.uint8).view(FP8).reshape(2, 128)
     for dtype in (torch.float32, torch.bfloat16):
         out = torch.empty(2, 128, dtype=dtype)
-        kernel.dequant_rows(every, 0, 2, torch.ones(2, 1), 1, 128, out)
-        expected = every.to(torch.float32).to(dtype)
+        kernel.dequant_rows(every, 0, 2, torch.full((2, 1), scale), 1, 128, out)
+        expected = (every.to(torch.float32) * scale).to(dtype)
         assert torch.equal(out.float().nan_to_num(7.0), expected.float().nan_to_num(7.0)), dtype
 
 
+@pytest.mark.parametrize("rows", range(1, 9))
+def test_fp8_gemv_reads_every_byte(rows):
+    """The GEMV (each row count its own copy) over weight rows holding every e4m3 byte: a
+    row with a NaN byte gives NaN, the others the float64 product of the exact values."""
+    kernel = load_fp8_kernel()
+    every = torch.arange(256, dtype=torch.uint8)
+    finite = every[(every & 0x7F) != 0x7F]
+    finite = torch.cat([finite, torch.zeros(2, dtype=torch.uint8)])  # 254 finite bytes and two zeros
+    weight = torch.stack([every.roll(17 * i) for i in range(3)] + [finite.roll(5), finite.flip(0)])
+    weight = weight.view(FP8).contiguous()  # [5, 256]: rows 0-2 hold both NaN bytes, rows 3-4 none
+    scale = torch.tensor([[0.5, 2.0], [0.25, 1.5], [1.0, 1.0]])  # blocks of 2 rows x 128
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    out = kernel.gemv(x, weight, scale, 2, 128, torch.float32)
+    assert out[:, :3].isnan().all()
+    ref = x.double() @ dequantize_fp8_blocks(weight, scale, 2, 128)[3:].double().t()
+    torch.testing.assert_close(out[:, 3:].double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)  # float32 sums
+
+
 @pytest.mark.parametrize("shape,block", [((300, 200), (128, 128)), ((70, 33), (1, 33)), ((1000, 600), (128, 96))])
-@pytest.mark.parametrize("rows", [1, 5, 12])  # the direct fp8 GEMV (<= 8 rows) and dequantised tiles
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 12])  # the direct fp8 GEMV (<= 8 rows) and dequantised tiles
 def test_fp8_linear_matches_float64(shape, block, rows, monkeypatch):
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(*shape, generator=gen)

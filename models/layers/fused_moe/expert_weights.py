@@ -1,8 +1,9 @@
 """Routing a checkpoint's per-expert tensors into FusedMoE layers.
 
 Used by a MoE architecture's `load_weights` on every rank: `ExpertWeightsLoader.route`
-wraps the (name, tensor) stream, hands every `<prefix>.experts.<id>.<proj>.weight` to
-the FusedMoE at `<prefix>.experts` through its `weight_loader(param, tensor,
+wraps the (name, tensor) stream, hands every `<prefix>.experts.<id>.<proj>.<suffix>`
+whose suffix the layer's method holds ("weight"; fp8 blocks also "weight_scale_inv")
+to the FusedMoE at `<prefix>.experts` through its `weight_loader(param, tensor,
 weight_name, shard_id, expert_id)`, and passes every other tensor on (to
 AutoWeightsLoader). `finish()` then raises `WeightLoadError` naming every local
 expert tensor the checkpoint lacked, by its checkpoint name, and returns the stacked
@@ -24,7 +25,7 @@ from models.errors import WeightLoadError
 from models.layers.fused_moe.layer import FusedMoE
 from models.utils import format_names
 
-_EXPERT_WEIGHT = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_EXPERT_WEIGHT = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<suffix>\w+)$")
 
 
 class ExpertWeightsLoader:
@@ -44,14 +45,15 @@ class ExpertWeightsLoader:
             match = _EXPERT_WEIGHT.match(name)
             layer = self.layers.get(match["module"]) if match else None
             shard_id = self.proj_to_shard.get(match["proj"]) if match else None
-            if layer is None or shard_id is None:
+            params = layer.expert_suffixes().get(match["suffix"]) if layer is not None else None
+            if params is None or shard_id is None:
                 yield name, tensor  # not an expert tensor: AutoWeightsLoader's (or unexpected)
                 continue
             expert_id = int(match["expert"])
             if expert_id >= layer.num_experts:
                 raise WeightLoadError(f"checkpoint tensor {name!r} names expert {expert_id}, but the model has "
                                       f"num_experts={layer.num_experts}")
-            param = layer.w2_weight if shard_id == "w2" else layer.w13_weight
+            param = params[1] if shard_id == "w2" else params[0]
             param.weight_loader(param, tensor, name, shard_id, expert_id)
             self.num_routed += 1
 
@@ -60,10 +62,11 @@ class ExpertWeightsLoader:
         if self.num_routed == 0:
             return set()
         missing = [
-            f"{prefix}.{expert}.{self.shard_to_proj[shard]}.weight"
-            for prefix, layer in self.layers.items() for expert, shard in layer.missing_expert_shards()
+            f"{prefix}.{expert}.{self.shard_to_proj[shard]}.{suffix}"
+            for prefix, layer in self.layers.items() for expert, shard, suffix in layer.missing_expert_shards()
         ]
         if missing:
             raise WeightLoadError(f"{len(missing)} expert tensor(s) of this rank's experts are missing from the "
                                   f"checkpoint: {format_names(missing)}")
-        return {f"{prefix}.{param}" for prefix in self.layers for param in ("w13_weight", "w2_weight")}
+        return {f"{prefix}.{name}" for prefix, layer in self.layers.items()
+                for name, param in layer.named_parameters(recurse=False) if hasattr(param, "expert_suffix")}

@@ -71,25 +71,41 @@ def grouped_fused_experts(
     [E_local, H, I]; `expert_map` [E] maps global ids to local ones (-1: elsewhere),
     None when every expert is local. Under TP (sliced I) or EP the result is this
     rank's partial sum; the caller all-reduces it."""
+    linear = expert_linear(w13)
+    return grouped_experts(hidden_states, topk_weights, topk_ids, expert_map, w13.shape[0], w2.shape[2],
+                           lambda e, rows: linear(rows, w13[e]), lambda e, act: linear(act, w2[e]))
+
+
+def grouped_experts(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    num_local_experts: int,
+    intermediate: int,
+    gate_up: Callable[[int, torch.Tensor], torch.Tensor],
+    down: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """`grouped_fused_experts` over experts given as products: `gate_up(e, rows)` ->
+    [n, 2 * intermediate] (gate then up) and `down(e, act)` -> [n, H] for local expert
+    e, in the rows' dtype (the quantised methods' own products, e.g. fp8 blocks)."""
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros_like(hidden_states)
     if num_tokens == 0:
         return out
-    pairs, _, counts = sort_by_expert(topk_ids, expert_map, w13.shape[0])
+    pairs, _, counts = sort_by_expert(topk_ids, expert_map, num_local_experts)
     tokens = torch.div(pairs, top_k, rounding_mode="floor")
     rows = hidden_states.index_select(0, tokens)
     weights = topk_weights.reshape(-1).index_select(0, pairs)
     expert_out = torch.empty_like(rows)
-    intermediate = w2.shape[2]
-    linear = expert_linear(w13)
     start = 0
     for expert, count in enumerate(counts.tolist()):  # one host read of the counts
         if count == 0:
             continue
         seg = slice(start, start + count)
-        gate_up = linear(rows[seg], w13[expert])
-        act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        expert_out[seg] = linear(act, w2[expert])
+        gate_up_out = gate_up(expert, rows[seg])
+        act = F.silu(gate_up_out[:, :intermediate]) * gate_up_out[:, intermediate:]
+        expert_out[seg] = down(expert, act)
         start += count
     expert_out = (expert_out * weights.unsqueeze(1)).to(hidden_states.dtype)
     return out.index_add_(0, tokens, expert_out)

@@ -4,9 +4,13 @@ Built by the MoE architectures (models/mixtral.py, models/qwen3_moe.py) on every
 inside the model loader's build; the router (`gate`, a replicated linear layer) stays in
 the model, which passes its logits to `forward`.
 
-Parameters (vLLM's names): `w13_weight` [num_local_experts, 2*intermediate_per_rank,
-hidden] holds each expert's gate rows (w1) then its up rows (w3); `w2_weight`
-[num_local_experts, hidden, intermediate_per_rank] its down projection.
+Parameters (vLLM's names), registered by the layer's `quant_method`
+(`moe_method.py`: the model's quantisation config's `get_moe_method`, else full
+precision): `w13_weight` [num_local_experts, 2*intermediate_per_rank, hidden] holds
+each expert's gate rows (w1) then its up rows (w3); `w2_weight` [num_local_experts,
+hidden, intermediate_per_rank] its down projection; a quantised method adds its scales
+beside them in the same stacked layout (fp8 blocks: `w13_weight_scale_inv`,
+`w2_weight_scale_inv`, counted in blocks).
   - tensor parallelism (default): every rank holds every expert, its intermediate
     dimension sliced like a column-parallel w1/w3 and a row-parallel w2;
   - expert parallelism (`enable_expert_parallel`, EP size = TP size): rank r holds
@@ -14,10 +18,11 @@ hidden] holds each expert's gate rows (w1) then its up rows (w3); `w2_weight`
 Either way each rank's output is a partial sum over the ranks: one all-reduce follows
 (here with `reduce_results=True`, else in the next norm, as the dense MLPs do).
 
-The kernel: on the CPU, a decode step's experts in one C call for bfloat16
-(`cpu_moe.py`: recordable as a CPU graph), grouped torch GEMMs otherwise
-(`grouped_moe.py`); the Triton fused-MoE kernel on CUDA (`fused_moe_triton.py`). Memory:
-the rank's experts, nothing cached.
+The kernel is the method's (`apply`): for full-precision experts, on the CPU a decode
+step's experts in one C call for bfloat16 (`cpu_moe.py`: recordable as a CPU graph),
+grouped torch GEMMs otherwise (`grouped_moe.py`), the Triton fused-MoE kernel on CUDA
+(`fused_moe_triton.py`). Memory: the rank's experts as the method holds them, nothing
+cached.
 """
 
 from __future__ import annotations
@@ -32,11 +37,11 @@ from distributed import (
     tensor_model_parallel_all_reduce,
 )
 from models.errors import WeightLoadError
-from models.layers.fused_moe import cpu_moe
+from models.layers.build_config import get_layer_build_config
 from models.layers.fused_moe.expert_map import determine_expert_placement
-from models.layers.fused_moe.grouped_moe import grouped_fused_experts
+from models.layers.fused_moe.moe_method import FusedMoEMethodBase, UnquantizedFusedMoEMethod
 from models.layers.fused_moe.router import fused_topk
-from models.layers.weight_utils import copy_checked, narrow_for_rank, set_weight_attrs
+from models.layers.weight_utils import copy_checked, narrow_for_rank
 
 EXPERT_SHARD_IDS = ("w1", "w2", "w3")  # gate, down, up: the names of Mixtral's checkpoint
 
@@ -71,73 +76,77 @@ class FusedMoE(nn.Module):
             else intermediate_size
         )
         self.hidden_size = hidden_size
-        num_local = self.placement.num_local_experts
-        self.w13_weight = nn.Parameter(torch.empty(num_local, 2 * self.intermediate_per_rank, hidden_size),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_local, hidden_size, self.intermediate_per_rank),
-                                      requires_grad=False)
-        for param in (self.w13_weight, self.w2_weight):
-            set_weight_attrs(param, {"weight_loader": self.weight_loader})
         self.expert_map: torch.Tensor | None
         if self.placement.ep_size > 1:
             self.register_buffer("expert_map", self.placement.expert_map(), persistent=False)
         else:
             self.expert_map = None
-        # (local expert, shard id) pairs filled so far: the strict check names the rest.
-        self._loaded_shards: set[tuple[int, str]] = set()
+        quant_config = get_layer_build_config().quant_config
+        method = quant_config.get_moe_method(self) if quant_config is not None else None
+        self.quant_method: FusedMoEMethodBase = method or UnquantizedFusedMoEMethod()
+        self.quant_method.create_weights(self, self.placement.num_local_experts, hidden_size,
+                                         self.intermediate_per_rank, torch.get_default_dtype())
+        # (local expert, shard id, checkpoint suffix) filled so far: the strict check names the rest.
+        self._loaded_shards: set[tuple[int, str, str]] = set()
 
     @property
     def num_experts(self) -> int:
         return self.placement.num_experts
 
+    def expert_suffixes(self) -> dict[str, tuple[nn.Parameter, nn.Parameter]]:
+        """Checkpoint suffix ("weight", "weight_scale_inv", ...) -> (the stacked parameter
+        w1/w3 load into, the one w2 loads into), as the method registered them."""
+        pairs: dict[str, dict[str, nn.Parameter]] = {}
+        for name, param in self.named_parameters(recurse=False):
+            suffix = getattr(param, "expert_suffix", None)
+            if suffix is not None:
+                pairs.setdefault(suffix, {})["w2" if name.startswith("w2") else "w13"] = param
+        return {suffix: (pair["w13"], pair["w2"]) for suffix, pair in pairs.items()}
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str,
                       shard_id: str, expert_id: int) -> None:
         """Load one expert's w1 / w3 ([I, H], into its half of w13) or w2 ([H, I]) from
-        the full checkpoint tensor `weight_name`, narrowed to this rank's slice. A tensor
-        of another rank's expert is ignored (the loader normally never reads it)."""
+        the full checkpoint tensor `weight_name`, narrowed to this rank's slice; a
+        block-scale tensor (`param.expert_block` = (bn, bk)) is [ceil(I/bn), ceil(H/bk)]
+        or [ceil(H/bn), ceil(I/bk)] and is sliced in blocks. A tensor of another rank's
+        expert is ignored (the loader normally never reads it)."""
         if shard_id not in EXPERT_SHARD_IDS:
             raise WeightLoadError(f"{weight_name!r}: expert shard id {shard_id!r} is not one of {EXPERT_SHARD_IDS}")
         local = self.placement.local_expert_id(expert_id)
         if local is None:
             return
-        size = self.intermediate_per_rank
+        block_n, block_k = getattr(param, "expert_block", None) or (1, 1)
         rank = self.tp_rank if self.slice_intermediate else 0
         if shard_id == "w2":
-            expected = (self.hidden_size, self.intermediate_size)
+            expected = (-(-self.hidden_size // block_n), -(-self.intermediate_size // block_k))
+            size, dim = param.shape[2], 1
             dst = param.data[local]
         else:
-            expected = (self.intermediate_size, self.hidden_size)
+            expected = (-(-self.intermediate_size // block_n), -(-self.hidden_size // block_k))
+            size, dim = param.shape[1] // 2, 0
             dst = param.data[local].narrow(0, 0 if shard_id == "w1" else size, size)
         if tuple(loaded_weight.shape) != expected:
             raise WeightLoadError(
                 f"{weight_name!r}: expert {expert_id} {shard_id} has shape {tuple(loaded_weight.shape)}, "
                 f"the model expects {expected}"
             )
-        shard = narrow_for_rank(loaded_weight, 1 if shard_id == "w2" else 0, size, rank, f"expert {shard_id}")
+        shard = narrow_for_rank(loaded_weight, dim, size, rank, f"expert {shard_id}")
         copy_checked(dst, shard, f"{weight_name} -> expert {expert_id} {shard_id}")
-        self._loaded_shards.add((local, shard_id))
+        self._loaded_shards.add((local, shard_id, getattr(param, "expert_suffix", "weight")))
 
-    def missing_expert_shards(self) -> list[tuple[int, str]]:
-        """(global expert id, shard id) of every local expert part not loaded yet."""
+    def missing_expert_shards(self) -> list[tuple[int, str, str]]:
+        """(global expert id, shard id, checkpoint suffix) of every local expert tensor not
+        loaded yet."""
         first = self.placement.first_local_expert
-        return [(first + local, shard) for local in range(self.placement.num_local_experts)
-                for shard in EXPERT_SHARD_IDS if (local, shard) not in self._loaded_shards]
+        return [(first + local, shard, suffix) for local in range(self.placement.num_local_experts)
+                for suffix in self.expert_suffixes() for shard in EXPERT_SHARD_IDS
+                if (local, shard, suffix) not in self._loaded_shards]
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the experts' weighted outputs ([T, H]), all-reduced
         when `reduce_results`. A collective then: every rank calls it alike."""
         topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)
-        if hidden_states.device.type == "cuda":
-            from models.layers.fused_moe.fused_moe_triton import triton_fused_experts
-
-            out = triton_fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                       self.expert_map)
-        elif (kernel := cpu_moe.serves(hidden_states, self.w13_weight, self.w2_weight)) is not None:
-            out = kernel.experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights.float().contiguous(),
-                                 topk_ids.to(torch.int64).contiguous(), self.expert_map, self.num_experts)
-        else:
-            out = grouped_fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                        self.expert_map)
+        out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

@@ -83,5 +83,18 @@ class QuantizationConfig(ABC):
         blocks: models/layers/vocab_parallel_embedding.py)."""
         return None
 
+    def moe_unsupported_reason(self) -> str | None:
+        """Why this config cannot serve a mixture-of-experts checkpoint's experts, or None
+        where `get_moe_method` serves them. The engine asks once, at resolution, and
+        refuses such a checkpoint with this reason before any worker starts."""
+        return "FusedMoE holds full-precision experts or fp8 blocks (quant_method 'fp8' with weight_block_size) only"
+
+    def get_moe_method(self, layer: nn.Module) -> Any:
+        """The FusedMoE method (models/layers/fused_moe/moe_method.py's
+        FusedMoEMethodBase) for `layer`'s experts, or None for full-precision experts;
+        called while the layer is built. An online method (a full-precision checkpoint)
+        leaves the experts as they are."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -12,6 +12,9 @@ Two producers write them, with the same tensors under different names:
   (strategy "channel"), [1] ("tensor") or [out/bn, in/bk] ("block");
   schemes/w8a8_fp8.py builds this same method.
 
+A mixture-of-experts checkpoint's experts in this layout (blocks only) go to
+`fp8_moe.Fp8MoEMethod` (`Fp8CheckpointConfig.get_moe_method`).
+
 `Fp8CheckpointLinearMethod` registers those tensors for this rank's shard, tagged so the
 layer's generic weight loaders slice them (block scales: `packed_dim`/`packed_factor`
 = block rows, so a fused layer's q/k/v or gate/up offsets land on whole blocks). A
@@ -44,6 +47,7 @@ from torch import nn
 from models.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from models.layers.quantization.fp8 import FP8_DTYPE, Fp8LinearMethod
 from models.layers.quantization.fp8_kernels import fp8_linear
+from models.layers.quantization.fp8_moe import Fp8MoEMethod
 from models.layers.quantization.per_tensor_scales import (
     per_channel_from_shards,
     scalar_per_shard_loader,
@@ -175,6 +179,16 @@ class Fp8CheckpointConfig(QuantizationConfig):
         if prefix and not_converted(prefix, packed_modules_mapping, self.ignored):
             return None
         return self.method
+
+    def moe_unsupported_reason(self) -> str | None:
+        if self.block is None:
+            return "fp8 experts are served with block scales only (quantization_config.weight_block_size)"
+        return None
+
+    def get_moe_method(self, layer: nn.Module) -> Any:
+        """Block-scaled fp8 experts (fp8_moe.Fp8MoEMethod); None without blocks (refused
+        at resolution: `moe_unsupported_reason`)."""
+        return Fp8MoEMethod(self.block) if self.block is not None else None
 
     def __repr__(self) -> str:
         return f"Fp8CheckpointConfig(weight_block_size={self.block}, ignored_layers={self.ignored})"
