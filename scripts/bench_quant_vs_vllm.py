@@ -13,8 +13,10 @@ tests/wna16_formats.py and tests/test_quant_w8a8.py), everything else in bfloat1
 - gptq-w4a16: GPTQ v1, 4 bits, group 128, symmetric, no act order;
 - awq-w4a16: AWQ GEMM, 4 bits, group 128, zero points;
 - ct-w8a8: compressed-tensors int-quantized, int8 weights per channel, int8 activations per token (dynamic);
-- not in the default list: ct-w8a16 (pack-quantized int8, group 128, symmetric) and bf16
-  (the same model unquantised, for scale).
+- not in the default list: ct-w8a16 (pack-quantized int8, group 128, symmetric), fp8-block
+  (native fp8: e4m3 weights in 128x128 blocks with `weight_scale_inv`, as DeepSeek and
+  Qwen3-FP8 ship), ct-fp8 (compressed-tensors FP8, per-channel weights, dynamic per-token
+  activations) and bf16 (the same model unquantised, for scale).
 
 Each is written once, in a child process, and cached under --model-root/<format>-<shape>
 with a marker (bench_spec.json) that a rerun checks.
@@ -69,7 +71,7 @@ FULL_MODEL = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers
 QUICK_MODEL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024, "max_position_embeddings": 2048}
 QUICK_REQUESTS, QUICK_MAX_TOKENS = 8, 16
-FORMATS = ("ct-w4a16", "gptq-w4a16", "awq-w4a16", "ct-w8a8", "ct-w8a16", "bf16")
+FORMATS = ("ct-w4a16", "gptq-w4a16", "awq-w4a16", "ct-w8a8", "ct-w8a16", "fp8-block", "ct-fp8", "bf16")
 DEFAULT_FORMATS = FORMATS[:4]
 WRITE_TIMEOUT_S = 1800
 
@@ -102,6 +104,15 @@ def format_recipe(fmt: str) -> tuple[Any, dict[str, Any] | None]:
         from tests.test_quant_w8a8 import quantize_int8_channel, w8a8_config
 
         return quantize_int8_channel, w8a8_config()
+    if fmt == "fp8-block":
+        from tests.test_quant_fp8_checkpoints import fp8_quantizer
+
+        return fp8_quantizer("block", "weight_scale_inv"), {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                                              "fmt": "e4m3", "weight_block_size": [128, 128]}
+    if fmt == "ct-fp8":
+        from tests.test_quant_fp8_checkpoints import ct_fp8_config, fp8_quantizer
+
+        return fp8_quantizer("channel", "weight_scale"), ct_fp8_config("channel", True)
     if fmt == "bf16":
         return (lambda module, weight: None), None  # every linear keeps its float weight
     raise ValueError(f"unknown format {fmt!r}; choose from {FORMATS}")
