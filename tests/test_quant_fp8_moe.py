@@ -263,3 +263,30 @@ def test_fp8_moe_on_cuda_matches_the_cpu(fp8_moe: SimpleNamespace) -> None:
     layer.cuda()
     gpu = method.apply(layer, x.cuda(), weights.cuda(), ids.cuda()).cpu()
     torch.testing.assert_close(gpu.float(), cpu.float(), atol=4 * 2.0 ** -8 * cpu.abs().max().item(), rtol=0)
+
+
+def test_cuda_graphs_are_not_captured_through_fp8_experts(fp8_moe: SimpleNamespace,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """The grouping reads the per-expert counts on the host, which a CUDA graph capture
+    cannot: the graph runner captures nothing for such a model, names the layer, and its
+    decode steps run eagerly from the same buffers (here on the CPU, where it stops
+    before any CUDA call)."""
+    from config import SamplingParams
+    from engine.core import EngineCore
+    from worker.cuda_graph import CudaGraphRunner
+
+    with EngineCore(model=str(fp8_moe.model), device="cpu", dtype="float32", attention_backend="TRITON_ATTN",
+                    max_model_len=64, kv_cache_memory_bytes=4 << 20, block_size=16,
+                    use_tqdm_on_load=False) as core:
+        prompts = [[5, 17, 33, 71, 9], [100, 3, 250, 41, 8, 60, 77, 12, 300]]
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        eager = [o.token_ids for o in core.generate(prompts, params)]
+        runner = core.model_executor.worker.model_runner
+        graphs = CudaGraphRunner(runner.model, runner.attn_backend, [1, 2, 4], max_blocks=4, block_size=16,
+                                 device=torch.device("cpu"))
+        with caplog.at_level("WARNING", logger="worker.cuda_graph"):
+            assert graphs.capture() == 0.0
+        assert not graphs.captured
+        assert "model.layers.0.mlp.experts (Fp8MoEMethod)" in caplog.text
+        runner.cuda_graphs = graphs
+        assert [o.token_ids for o in core.generate(prompts, params)] == eager

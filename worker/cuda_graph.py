@@ -12,7 +12,10 @@ Padding rows are inert: token 0 at position 0, slot -1 (the backend writes no K/
 it) and no context (seq_len 0: the kernel attends to nothing), so they never touch the
 cache or another row. Only an attention backend that takes every length from device
 buffers (`AttentionBackend.supports_cuda_graphs`: TRITON_ATTN) can be captured; the
-resolution step turns graphs off for the others.
+resolution step turns graphs off for the others. A layer whose method reads routing on
+the host (a quantisation method with `supports_cuda_graphs = False`: block-fp8 experts,
+grouped per expert) cannot be captured either: `capture()` then captures nothing, says
+which layer, and every decode step runs eagerly from the same buffers.
 
 Called by the ModelRunner on every rank alike: capture after the KV cache is
 allocated (a collective per size at TP > 1, so every rank captures the same sizes in
@@ -24,6 +27,7 @@ shared by every size, about the activations of the largest captured batch.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -115,6 +119,19 @@ class DecodeBuffers:
         )
 
 
+logger = logging.getLogger(__name__)
+
+
+def uncapturable_layer(model: nn.Module) -> str | None:
+    """The first module whose method cannot be captured (`quant_method.supports_cuda_graphs`
+    False: it reads device values on the host), as "name (MethodClass)", or None."""
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "supports_cuda_graphs", True) is False:
+            return f"{name} ({type(method).__name__})"
+    return None
+
+
 class CudaGraphRunner:
     """Runs pure-decode steps of up to the largest capture size from the buffers: by
     graph replay once `capture()` has run (CUDA), else eagerly on the same padded
@@ -144,7 +161,11 @@ class CudaGraphRunner:
     def capture(self) -> float:
         """Capture one graph per size, largest first so that the smaller ones reuse its
         memory pool; each after one eager warm-up run (Triton compiles its kernels
-        there, outside the capture). Returns the seconds it took."""
+        there, outside the capture). Returns the seconds it took; captures nothing (0.0)
+        when a layer cannot be captured (`uncapturable_layer`): steps then run eagerly."""
+        if (blocker := uncapturable_layer(self.model)) is not None:
+            logger.warning("CUDA graphs off: %s reads its routing on the host; decode steps run eagerly", blocker)
+            return 0.0
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):

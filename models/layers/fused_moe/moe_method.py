@@ -44,6 +44,10 @@ def expert_parameter(layer: nn.Module, name: str, shape: tuple[int, ...], dtype:
 class FusedMoEMethodBase(ABC):
     """How one FusedMoE layer stores and applies its experts (see the module docstring)."""
 
+    #: Whether `apply` can be captured in a CUDA graph (no host read of device values);
+    #: worker/cuda_graph.py captures nothing for a model holding a layer that cannot.
+    supports_cuda_graphs: bool = True
+
     @abstractmethod
     def create_weights(self, layer: nn.Module, num_local_experts: int, hidden_size: int,
                        intermediate_per_rank: int, params_dtype: torch.dtype) -> None:

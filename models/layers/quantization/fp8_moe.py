@@ -22,10 +22,11 @@ Compute: the experts' tokens are grouped as for full-precision experts
 (`grouped_moe.grouped_experts`: one product pair per active expert), each product
 `fp8_kernels.fp8_linear` on the expert's fp8 bytes and block scales (the C GEMV for a
 few tokens, dequantised tiles for more on the CPU; the Triton fp8 GEMM on CUDA). The
-grouping reads the per-expert counts on the host, so on the CPU a step with these
-experts is not recorded as a CPU graph: it runs eagerly. Activations stay in the
-model's dtype (the checkpoint's dynamic fp8 activations are not applied, as for the
-dense fp8 layers). Called by `FusedMoE.forward` on every rank with this rank's experts.
+grouping reads the per-expert counts on the host, so a step with these experts is not
+recorded as a CPU graph, nor captured as a CUDA graph (`supports_cuda_graphs`): it runs
+eagerly. Activations stay in the model's dtype (the checkpoint's dynamic fp8
+activations are not applied, as for the dense fp8 layers). Called by `FusedMoE.forward`
+on every rank with this rank's experts.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from models.layers.quantization.fp8_kernels import fp8_linear
 
 class Fp8MoEMethod(FusedMoEMethodBase):
     """fp8 experts with (block_n, block_k) block scales (see the module docstring)."""
+
+    supports_cuda_graphs = False  # the grouping reads the per-expert counts on the host
 
     def __init__(self, block: tuple[int, int], block_field: str = "weight_block_size") -> None:
         self.block, self.block_field = block, block_field
