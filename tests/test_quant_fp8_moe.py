@@ -1,21 +1,23 @@
-"""Block-scaled fp8 mixture-of-experts checkpoints (`quant_method: "fp8"` with
-`weight_block_size`, the layout Qwen3-MoE-FP8 ships) against transformers on the
-dequantised weights.
+"""fp8 mixture-of-experts checkpoints against transformers on the dequantised weights:
+native block fp8 (`quant_method: "fp8"` with `weight_block_size`, the layout
+Qwen3-MoE-FP8 ships) and compressed-tensors FP8 per channel and in blocks
+(llm-compressor's FP8_DYNAMIC and FP8_BLOCK recipes, `weight_scale`).
 
-The checkpoint: tests/moe_checkpoints.py's tiny random Qwen3-MoE (hidden 64, 2 layers, 4
+The checkpoints: tests/moe_checkpoints.py's tiny random Qwen3-MoE (hidden 64, 2 layers, 4
 experts 32 wide, top 2) with every attention and expert projection quantised to
-float8_e4m3fn in 16x16 blocks by test_quant_fp8_checkpoints' reference quantiser
-(`weight` e4m3, `weight_scale_inv` [ceil(out/16), ceil(in/16)] float32 per projection and
-expert); the routers (`mlp.gate`) and the LM head stay float32, listed in
-`modules_to_not_convert` as the Qwen3 FP8 checkpoints list them. The oracle is
+float8_e4m3fn by test_quant_fp8_checkpoints' reference quantiser (`weight` e4m3 and its
+float32 scale per projection and expert: [ceil(out/16), ceil(in/16)] in 16x16 blocks, or
+[out, 1] per channel); the routers (`mlp.gate`) and the LM head stay float32, named in
+`modules_to_not_convert` (as the Qwen3 FP8 checkpoints name them) or `ignore`. The oracle is
 transformers loading the dequantised weights (q * scale, float32) under the original
 names. With float32 activations our CPU path computes exactly those products (the fp8
 GEMV for a few rows, dequantised tiles for more), so logits agree to float32 summation
 order, and so does the routing.
 
-At TP 2 each expert's intermediate width is sliced in whole blocks; under expert
-parallelism each rank holds whole experts. Either way each rank holds its share of the
-checkpoint's expert bytes in fp8 with their block scales, not a float copy. Also: the
+At TP 2 each expert's intermediate width is sliced (in whole blocks, or per-channel
+scales with their rows); under expert parallelism each rank holds whole experts. Either
+way each rank holds its share of the checkpoint's expert bytes in fp8 with their
+scales, not a float copy. Also: the
 engine's greedy tokens, sleep and wake, the dummy load format, a missing expert scale
 (named), and the refusals: experts in another quantised layout at resolution, blocks
 that split an expert's halves or a rank's slice at build.
@@ -40,7 +42,7 @@ from tests.conftest import run_tp
 from tests.moe_checkpoints import write_moe_checkpoint
 from tests.quant_checkpoints import assert_engine_greedy_matches, hf_logits
 from tests.quant_tp_helpers import load_case, tp_quant_cases
-from tests.test_quant_fp8_checkpoints import dequantize_fp8_blocks, quantize_fp8_blocks
+from tests.test_quant_fp8_checkpoints import ct_fp8_config, dequantize_fp8_blocks, quantize_fp8_blocks
 
 FP8 = torch.float8_e4m3fn
 BLOCK = (16, 16)
@@ -57,50 +59,80 @@ def quantization_config(num_layers: int, **fields: Any) -> dict[str, Any]:
             **fields}
 
 
-def write_fp8_moe(src: Path, out: Path) -> dict[str, torch.Tensor]:
-    """Write `src`'s checkpoint with its projections in fp8 blocks to `out`; return the
-    tensors written."""
+def ct_quantization_config(strategy: str) -> dict[str, Any]:
+    """llm-compressor's FP8_DYNAMIC (`channel`) or FP8_BLOCK (`block`) recipe for a MoE model:
+    every Linear but the routers and the LM head."""
+    config = ct_fp8_config(strategy, True, list(BLOCK) if strategy == "block" else None)
+    config["ignore"] = ["lm_head", "re:.*mlp.gate$"]
+    return config
+
+
+# name -> (block (rows, cols), or None for one scale per output channel; the scale's name; its config)
+FORMATS: dict[str, tuple[tuple[int, int] | None, str, Any]] = {
+    "native_block": (BLOCK, "weight_scale_inv", quantization_config),
+    "ct_channel": (None, "weight_scale", lambda layers: ct_quantization_config("channel")),
+    "ct_block": (BLOCK, "weight_scale", lambda layers: ct_quantization_config("block")),
+}
+
+
+def write_fp8_moe(src: Path, out: Path, fmt: str) -> dict[str, torch.Tensor]:
+    """Write `src`'s checkpoint with its projections in fp8 (`fmt` of FORMATS) to `out`;
+    return the tensors written."""
     from safetensors.torch import load_file, save_file
 
+    block, scale_name, make_config = FORMATS[fmt]
     out.mkdir(parents=True)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in load_file(str(src / "model.safetensors")).items():
         if _QUANTISED.search(name):
-            q, scale = quantize_fp8_blocks(tensor.float(), *BLOCK)
-            tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = q, scale
+            q, scale = quantize_fp8_blocks(tensor.float(), *(block or (1, tensor.shape[1])))
+            tensors[name], tensors[name.removesuffix("weight") + scale_name] = q, scale
         else:
             tensors[name] = tensor
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(config["num_hidden_layers"])
+    config["quantization_config"] = make_config(config["num_hidden_layers"])
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return tensors
 
 
-def write_dequantised(src: Path, tensors: dict[str, torch.Tensor], out: Path) -> None:
+def write_dequantised(src: Path, tensors: dict[str, torch.Tensor], fmt: str, out: Path) -> None:
     """The oracle's checkpoint: `tensors`' fp8 weights as q * scale (float32), `src`'s config."""
     from safetensors.torch import save_file
 
+    block, scale_name, _ = FORMATS[fmt]
     out.mkdir(parents=True)
-    plain = {name: dequantize_fp8_blocks(t, tensors[name.removesuffix("weight") + "weight_scale_inv"], *BLOCK)
-             if t.dtype == FP8 else t for name, t in tensors.items() if not name.endswith("weight_scale_inv")}
+    plain = {name: dequantize_fp8_blocks(t, tensors[name.removesuffix("weight") + scale_name],
+                                         *(block or (1, t.shape[1])))
+             if t.dtype == FP8 else t for name, t in tensors.items() if not name.endswith(scale_name)}
     save_file(plain, str(out / "model.safetensors"), metadata={"format": "pt"})
     shutil.copy(src / "config.json", out / "config.json")
 
 
-@pytest.fixture(scope="module")
-def fp8_moe(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+def write_case(root: Path, src: Path, fmt: str) -> SimpleNamespace:
+    """The checkpoint in `fmt`, transformers on its dequantised weights and their logits."""
     from transformers import AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("fp8_moe")
-    src = write_moe_checkpoint(root / "src", "qwen3_moe", seed=3)
-    tensors = write_fp8_moe(src, root / "fp8")
-    write_dequantised(src, tensors, root / "reference")
-    hf = AutoModelForCausalLM.from_pretrained(root / "reference", dtype=torch.float32).eval()
+    tensors = write_fp8_moe(src, root / fmt, fmt)
+    write_dequantised(src, tensors, fmt, root / f"{fmt}-reference")
+    hf = AutoModelForCausalLM.from_pretrained(root / f"{fmt}-reference", dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = hf.config.eos_token_id = None
     expert_bytes = sum(t.numel() * t.element_size() for n, t in tensors.items() if _EXPERT_TENSOR.search(n))
-    return SimpleNamespace(root=root, model=root / "fp8", hf=hf, logits=hf_logits(hf, INPUT_IDS),
+    return SimpleNamespace(root=root, model=root / fmt, fmt=fmt, hf=hf, logits=hf_logits(hf, INPUT_IDS),
                            expert_bytes=expert_bytes, tensors=tensors)
+
+
+@pytest.fixture(scope="module")
+def fp8_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SimpleNamespace]:
+    root = tmp_path_factory.mktemp("fp8_moe")
+    src = write_moe_checkpoint(root / "src", "qwen3_moe", seed=3)
+    return {fmt: write_case(root, src, fmt) for fmt in FORMATS}
+
+
+@pytest.fixture(scope="module")
+def fp8_moe(fp8_cases: dict[str, SimpleNamespace]) -> SimpleNamespace:
+    """The native block-fp8 checkpoint (Qwen3-MoE-FP8's layout)."""
+    return fp8_cases["native_block"]
 
 
 def variant(fp8_moe: SimpleNamespace, name: str, drop: str | None = None, **config_fields: Any) -> Path:
@@ -122,43 +154,57 @@ def variant(fp8_moe: SimpleNamespace, name: str, drop: str | None = None, **conf
     return out
 
 
-def check_experts(result: dict[str, Any], shape: tuple[int, int, int], expected_bytes: int) -> None:
-    """Every FusedMoE holds fp8 experts of `shape` [E_local, 2I, H] with their float32 block
-    scales, and nothing else: `expected_bytes` in all."""
+def check_experts(result: dict[str, Any], fmt: str, shape: tuple[int, int, int], expected_bytes: int) -> None:
+    """Every FusedMoE holds fp8 experts of `shape` [E_local, 2I, H] with their float32
+    scales (`fmt`'s: blocks, or one per output channel), and nothing else:
+    `expected_bytes` in all."""
+    block, scale_name, _ = FORMATS[fmt]
     assert len(result["experts"]) == 2
     num_local, rows, hidden = shape
+    bn, bk = block or (1, None)
+    scales = ({"w13": (num_local, rows // bn, hidden // bk), "w2": (num_local, hidden // bn, rows // 2 // bk)}
+              if block else {"w13": (num_local, rows, 1), "w2": (num_local, hidden, 1)})
     for tensors in result["experts"].values():
         assert tensors == {
             "w13_weight": (str(FP8), shape),
             "w2_weight": (str(FP8), (num_local, hidden, rows // 2)),
-            "w13_weight_scale_inv": ("torch.float32", (num_local, rows // BLOCK[0], hidden // BLOCK[1])),
-            "w2_weight_scale_inv": ("torch.float32", (num_local, hidden // BLOCK[0], rows // 2 // BLOCK[1])),
+            f"w13_{scale_name}": ("torch.float32", scales["w13"]),
+            f"w2_{scale_name}": ("torch.float32", scales["w2"]),
         }
     assert result["expert_bytes"] == expected_bytes
 
 
-def test_fp8_moe_logits_match_transformers(fp8_moe: SimpleNamespace) -> None:
-    result = load_case({"model": str(fp8_moe.model), "input_ids": INPUT_IDS})
-    torch.testing.assert_close(result["logits"], fp8_moe.logits, atol=LOGITS_ATOL, rtol=0)
-    check_experts(result, (4, 64, 64), fp8_moe.expert_bytes)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_fp8_moe_logits_match_transformers(fp8_cases: dict[str, SimpleNamespace], fmt: str) -> None:
+    case = fp8_cases[fmt]
+    result = load_case({"model": str(case.model), "input_ids": INPUT_IDS})
+    torch.testing.assert_close(result["logits"], case.logits, atol=LOGITS_ATOL, rtol=0)
+    check_experts(result, fmt, (4, 64, 64), case.expert_bytes)
     methods = result["methods"]
-    assert methods["model.layers.0.self_attn.qkv_proj"] == "Fp8CheckpointLinearMethod"
-    assert methods["model.layers.1.self_attn.o_proj"] == "Fp8CheckpointLinearMethod"
-    assert result["dtypes"]["model.layers.0.mlp.gate"] == "torch.float32"  # modules_to_not_convert
+    dense = "Fp8CheckpointLinearMethod" if fmt == "native_block" else "CompressedTensorsLinearMethod"
+    assert methods["model.layers.0.self_attn.qkv_proj"] == dense
+    assert methods["model.layers.1.self_attn.o_proj"] == dense
+    assert result["dtypes"]["model.layers.0.self_attn.qkv_proj"] == str(FP8)
+    assert result["dtypes"]["model.layers.0.mlp.gate"] == "torch.float32"  # left unquantised by name
 
 
-def test_fp8_moe_tensor_and_expert_parallel_logits_match_transformers(fp8_moe: SimpleNamespace) -> None:
-    """TP 2: every expert on both ranks, its intermediate width sliced in whole blocks; TP 2
+def test_fp8_moe_tensor_and_expert_parallel_logits_match_transformers(fp8_cases: dict[str, SimpleNamespace]) -> None:
+    """TP 2: every expert on both ranks, its intermediate width sliced (in whole blocks, or
+    per-channel scales with their rows; w2's per-channel scale whole on each rank); TP 2
     with expert parallelism: two whole experts per rank. Each rank holds half the
-    checkpoint's expert bytes, in fp8."""
-    cases = [{"name": "tp", "model": str(fp8_moe.model), "input_ids": INPUT_IDS},
-             {"name": "ep", "model": str(fp8_moe.model), "input_ids": INPUT_IDS,
-              "kwargs": {"enable_expert_parallel": True}}]
+    checkpoint's expert bytes, in fp8 (w2's per-channel scales on both ranks)."""
+    runs = [("native_block", False), ("native_block", True), ("ct_channel", False), ("ct_block", True)]
+    cases = [{"name": f"{fmt}-{'ep' if ep else 'tp'}", "model": str(fp8_cases[fmt].model), "input_ids": INPUT_IDS,
+              "kwargs": {"enable_expert_parallel": ep}} for fmt, ep in runs]
     expert_map_bytes = 2 * 4 * 8  # under EP each layer also holds its map of the 4 experts (int64)
+    w2_channel_scale_bytes = 2 * 4 * 64 * 4  # per layer, 4 experts x 64 rows of float32 on each rank
     for rank_result in run_tp(tp_quant_cases, 2, cases):
-        for name, shape, extra in (("tp", (4, 32, 64), 0), ("ep", (2, 64, 64), expert_map_bytes)):
-            torch.testing.assert_close(rank_result[name]["logits"], fp8_moe.logits, atol=LOGITS_ATOL, rtol=0)
-            check_experts(rank_result[name], shape, fp8_moe.expert_bytes // 2 + extra)
+        for fmt, ep in runs:
+            result, case = rank_result[f"{fmt}-{'ep' if ep else 'tp'}"], fp8_cases[fmt]
+            torch.testing.assert_close(result["logits"], case.logits, atol=LOGITS_ATOL, rtol=0)
+            shape = (2, 64, 64) if ep else (4, 32, 64)
+            extra = expert_map_bytes if ep else w2_channel_scale_bytes // 2 if fmt == "ct_channel" else 0
+            check_experts(result, fmt, shape, case.expert_bytes // 2 + extra)
 
 
 @pytest.mark.slow
@@ -201,7 +247,7 @@ def test_sleep_and_wake_keep_fp8_experts(fp8_moe: SimpleNamespace) -> None:
 def test_dummy_load_format_fills_fp8_experts(fp8_moe: SimpleNamespace) -> None:
     result = load_case({"model": str(fp8_moe.model), "input_ids": INPUT_IDS, "kwargs": {"load_format": "dummy"}})
     assert result["logits"].isfinite().all()
-    check_experts(result, (4, 64, 64), fp8_moe.expert_bytes)
+    check_experts(result, "native_block", (4, 64, 64), fp8_moe.expert_bytes)
 
 
 def test_fp8_moe_missing_expert_scale_is_named(fp8_moe: SimpleNamespace) -> None:
@@ -214,10 +260,11 @@ def test_fp8_moe_missing_expert_scale_is_named(fp8_moe: SimpleNamespace) -> None
 @pytest.mark.parametrize("fields, needles", [
     ({"weight_block_size": None}, ("quant_method='fp8'", "weight_block_size")),
     ({"quant_method": "gptq", "bits": 4, "group_size": 32}, ("quant_method='gptq'", "mixture-of-experts")),
-], ids=["fp8-per-tensor", "gptq"])
+    (ct_fp8_config("tensor", True), ("quant_method='compressed-tensors'", "strategy 'tensor'", "per-channel or block")),
+], ids=["fp8-per-tensor", "gptq", "ct-fp8-per-tensor"])
 def test_quantised_experts_in_other_layouts_are_refused_at_resolution(fp8_moe: SimpleNamespace, fields: dict,
                                                                       needles: tuple[str, ...]) -> None:
-    model = variant(fp8_moe, "refused_" + "_".join(fields), **fields)
+    model = variant(fp8_moe, "refused_" + "_".join(fields)[:40], **fields)
     with pytest.raises(ConfigError) as raised:
         create_engine_config(model=str(model), device="cpu")
     for needle in needles:
@@ -232,7 +279,7 @@ def test_blocks_that_split_an_experts_halves_or_slice_are_refused(intermediate: 
     layer.weight_loader, layer.slice_intermediate, layer.tp_size = None, sliced, tp
     layer.intermediate_size = intermediate
     with pytest.raises(ValueError) as raised:
-        Fp8MoEMethod(BLOCK).create_weights(layer, 4, 64, intermediate // tp, torch.float32)
+        Fp8MoEMethod("block", BLOCK, "weight_scale_inv").create_weights(layer, 4, 64, intermediate // tp, torch.float32)
     needles = ["weight_block_size=[16, 16]", f"moe_intermediate_size={intermediate}"]
     needles += [f"tensor_parallel_size={tp}", "expert parallelism"] if sliced else ["gate and up halves"]
     for needle in needles:
@@ -248,7 +295,7 @@ def test_fp8_moe_on_cuda_matches_the_cpu(fp8_moe: SimpleNamespace) -> None:
 
     layer = torch.nn.Module()
     layer.weight_loader, layer.expert_map = None, None
-    Fp8MoEMethod(BLOCK).create_weights(layer, 4, 64, 32, torch.bfloat16)
+    Fp8MoEMethod("block", BLOCK, "weight_scale_inv").create_weights(layer, 4, 64, 32, torch.bfloat16)
     prefix = "model.layers.0.mlp.experts"
     for e in range(4):
         for suffix in ("weight", "weight_scale_inv"):
@@ -258,7 +305,7 @@ def test_fp8_moe_on_cuda_matches_the_cpu(fp8_moe: SimpleNamespace) -> None:
             w2.data[e] = fp8_moe.tensors[f"{prefix}.{e}.down_proj.{suffix}"]
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     weights, ids = fused_topk(torch.randn(40, 4, generator=torch.Generator().manual_seed(2)), 2, True)
-    method = Fp8MoEMethod(BLOCK)
+    method = Fp8MoEMethod("block", BLOCK, "weight_scale_inv")
     cpu = method.apply(layer, x, weights, ids)
     layer.cuda()
     gpu = method.apply(layer, x.cuda(), weights.cuda(), ids.cuda()).cpu()

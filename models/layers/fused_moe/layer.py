@@ -130,6 +130,8 @@ class FusedMoE(nn.Module):
                 f"{weight_name!r}: expert {expert_id} {shard_id} has shape {tuple(loaded_weight.shape)}, "
                 f"the model expects {expected}"
             )
+        if loaded_weight.shape[dim] == size:  # whole along the sliced dim (a per-channel scale's one column)
+            rank = 0
         shard = narrow_for_rank(loaded_weight, dim, size, rank, f"expert {shard_id}")
         copy_checked(dst, shard, f"{weight_name} -> expert {expert_id} {shard_id}")
         self._loaded_shards.add((local, shard_id, getattr(param, "expert_suffix", "weight")))

@@ -188,7 +188,7 @@ class Fp8CheckpointConfig(QuantizationConfig):
     def get_moe_method(self, layer: nn.Module) -> Any:
         """Block-scaled fp8 experts (fp8_moe.Fp8MoEMethod); None without blocks (refused
         at resolution: `moe_unsupported_reason`)."""
-        return Fp8MoEMethod(self.block) if self.block is not None else None
+        return Fp8MoEMethod("block", self.block, "weight_scale_inv") if self.block is not None else None
 
     def __repr__(self) -> str:
         return f"Fp8CheckpointConfig(weight_block_size={self.block}, ignored_layers={self.ignored})"

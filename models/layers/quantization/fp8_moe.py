@@ -1,26 +1,29 @@
-"""Block-quantised fp8 experts: a native fp8 checkpoint's mixture-of-experts layers, as
-Qwen3-MoE-FP8 and DeepSeek ship them (vLLM's `Fp8MoEMethod` for block scales).
+"""fp8 experts: mixture-of-experts layers of native fp8 checkpoints (block scales, as
+Qwen3-MoE-FP8 and DeepSeek ship them) and of compressed-tensors FP8 ones (per channel or
+in blocks, llm-compressor's FP8_DYNAMIC and FP8_BLOCK); vLLM's `Fp8MoEMethod` and
+`CompressedTensorsW8A8Fp8MoEMethod`.
 
-Each expert's gate, up and down projections are stored like a dense fp8 block layer's
-(fp8_checkpoint.py): `weight` [out, in] float8_e4m3fn and `weight_scale_inv`
-[ceil(out/bn), ceil(in/bk)] float32, the factor that multiplies q back. The method
-registers them stacked, in the FusedMoE layout and counted in blocks:
+Each expert's gate, up and down projections are stored like a dense fp8 layer's
+(fp8_checkpoint.py): `weight` [out, in] float8_e4m3fn and its float32 scale, the factor
+that multiplies q back: `weight_scale_inv` (native) or `weight_scale`
+(compressed-tensors), [ceil(out/bn), ceil(in/bk)] in blocks or [out, 1] per channel.
+The method registers them stacked, in the FusedMoE layout (scales counted in blocks):
 
-- `w13_weight` [E_local, 2I, H] e4m3 and `w13_weight_scale_inv` [E_local, 2I/bn,
-  ceil(H/bk)]: each expert's gate rows, then its up rows;
-- `w2_weight` [E_local, H, I] e4m3 and `w2_weight_scale_inv` [E_local, ceil(H/bn),
-  ceil(I/bk)];
+- `w13_weight` [E_local, 2I, H] e4m3 and `w13_<scale>` [E_local, 2I/bn, ceil(H/bk)] or
+  [E_local, 2I, 1]: each expert's gate rows, then its up rows;
+- `w2_weight` [E_local, H, I] e4m3 and `w2_<scale>` [E_local, ceil(H/bn), ceil(I/bk)]
+  or [E_local, H, 1] (whole on every rank: one scale per output row);
 
 with I this rank's intermediate width (sliced under tensor parallelism, whole under
-expert parallelism). The gate and up halves meet in w13 on a block boundary, so I must
-be a multiple of bn, and a rank's slice of w2's inputs whole blocks (I a multiple of
-bk under TP); `create_weights` raises ValueError naming weight_block_size,
-moe_intermediate_size and tensor_parallel_size otherwise (as vLLM refuses such a TP
-size). The weights stay fp8 in memory: one byte a weight plus the scales.
+expert parallelism). With blocks, the gate and up halves meet in w13 on a block
+boundary, so I must be a multiple of bn, and a rank's slice of w2's inputs whole blocks
+(I a multiple of bk under TP); `create_weights` raises ValueError naming the block
+setting, moe_intermediate_size and tensor_parallel_size otherwise (as vLLM refuses such
+a TP size). The weights stay fp8 in memory: one byte a weight plus the scales.
 
 Compute: the experts' tokens are grouped as for full-precision experts
 (`grouped_moe.grouped_experts`: one product pair per active expert), each product
-`fp8_kernels.fp8_linear` on the expert's fp8 bytes and block scales (the C GEMV for a
+`fp8_kernels.fp8_linear` on the expert's fp8 bytes and scales (the C GEMV for a
 few tokens, dequantised tiles for more on the CPU; the Triton fp8 GEMM on CUDA). The
 grouping reads the per-expert counts on the host, so a step with these experts is not
 recorded as a CPU graph, nor captured as a CUDA graph (`supports_cuda_graphs`): it runs
@@ -43,41 +46,57 @@ from models.layers.quantization.fp8_kernels import fp8_linear
 
 
 class Fp8MoEMethod(FusedMoEMethodBase):
-    """fp8 experts with (block_n, block_k) block scales (see the module docstring)."""
+    """fp8 experts with block scales (`strategy` "block", `block` = (block_n, block_k)) or
+    one scale per output channel ("channel"), stored under `scale_name` (see the module
+    docstring). `block_field` names the checkpoint's block setting in errors."""
 
     supports_cuda_graphs = False  # the grouping reads the per-expert counts on the host
 
-    def __init__(self, block: tuple[int, int], block_field: str = "weight_block_size") -> None:
-        self.block, self.block_field = block, block_field
+    def __init__(self, strategy: str, block: tuple[int, int] | None, scale_name: str,
+                 block_field: str = "weight_block_size") -> None:
+        if strategy not in ("block", "channel") or (strategy == "block") != (block is not None):
+            raise ValueError(f"fp8 experts with strategy {strategy!r} and block {block!r} are not supported")
+        self.strategy, self.block, self.scale_name, self.block_field = strategy, block, scale_name, block_field
+
+    def _check_blocks(self, layer: nn.Module, intermediate_per_rank: int) -> None:
+        block_n, block_k = self.block
+        sliced = getattr(layer, "slice_intermediate", False)
+        if not (intermediate_per_rank % block_n or (sliced and intermediate_per_rank % block_k)):
+            return
+        setting = f"quantization_config.{self.block_field}={[block_n, block_k]}"
+        full = getattr(layer, "intermediate_size", intermediate_per_rank)
+        if not sliced:
+            raise ValueError(f"{setting} does not divide the experts: moe_intermediate_size={full} is not a "
+                             f"multiple of the block's {block_n} rows, so the gate and up halves stacked in "
+                             "w13 would share a scale block")
+        raise ValueError(f"{setting} does not divide the experts' slices at tensor_parallel_size="
+                         f"{getattr(layer, 'tp_size', 1)}: moe_intermediate_size={full} leaves "
+                         f"{intermediate_per_rank} per rank, not whole scale blocks; use a tensor_parallel_size "
+                         "that does, or expert parallelism (whole experts per rank)")
 
     def create_weights(self, layer: nn.Module, num_local_experts: int, hidden_size: int,
                        intermediate_per_rank: int, params_dtype: torch.dtype) -> None:
-        block_n, block_k = self.block
-        sliced = getattr(layer, "slice_intermediate", False)
-        if intermediate_per_rank % block_n or (sliced and intermediate_per_rank % block_k):
-            setting = f"quantization_config.{self.block_field}={[block_n, block_k]}"
-            full = getattr(layer, "intermediate_size", intermediate_per_rank)
-            if not sliced:
-                raise ValueError(f"{setting} does not divide the experts: moe_intermediate_size={full} is not a "
-                                 f"multiple of the block's {block_n} rows, so the gate and up halves stacked in "
-                                 "w13 would share a scale block")
-            raise ValueError(f"{setting} does not divide the experts' slices at tensor_parallel_size="
-                             f"{getattr(layer, 'tp_size', 1)}: moe_intermediate_size={full} leaves "
-                             f"{intermediate_per_rank} per rank, not whole scale blocks; use a tensor_parallel_size "
-                             "that does, or expert parallelism (whole experts per rank)")
         experts, hidden, inter = num_local_experts, hidden_size, intermediate_per_rank
+        if self.block is not None:
+            self._check_blocks(layer, inter)
+            block_n, block_k = self.block
+            shapes = ((experts, 2 * inter // block_n, -(-hidden // block_k)),
+                      (experts, -(-hidden // block_n), -(-inter // block_k)))
+            blocks = (self.block, self.block)
+        else:  # one scale per output row: a "block" of one row by the whole input
+            shapes = ((experts, 2 * inter, 1), (experts, hidden, 1))
+            blocks = ((1, hidden), (1, getattr(layer, "intermediate_size", inter)))
         expert_parameter(layer, "w13_weight", (experts, 2 * inter, hidden), FP8_DTYPE, "weight")
         expert_parameter(layer, "w2_weight", (experts, hidden, inter), FP8_DTYPE, "weight")
-        expert_parameter(layer, "w13_weight_scale_inv", (experts, 2 * inter // block_n, -(-hidden // block_k)),
-                         torch.float32, "weight_scale_inv", self.block)
-        expert_parameter(layer, "w2_weight_scale_inv", (experts, -(-hidden // block_n), -(-inter // block_k)),
-                         torch.float32, "weight_scale_inv", self.block)
+        expert_parameter(layer, f"w13_{self.scale_name}", shapes[0], torch.float32, self.scale_name, blocks[0])
+        expert_parameter(layer, f"w2_{self.scale_name}", shapes[1], torch.float32, self.scale_name, blocks[1])
 
     def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        block_n, block_k = self.block
         w13, w2 = layer.w13_weight, layer.w2_weight
-        s13, s2 = layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
+        s13, s2 = getattr(layer, f"w13_{self.scale_name}"), getattr(layer, f"w2_{self.scale_name}")
+        (bn13, bk13), (bn2, bk2) = ((self.block, self.block) if self.block is not None
+                                    else ((1, w13.shape[2]), (1, w2.shape[2])))
         return grouped_experts(x, topk_weights, topk_ids, layer.expert_map, w13.shape[0], w2.shape[2],
-                               lambda e, rows: fp8_linear(rows, w13[e], s13[e], block_n, block_k),
-                               lambda e, act: fp8_linear(act, w2[e], s2[e], block_n, block_k))
+                               lambda e, rows: fp8_linear(rows, w13[e], s13[e], bn13, bk13),
+                               lambda e, act: fp8_linear(act, w2[e], s2[e], bn2, bk2))

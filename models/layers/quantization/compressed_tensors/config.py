@@ -9,7 +9,10 @@ A fused layer (qkv_proj, gate_up_proj) stands for several checkpoint modules, wh
 all be ignored or all fall in the same group. What we do not serve is refused at
 resolution with a ValueError naming the field and value: an unknown format, a
 KV-cache scheme, sparsity, output activations, a quantisation status other than
-compressed/frozen.
+compressed/frozen. A mixture-of-experts checkpoint's experts take the scheme of the
+group that targets every Linear, served where it is FP8 per channel or in blocks
+(fp8_moe.Fp8MoEMethod, `weight_scale`: llm-compressor's FP8_DYNAMIC and FP8_BLOCK MoE
+checkpoints) and refused otherwise.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import nn
 
 from models.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from models.layers.quantization.compressed_tensors.schemes import CompressedTensorsScheme, get_scheme
+from models.layers.quantization.fp8_moe import Fp8MoEMethod
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 
@@ -108,6 +112,31 @@ class CompressedTensorsConfig(QuantizationConfig):
             return specific[0]
         generic = [g for g, (targets, _) in self.groups.items() if "Linear" in targets]
         return generic[0] if generic else None
+
+    def _expert_scheme(self) -> tuple[str | None, CompressedTensorsScheme | None]:
+        """The group (and scheme) the experts fall in: the one targeting every Linear."""
+        group = next((g for g, (targets, _) in self.groups.items() if "Linear" in targets), None)
+        return group, self.groups[group][1] if group is not None else None
+
+    def moe_unsupported_reason(self) -> str | None:
+        group, scheme = self._expert_scheme()
+        method = getattr(scheme, "method", None)
+        if getattr(method, "strategy", None) in ("channel", "block"):
+            return None
+        what = (f"config_groups.{group} is {type(scheme).__name__} with strategy "
+                f"{getattr(method, 'strategy', None)!r}" if group is not None else "no config group targets 'Linear'")
+        return f"{what}; experts are served as fp8 with per-channel or block scales only"
+
+    def get_moe_method(self, layer: nn.Module) -> Any:
+        """fp8 experts (per channel or blocks, `weight_scale`) from the group targeting
+        every Linear; None where `moe_unsupported_reason` gives a reason (refused at
+        resolution)."""
+        if self.moe_unsupported_reason() is not None:
+            return None
+        group, scheme = self._expert_scheme()
+        method = scheme.method
+        return Fp8MoEMethod(method.strategy, method.block, "weight_scale",
+                            f"config_groups.{group}.weights.block_structure")
 
     def get_linear_method(self, layer: nn.Module, prefix: str = "",
                           packed_modules_mapping: dict[str, tuple[str, str | int]] | None = None
