@@ -30,8 +30,10 @@ path. Not a test: timings on a shared machine mean little.
 
 --format fp8: the same model as a native block-fp8 checkpoint (Qwen3-MoE-FP8's layout:
 every attention and expert projection float8_e4m3fn in 128x128 blocks with
-`weight_scale_inv`, routers and LM head bfloat16), written once from the bfloat16 one
-(`ensure_fp8_model`); a side that cannot serve it is reported as refused.
+`weight_scale_inv`, routers and LM head bfloat16); --format ct-fp8: as compressed-tensors
+FP8_DYNAMIC (per-channel `weight_scale`, dynamic per-token fp8 activations). Each is
+written once from the bfloat16 one (`ensure_fp8_model`); a side that cannot serve it is
+reported as refused.
 """
 
 from __future__ import annotations
@@ -90,10 +92,12 @@ def ensure_model(root: Path, spec: dict) -> Path:
     return model_dir
 
 
-def ensure_fp8_model(model_dir: Path, block: int) -> Path:
-    """`model_dir`'s checkpoint with its projections quantised to fp8 in `block` x `block`
-    blocks (each block's largest magnitude to 448), written once beside it."""
-    out = model_dir.with_name(f"{model_dir.name}-fp8b{block}")
+def ensure_fp8_model(model_dir: Path, block: int | None) -> Path:
+    """`model_dir`'s checkpoint with its projections quantised to fp8, each block's (or,
+    with `block` None, each output row's) largest magnitude to 448: native fp8 with
+    `block` x `block` blocks, or compressed-tensors FP8_DYNAMIC per channel. Written
+    once beside it."""
+    out = model_dir.with_name(f"{model_dir.name}-{f'fp8b{block}' if block else 'ct-fp8'}")
     marker = out / "bench_spec.json"
     if marker.is_file() and marker.read_text() == (model_dir / "bench_spec.json").read_text():
         return out
@@ -107,21 +111,31 @@ def ensure_fp8_model(model_dir: Path, block: int) -> Path:
         if not name.endswith("_proj.weight"):
             tensors[name] = weight
             continue
-        rows, cols = -(-weight.shape[0] // block), -(-weight.shape[1] // block)
-        padded = torch.zeros(rows * block, cols * block)
+        bn, bk = (block, block) if block else (1, weight.shape[1])
+        rows, cols = -(-weight.shape[0] // bn), -(-weight.shape[1] // bk)
+        padded = torch.zeros(rows * bn, cols * bk)
         padded[: weight.shape[0], : weight.shape[1]] = weight.float()
-        blocks = padded.reshape(rows, block, cols, block)
+        blocks = padded.reshape(rows, bn, cols, bk)
         scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
         q = (blocks / scale[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-        tensors[name] = q.reshape(rows * block, cols * block)[: weight.shape[0], : weight.shape[1]].contiguous()
-        tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale
+        tensors[name] = q.reshape(rows * bn, cols * bk)[: weight.shape[0], : weight.shape[1]].contiguous()
+        tensors[name.removesuffix("weight") + ("weight_scale_inv" if block else "weight_scale")] = scale
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((model_dir / "config.json").read_text())
     layers = range(config["num_hidden_layers"])
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                     "weight_block_size": [block, block],
-                                     "modules_to_not_convert": ["lm_head", *(f"model.layers.{i}.mlp.gate"
-                                                                             for i in layers)]}
+    if block:
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                         "weight_block_size": [block, block],
+                                         "modules_to_not_convert": ["lm_head", *(f"model.layers.{i}.mlp.gate"
+                                                                                 for i in layers)]}
+    else:
+        fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"],
+                                          "weights": {**fp8, "strategy": "channel", "dynamic": False},
+                                          "input_activations": {**fp8, "strategy": "token", "dynamic": True}}},
+            "ignore": ["lm_head", "re:.*mlp.gate$"]}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     marker.write_text((model_dir / "bench_spec.json").read_text())
     return out
@@ -240,7 +254,7 @@ def main() -> None:
     p.add_argument("--sides", default=",".join(SIDES), help="comma-separated, of " + ", ".join(SIDES))
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="a tiny model and 8 new tokens: a smoke run")
-    p.add_argument("--format", choices=("bf16", "fp8"), default="bf16", help="the checkpoint's weights")
+    p.add_argument("--format", choices=("bf16", "fp8", "ct-fp8"), default="bf16", help="the checkpoint's weights")
     p.add_argument("--model-root", default=str(Path.home() / ".cache" / "tp-runtime" / "bench-moe"))
     p.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -267,8 +281,8 @@ def main() -> None:
     spec = QUICK_MODEL if args.quick else FULL_MODEL
     max_tokens = 8 if args.quick else 64
     model = ensure_model(Path(args.model_root), spec)
-    if args.format == "fp8":
-        model = ensure_fp8_model(model, 32 if args.quick else 128)
+    if args.format != "bf16":
+        model = ensure_fp8_model(model, None if args.format == "ct-fp8" else 32 if args.quick else 128)
     workload = {"prompts": random_prompts(NUM_REQUESTS, PROMPT_LEN, spec["vocab_size"]), "max_tokens": max_tokens}
     total = NUM_REQUESTS * max_tokens
     print(f"Qwen3-MoE {spec}, {args.format}; {NUM_REQUESTS} requests x {PROMPT_LEN} prompt + {max_tokens} new "
