@@ -221,27 +221,15 @@ def test_sleep_and_wake_keep_fp8_experts(fp8_moe: SimpleNamespace) -> None:
     them, level 2 releases them with the other weights and waking reloads them, and the
     greedy tokens stay the same."""
     from config import SamplingParams
-    from engine.core import EngineCore
+    from tests.test_quant_sleep import assert_sleep_and_wake_keep
 
     def fp8_bytes(worker: Any) -> int:
         model = worker.model_runner.model
         return sum(t.numel() * t.element_size() for t in model.parameters() if t.dtype == FP8)
 
     prompts = [[5, 17, 33, 71, 9], [100, 3, 250, 41, 8, 60, 77, 12, 300]]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    with EngineCore(model=str(fp8_moe.model), device="cpu", dtype="float32", max_model_len=64,
-                    kv_cache_memory_bytes=4 << 20, use_tqdm_on_load=False, enable_sleep_mode=True) as core:
-        reference = [o.token_ids for o in core.generate(prompts, params)]
-        (weights,) = core.collective_rpc(lambda worker: worker.model_memory_usage)
-        (fp8,) = core.collective_rpc(fp8_bytes)
-        assert 0 < fp8 < weights
-        for level in (1, 2):
-            (report,) = core.sleep(level)
-            if level == 2:
-                assert report["bytes"]["weights"] == weights
-            core.wake_up()
-            assert [o.token_ids for o in core.generate(prompts, params)] == reference, f"level {level}"
-            assert core.collective_rpc(fp8_bytes) == [fp8]
+    assert_sleep_and_wake_keep(fp8_moe.model, prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                               fp8_bytes)
 
 
 def test_dummy_load_format_fills_fp8_experts(fp8_moe: SimpleNamespace) -> None:

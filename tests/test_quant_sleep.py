@@ -50,11 +50,20 @@ def _quantised_tensors(worker: Any) -> int:
 def test_sleep_and_wake_keep_a_quantised_model(models: dict[str, Path], name: str) -> None:
     prompts = make_prompts(320, seed=4, lens=(6, 19))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    with EngineCore(model=str(models[name]), device="cpu", dtype="float32", max_model_len=64,
+    assert_sleep_and_wake_keep(models[name], prompts, params, _quantised_tensors)
+
+
+def assert_sleep_and_wake_keep(model: Path, prompts: list[list[int]], params: SamplingParams,
+                               quantised_bytes: Any) -> None:
+    """Through sleep levels 1 and 2 (float32, CPU, one rank): the worker counts the
+    quantised tensors (`quantised_bytes(worker)`, in bytes) among the weights, level 2
+    reports freeing all the weights, and after each wake-up the greedy tokens and the
+    quantised bytes are as before."""
+    with EngineCore(model=str(model), device="cpu", dtype="float32", max_model_len=64,
                     kv_cache_memory_bytes=4 << 20, use_tqdm_on_load=False, enable_sleep_mode=True) as core:
         reference = [o.token_ids for o in core.generate(prompts, params)]
         (weights,) = core.collective_rpc(lambda worker: worker.model_memory_usage)
-        (quantised,) = core.collective_rpc(_quantised_tensors)
+        (quantised,) = core.collective_rpc(quantised_bytes)
         assert 0 < quantised < weights  # the codes are counted, next to scales, norms and tables
         for level in (1, 2):
             (report,) = core.sleep(level)
@@ -62,4 +71,4 @@ def test_sleep_and_wake_keep_a_quantised_model(models: dict[str, Path], name: st
                 assert report["bytes"]["weights"] == weights
             core.wake_up()
             assert [o.token_ids for o in core.generate(prompts, params)] == reference, f"level {level}"
-            assert core.collective_rpc(_quantised_tensors) == [quantised]
+            assert core.collective_rpc(quantised_bytes) == [quantised]
