@@ -2,7 +2,7 @@
 
 Used by a MoE architecture's `load_weights` on every rank: `ExpertWeightsLoader.route`
 wraps the (name, tensor) stream, hands every `<prefix>.experts.<id>.<proj>.<suffix>`
-whose suffix the layer's method holds ("weight"; fp8 blocks also "weight_scale_inv")
+whose suffix the layer's method holds ("weight"; fp8 also "weight_scale_inv" or "weight_scale")
 to the FusedMoE at `<prefix>.experts` through its `weight_loader(param, tensor,
 weight_name, shard_id, expert_id)`, and passes every other tensor on (to
 AutoWeightsLoader). `finish()` then raises `WeightLoadError` naming every local

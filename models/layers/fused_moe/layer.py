@@ -9,8 +9,8 @@ Parameters (vLLM's names), registered by the layer's `quant_method`
 precision): `w13_weight` [num_local_experts, 2*intermediate_per_rank, hidden] holds
 each expert's gate rows (w1) then its up rows (w3); `w2_weight` [num_local_experts,
 hidden, intermediate_per_rank] its down projection; a quantised method adds its scales
-beside them in the same stacked layout (fp8 blocks: `w13_weight_scale_inv`,
-`w2_weight_scale_inv`, counted in blocks).
+beside them in the same stacked layout (fp8: `w13_weight_scale_inv` and
+`w2_weight_scale_inv`, or `..._weight_scale`, counted in blocks or per output row).
   - tensor parallelism (default): every rank holds every expert, its intermediate
     dimension sliced like a column-parallel w1/w3 and a row-parallel w2;
   - expert parallelism (`enable_expert_parallel`, EP size = TP size): rank r holds
@@ -106,10 +106,11 @@ class FusedMoE(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str,
                       shard_id: str, expert_id: int) -> None:
         """Load one expert's w1 / w3 ([I, H], into its half of w13) or w2 ([H, I]) from
-        the full checkpoint tensor `weight_name`, narrowed to this rank's slice; a
-        block-scale tensor (`param.expert_block` = (bn, bk)) is [ceil(I/bn), ceil(H/bk)]
-        or [ceil(H/bn), ceil(I/bk)] and is sliced in blocks. A tensor of another rank's
-        expert is ignored (the loader normally never reads it)."""
+        the full checkpoint tensor `weight_name`, narrowed to this rank's slice; a scale
+        tensor (`param.expert_block` = (bn, bk), the values one scale covers) is
+        [ceil(I/bn), ceil(H/bk)] or [ceil(H/bn), ceil(I/bk)] and is sliced in blocks (a
+        per-channel scale, (1, the whole input), is w2's whole on every rank). A tensor
+        of another rank's expert is ignored (the loader normally never reads it)."""
         if shard_id not in EXPERT_SHARD_IDS:
             raise WeightLoadError(f"{weight_name!r}: expert shard id {shard_id!r} is not one of {EXPERT_SHARD_IDS}")
         local = self.placement.local_expert_id(expert_id)

@@ -5,8 +5,9 @@ vLLM's shape (`FusedMoEMethodBase`), as the linear methods' (quantization/base.p
 1. `create_weights(layer, ...)` registers this rank's stacked expert tensors on the
    FusedMoE, in the checkpoint's layout, each with `layer.weight_loader` and tagged with
    `expert_suffix` (the checkpoint name's last part: "weight", "weight_scale_inv")
-   and, for a block-scale tensor, `expert_block` = (block_n, block_k): the loader then
-   counts rows and columns in blocks when it takes an expert's slice.
+   and, for a scale tensor, `expert_block` = (block_n, block_k), the values one scale
+   covers (1 by the whole input per channel): the loader then counts rows and columns
+   in blocks when it takes an expert's slice.
 2. `process_weights_after_loading(layer)` once every tensor is in place.
 3. `apply(layer, x, topk_weights, topk_ids)` every forward: this rank's partial sum.
 

@@ -87,7 +87,8 @@ class QuantizationConfig(ABC):
         """Why this config cannot serve a mixture-of-experts checkpoint's experts, or None
         where `get_moe_method` serves them. The engine asks once, at resolution, and
         refuses such a checkpoint with this reason before any worker starts."""
-        return "FusedMoE holds full-precision experts or fp8 blocks (quant_method 'fp8' with weight_block_size) only"
+        return ("FusedMoE holds experts in full precision or in fp8 (quant_method 'fp8' with weight_block_size, "
+                "or compressed-tensors FP8 per channel or in blocks) only")
 
     def get_moe_method(self, layer: nn.Module) -> Any:
         """The FusedMoE method (models/layers/fused_moe/moe_method.py's
