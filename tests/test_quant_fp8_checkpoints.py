@@ -180,10 +180,11 @@ def test_fp8_dequant_kernel_is_exact_for_every_byte(scale):
         assert torch.equal(out.float().nan_to_num(7.0), expected.float().nan_to_num(7.0)), dtype
 
 
-@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("rows", range(1, 17))
 def test_fp8_gemv_reads_every_byte(rows):
-    """The GEMV (each row count its own copy) over weight rows holding every e4m3 byte: a
-    row with a NaN byte gives NaN, the others the float64 product of the exact values."""
+    """The GEMV (each row count up to 8 its own copy, 9-16 rows in two passes) over weight
+    rows holding every e4m3 byte: a row with a NaN byte gives NaN, the others the
+    float64 product of the exact values."""
     kernel = load_fp8_kernel()
     every = torch.arange(256, dtype=torch.uint8)
     finite = every[(every & 0x7F) != 0x7F]
@@ -199,7 +200,7 @@ def test_fp8_gemv_reads_every_byte(rows):
 
 
 @pytest.mark.parametrize("shape,block", [((300, 200), (128, 128)), ((70, 33), (1, 33)), ((1000, 600), (128, 96))])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 12])  # the direct fp8 GEMV (<= 8 rows) and dequantised tiles
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 12, 16, 20])  # the direct fp8 GEMV (<= 16 rows) and dequantised tiles
 def test_fp8_linear_matches_float64(shape, block, rows, monkeypatch):
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(*shape, generator=gen)

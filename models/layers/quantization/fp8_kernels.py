@@ -3,9 +3,9 @@
 `fp8_linear(x, weight, scale, block_n, block_k, bias)` computes x @ dequant(weight)^T
 where dequant(weight)[r, c] = weight[r, c] * scale[r // block_n, c // block_k]
 (per-channel scales: block_n = 1, block_k = in; 128x128 blocks: 128, 128). It never
-dequantises the whole weight. Up to `GEMV_MAX_ROWS` rows of x (decode), the C kernel
-reads the fp8 bytes straight into its float32 dot products (x in float32, one pass
-over the weight). Larger batches dequantise rows a tile at a time (about
+dequantises the whole weight. Up to `GEMV_MAX_ROWS` rows of x (decode; a MoE step's
+tokens per expert), the C kernel reads the fp8 bytes straight into its float32 dot
+products (x in float32, one pass over the weight). Larger batches dequantise rows a tile at a time (about
 `TILE_ELEMENTS` values) into a scratch buffer in x's dtype and write each tile's
 F.linear product into its columns of the output (on AVX2 CPUs, 16-bit tiles through
 `cpu_sgemm.linear_half`, as the dense layers there): each value rounded once, to x's
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 # 2 MiB of bf16 scratch: fewer, larger F.linear calls (64 tiles of 2^18 per 4096x4096
 # layer measured 9.9 ms at batch 32, 16 of 2^20 6.2 ms, the whole weight 5.9 ms).
 TILE_ELEMENTS = 1 << 20
-GEMV_MAX_ROWS = 8  # up to this many rows (decode batches) the C kernel reads the fp8 bytes directly
+GEMV_MAX_ROWS = 16  # up to this many rows (decode batches, an expert's tokens) the C kernel reads the fp8 bytes
 SOURCE = Path(__file__).with_name("fp8_kernels.c")
 SOURCES = (SOURCE, BF16_CONVERT_H)  # a change to the header rebuilds
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
