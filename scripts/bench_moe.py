@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -242,6 +243,39 @@ def failure_reason(text: str) -> str:
     return ([line for line in lines if "Error" in line] or lines or ["no output"])[-1][:300]
 
 
+# vLLM's log prefix on a line: "(Worker pid=30058) ERROR 12-05 02:26:01 [multiproc_executor.py:953] ".
+LOG_PREFIX = re.compile(r"^(\(\S+ pid=\d+\) )?(\(\S+ pid=\d+\) )?(?P<level>[A-Z]+) \d\d-\d\d [\d:]+ \[[^]]+\] ?")
+EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit)\w*: ")
+# The wrappers vLLM raises in the parent processes, which point back at the worker's error.
+WRAPPERS = ("root cause above", "stack trace for root cause")
+
+
+def refusal_line(text: str) -> str:
+    """One line for a side that did not start: the first exception in `text` that is not
+    one of vLLM's wrappers ("Engine core initialization failed. See root cause above")
+    nor logged below ERROR (a warning's traceback, which vLLM survives),
+    with the lines its log record continues on (vLLM's "Failed to find a kernel ...
+    Reasons:" lists them one a line); else failure_reason's line (a native crash's
+    frame, the last error). vLLM logs to stdout unless VLLM_LOGGING_STREAM says stderr,
+    which the scripts' main() sets: a HeldChildError keeps all of stderr but only
+    stdout's tail."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        prefix = LOG_PREFIX.match(line)
+        body = line[prefix.end():] if prefix else line
+        if not EXCEPTION_LINE.match(body) or any(w in body for w in WRAPPERS):
+            continue
+        if prefix and prefix.group("level") in ("DEBUG", "INFO", "WARNING"):
+            continue  # a traceback vLLM logs and survives (its tokenizer lookup's, with skip_tokenizer_init)
+        parts = [body.strip()]
+        for more in lines[i + 1:] if prefix else []:
+            if not more.startswith(prefix.group(0)) or more[prefix.end():].lstrip().startswith(("Traceback", "File ")):
+                break
+            parts.append(more[prefix.end():].strip())
+        return " ".join(p for p in parts if p)[:600]
+    return failure_reason(text)
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
@@ -273,6 +307,10 @@ def main() -> None:
     from bench_common import comma_list, load_average
     from bench_held import HeldChildError
 
+    # vLLM logs its workers' errors to stdout, of which a HeldChildError keeps the tail
+    # only; on stderr, refusal_line finds a refusal's root cause.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
     cells = comma_list(p, args.cells, list(CELLS), "cell")
     sides = comma_list(p, args.sides, list(SIDES), "side")
     if "vllm" in sides and not args.vllm_python:
@@ -301,7 +339,7 @@ def main() -> None:
                 try:
                     result, ranks = run_side(side, cell, model, workload, args.vllm_python)
                 except HeldChildError as e:
-                    refused[key] = failure_reason(e.stderr + "\n" + str(e))
+                    refused[key] = refusal_line(e.stderr + "\n" + str(e))
                     print(f"  run {rep + 1}: {side:12s} {cell:7s} refused or failed: {refused[key]}", flush=True)
                     continue
                 rate = total / result["seconds"]

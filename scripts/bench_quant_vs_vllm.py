@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -60,6 +59,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # siblings, and the repo (tests/ holds the quantisers)
 
+from bench_moe import refusal_line
 from bench_serve import make_prompts
 from bench_vs_vllm import MAX_TOKENS, NUM_REQUESTS, cores
 
@@ -167,40 +167,6 @@ def param_count(spec: dict[str, Any]) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------- report
-
-
-# vLLM's log prefix on a line: "(Worker pid=30058) ERROR 12-05 02:26:01 [multiproc_executor.py:953] ".
-LOG_PREFIX = re.compile(r"^(\(\S+ pid=\d+\) )?(\(\S+ pid=\d+\) )?(?P<level>[A-Z]+) \d\d-\d\d [\d:]+ \[[^]]+\] ?")
-EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit)\w*: ")
-# The wrappers vLLM raises in the parent processes, which point back at the worker's error.
-WRAPPERS = ("root cause above", "stack trace for root cause")
-
-
-def refusal_line(text: str) -> str:
-    """One line for a side that did not start: the first exception in `text` that is not
-    one of vLLM's wrappers ("Engine core initialization failed. See root cause above")
-    nor logged below ERROR (a warning's traceback, which vLLM survives),
-    with the lines its log record continues on (vLLM's "Failed to find a kernel ...
-    Reasons:" lists them one a line); else bench_moe.failure_reason's line (a native crash's
-    frame, the last error). vLLM logs to stdout unless VLLM_LOGGING_STREAM says stderr,
-    which main() sets: a HeldChildError keeps all of stderr but only stdout's tail."""
-    from bench_moe import failure_reason
-
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        prefix = LOG_PREFIX.match(line)
-        body = line[prefix.end():] if prefix else line
-        if not EXCEPTION_LINE.match(body) or any(w in body for w in WRAPPERS):
-            continue
-        if prefix and prefix.group("level") in ("DEBUG", "INFO", "WARNING"):
-            continue  # a traceback vLLM logs and survives (its tokenizer lookup's, with skip_tokenizer_init)
-        parts = [body.strip()]
-        for more in lines[i + 1:] if prefix else []:
-            if not more.startswith(prefix.group(0)) or more[prefix.end():].lstrip().startswith(("Traceback", "File ")):
-                break
-            parts.append(more[prefix.end():].strip())
-        return " ".join(p for p in parts if p)[:600]
-    return failure_reason(text)
 
 
 def gib_list(ranks: list[dict[str, int]]) -> str:

