@@ -197,7 +197,9 @@ def test_fp8_moe_tensor_and_expert_parallel_logits_match_transformers(fp8_cases:
     cases = [{"name": f"{fmt}-{'ep' if ep else 'tp'}", "model": str(fp8_cases[fmt].model), "input_ids": INPUT_IDS,
               "kwargs": {"enable_expert_parallel": ep}} for fmt, ep in runs]
     expert_map_bytes = 2 * 4 * 8  # under EP each layer also holds its map of the 4 experts (int64)
-    w2_channel_scale_bytes = 2 * 4 * 64 * 4  # per layer, 4 experts x 64 rows of float32 on each rank
+    # w2's per-channel scales (2 layers x 4 experts x 64 rows of float32) are whole on each rank: half of
+    # them beyond half the checkpoint's bytes
+    w2_channel_scale_bytes = 2 * 4 * 64 * 4
     for rank_result in run_tp(tp_quant_cases, 2, cases):
         for fmt, ep in runs:
             result, case = rank_result[f"{fmt}-{'ep' if ep else 'tp'}"], fp8_cases[fmt]
