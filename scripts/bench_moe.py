@@ -102,8 +102,9 @@ def ensure_fp8_model(model_dir: Path, block: int | None) -> Path:
     marker = out / "bench_spec.json"
     if marker.is_file() and marker.read_text() == (model_dir / "bench_spec.json").read_text():
         return out
-    import torch
     from safetensors.torch import load_file, save_file
+
+    from tests.test_quant_fp8_checkpoints import ct_fp8_config, quantize_fp8_blocks  # the test suite's quantiser
 
     print(f"writing {out} ...", flush=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -112,14 +113,8 @@ def ensure_fp8_model(model_dir: Path, block: int | None) -> Path:
         if not name.endswith("_proj.weight"):
             tensors[name] = weight
             continue
-        bn, bk = (block, block) if block else (1, weight.shape[1])
-        rows, cols = -(-weight.shape[0] // bn), -(-weight.shape[1] // bk)
-        padded = torch.zeros(rows * bn, cols * bk)
-        padded[: weight.shape[0], : weight.shape[1]] = weight.float()
-        blocks = padded.reshape(rows, bn, cols, bk)
-        scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
-        q = (blocks / scale[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-        tensors[name] = q.reshape(rows * bn, cols * bk)[: weight.shape[0], : weight.shape[1]].contiguous()
+        q, scale = quantize_fp8_blocks(weight.float(), *((block, block) if block else (1, weight.shape[1])))
+        tensors[name] = q
         tensors[name.removesuffix("weight") + ("weight_scale_inv" if block else "weight_scale")] = scale
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((model_dir / "config.json").read_text())
@@ -130,13 +125,7 @@ def ensure_fp8_model(model_dir: Path, block: int | None) -> Path:
                                          "modules_to_not_convert": ["lm_head", *(f"model.layers.{i}.mlp.gate"
                                                                                  for i in layers)]}
     else:
-        fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
-        config["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"],
-                                          "weights": {**fp8, "strategy": "channel", "dynamic": False},
-                                          "input_activations": {**fp8, "strategy": "token", "dynamic": True}}},
-            "ignore": ["lm_head", "re:.*mlp.gate$"]}
+        config["quantization_config"] = {**ct_fp8_config("channel", True), "ignore": ["lm_head", "re:.*mlp.gate$"]}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     marker.write_text((model_dir / "bench_spec.json").read_text())
     return out

@@ -38,6 +38,8 @@ class ExpertWeightsLoader:
         self.layers: dict[str, FusedMoE] = {
             name: module for name, module in model.named_modules() if isinstance(module, FusedMoE)
         }
+        # Each layer's stacked parameters by checkpoint suffix, looked up once, not per tensor.
+        self.suffixes = {name: layer.expert_suffixes() for name, layer in self.layers.items()}
         self.num_routed = 0
 
     def route(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -45,7 +47,7 @@ class ExpertWeightsLoader:
             match = _EXPERT_WEIGHT.match(name)
             layer = self.layers.get(match["module"]) if match else None
             shard_id = self.proj_to_shard.get(match["proj"]) if match else None
-            params = layer.expert_suffixes().get(match["suffix"]) if layer is not None else None
+            params = self.suffixes[match["module"]].get(match["suffix"]) if layer is not None else None
             if params is None or shard_id is None:
                 yield name, tensor  # not an expert tensor: AutoWeightsLoader's (or unexpected)
                 continue

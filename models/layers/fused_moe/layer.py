@@ -141,8 +141,9 @@ class FusedMoE(nn.Module):
         """(global expert id, shard id, checkpoint suffix) of every local expert tensor not
         loaded yet."""
         first = self.placement.first_local_expert
+        suffixes = list(self.expert_suffixes())
         return [(first + local, shard, suffix) for local in range(self.placement.num_local_experts)
-                for suffix in self.expert_suffixes() for shard in EXPERT_SHARD_IDS
+                for suffix in suffixes for shard in EXPERT_SHARD_IDS
                 if (local, shard, suffix) not in self._loaded_shards]
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:

@@ -110,12 +110,16 @@ class CompressedTensorsConfig(QuantizationConfig):
                                                                          for t in targets)]
         if specific:
             return specific[0]
-        generic = [g for g, (targets, _) in self.groups.items() if "Linear" in targets]
-        return generic[0] if generic else None
+        return self._linear_group()
+
+    def _linear_group(self) -> str | None:
+        """The first group that targets every Linear (a layer's before it is named, and the
+        experts'), or None."""
+        return next((g for g, (targets, _) in self.groups.items() if "Linear" in targets), None)
 
     def _expert_scheme(self) -> tuple[str | None, CompressedTensorsScheme | None]:
         """The group (and scheme) the experts fall in: the one targeting every Linear."""
-        group = next((g for g, (targets, _) in self.groups.items() if "Linear" in targets), None)
+        group = self._linear_group()
         return group, self.groups[group][1] if group is not None else None
 
     def moe_unsupported_reason(self) -> str | None:
@@ -142,7 +146,7 @@ class CompressedTensorsConfig(QuantizationConfig):
                           packed_modules_mapping: dict[str, tuple[str, str | int]] | None = None
                           ) -> LinearMethodBase | None:
         if not prefix:  # while building: the "Linear" group's, until the layer is named
-            group = next((g for g, (targets, _) in self.groups.items() if "Linear" in targets), None)
+            group = self._linear_group()
             return CompressedTensorsLinearMethod(self.groups[group][1]) if group is not None else None
         parent, _, leaf = prefix.rpartition(".")
         parts = [sub for sub, (fused, _) in (packed_modules_mapping or {}).items() if fused == leaf]
