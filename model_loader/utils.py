@@ -58,13 +58,14 @@ def _select_linear_methods_by_name(model: nn.Module, build_config: LayerBuildCon
     """Ask the quantisation config again for every linear layer, now with its module
     name (layers are built without one): a checkpoint may leave layers unquantised by
     name (compressed-tensors' `ignore`, GPTQ's `modules_to_not_convert`) or quantise
-    them differently (compressed-tensors' config groups). A layer whose answer is not
+    them differently (compressed-tensors' config groups). A layer built with
+    `skip_quantization` (a MoE router) is not asked. A layer whose answer is not
     its current method gets the new one and new, empty parameters (None: the platform's
     unquantised method); nothing is loaded yet, so nothing is lost."""
     quant_config = build_config.quant_config
     packed = getattr(model, "packed_modules_mapping", {})
     for name, module in model.named_modules():
-        if isinstance(module, LinearBase):
+        if isinstance(module, LinearBase) and not module.skip_quantization:
             method = quant_config.get_linear_method(module, name, packed)
             if method is not module.quant_method:
                 module.set_quant_method(method or build_config.unquantized_linear_method())

@@ -51,7 +51,9 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  renormalize: bool, enable_expert_parallel: bool) -> None:
         super().__init__()
-        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
+        # The router stays in full precision whatever the checkpoint's quantisation, as vLLM
+        # builds it (GPTQ and AWQ MoE checkpoints keep it float16 without naming it).
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, skip_quantization=True)
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize,
                                 enable_expert_parallel=enable_expert_parallel, reduce_results=False)
 

@@ -31,9 +31,10 @@ path. Not a test: timings on a shared machine mean little.
 --format fp8: the same model as a native block-fp8 checkpoint (Qwen3-MoE-FP8's layout:
 every attention and expert projection float8_e4m3fn in 128x128 blocks with
 `weight_scale_inv`, routers and LM head bfloat16); --format ct-fp8: as compressed-tensors
-FP8_DYNAMIC (per-channel `weight_scale`, dynamic per-token fp8 activations). Each is
-written once from the bfloat16 one (`ensure_fp8_model`); a side that cannot serve it is
-reported as refused.
+FP8_DYNAMIC (per-channel `weight_scale`, dynamic per-token fp8 activations); --format
+gptq-int4 / ct-w4a16: GPTQ int4 or compressed-tensors W4A16, groups of 128, symmetric.
+Each is written once from the bfloat16 one (`ensure_quantised_model`); a side that cannot
+serve it is reported as refused.
 """
 
 from __future__ import annotations
@@ -93,39 +94,55 @@ def ensure_model(root: Path, spec: dict) -> Path:
     return model_dir
 
 
-def ensure_fp8_model(model_dir: Path, block: int | None) -> Path:
-    """`model_dir`'s checkpoint with its projections quantised to fp8, each block's (or,
-    with `block` None, each output row's) largest magnitude to 448: native fp8 with
-    `block` x `block` blocks, or compressed-tensors FP8_DYNAMIC per channel. Written
-    once beside it."""
-    out = model_dir.with_name(f"{model_dir.name}-{f'fp8b{block}' if block else 'ct-fp8'}")
+QUANTISED_FORMATS = ("fp8", "ct-fp8", "gptq-int4", "ct-w4a16")
+
+
+def ensure_quantised_model(model_dir: Path, fmt: str, quick: bool) -> Path:
+    """`model_dir`'s checkpoint with every attention and expert projection quantised by
+    the test suite's quantisers, routers and LM head left bfloat16; written once beside
+    it. "fp8": native fp8, each 128x128 block's (32x32 with `quick`) largest magnitude to
+    448 (`weight_scale_inv`); "ct-fp8": compressed-tensors FP8_DYNAMIC, per output row;
+    "gptq-int4": GPTQ int4, groups of 128 (32 with `quick`), symmetric, no desc_act (the
+    layout of Qwen's own Qwen3-MoE GPTQ-Int4 checkpoints); "ct-w4a16": compressed-tensors
+    W4A16, groups alike, symmetric (llm-compressor's W4A16 recipe)."""
+    block = 32 if quick else 128
+    out = model_dir.with_name(f"{model_dir.name}-{f'fp8b{block}' if fmt == 'fp8' else fmt}")
     marker = out / "bench_spec.json"
     if marker.is_file() and marker.read_text() == (model_dir / "bench_spec.json").read_text():
         return out
     from safetensors.torch import load_file, save_file
 
-    from tests.test_quant_fp8_checkpoints import ct_fp8_config, quantize_fp8_blocks  # the test suite's quantiser
+    # the test suite's quantisers and configs
+    from tests.test_quant_fp8_checkpoints import ct_fp8_config, quantize_fp8_blocks
+    from tests.wna16_formats import ct_quantization_config, ct_quantizer, gptq_quantizer
 
     print(f"writing {out} ...", flush=True)
     out.mkdir(parents=True, exist_ok=True)
+    group = 32 if quick else 128
+    int4 = {"gptq-int4": gptq_quantizer(4, group, True, False), "ct-w4a16": ct_quantizer(4, group, True)}.get(fmt)
     tensors = {}
     for name, weight in load_file(str(model_dir / "model.safetensors")).items():
         if not name.endswith("_proj.weight"):
             tensors[name] = weight
-            continue
-        q, scale = quantize_fp8_blocks(weight.float(), *((block, block) if block else (1, weight.shape[1])))
-        tensors[name] = q
-        tensors[name.removesuffix("weight") + ("weight_scale_inv" if block else "weight_scale")] = scale
+        elif int4 is not None:
+            module = name.removesuffix(".weight")
+            parts, _ = int4(module, weight.float())
+            tensors.update({f"{module}.{suffix}": t.contiguous() for suffix, t in parts.items()})
+        else:
+            q, scale = quantize_fp8_blocks(weight.float(), *((block, block) if fmt == "fp8" else (1, weight.shape[1])))
+            tensors[name] = q
+            tensors[name.removesuffix("weight") + ("weight_scale_inv" if fmt == "fp8" else "weight_scale")] = scale
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((model_dir / "config.json").read_text())
-    layers = range(config["num_hidden_layers"])
-    if block:
-        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                         "weight_block_size": [block, block],
-                                         "modules_to_not_convert": ["lm_head", *(f"model.layers.{i}.mlp.gate"
-                                                                                 for i in layers)]}
-    else:
-        config["quantization_config"] = {**ct_fp8_config("channel", True), "ignore": ["lm_head", "re:.*mlp.gate$"]}
+    routers = [f"model.layers.{i}.mlp.gate" for i in range(config["num_hidden_layers"])]
+    config["quantization_config"] = {
+        "fp8": lambda: {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                        "weight_block_size": [block, block], "modules_to_not_convert": ["lm_head", *routers]},
+        "ct-fp8": lambda: {**ct_fp8_config("channel", True), "ignore": ["lm_head", "re:.*mlp.gate$"]},
+        "gptq-int4": lambda: {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True, "desc_act": False,
+                              "checkpoint_format": "gptq", "lm_head": False},
+        "ct-w4a16": lambda: ct_quantization_config(4, group, True, ignore=["re:.*mlp.gate$"]),
+    }[fmt]()
     (out / "config.json").write_text(json.dumps(config, indent=2))
     marker.write_text((model_dir / "bench_spec.json").read_text())
     return out
@@ -277,7 +294,7 @@ def main() -> None:
     p.add_argument("--sides", default=",".join(SIDES), help="comma-separated, of " + ", ".join(SIDES))
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="a tiny model and 8 new tokens: a smoke run")
-    p.add_argument("--format", choices=("bf16", "fp8", "ct-fp8"), default="bf16", help="the checkpoint's weights")
+    p.add_argument("--format", choices=("bf16", *QUANTISED_FORMATS), default="bf16", help="the checkpoint's weights")
     p.add_argument("--model-root", default=str(Path.home() / ".cache" / "tp-runtime" / "bench-moe"))
     p.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -309,7 +326,7 @@ def main() -> None:
     max_tokens = 8 if args.quick else 64
     model = ensure_model(Path(args.model_root), spec)
     if args.format != "bf16":
-        model = ensure_fp8_model(model, None if args.format == "ct-fp8" else 32 if args.quick else 128)
+        model = ensure_quantised_model(model, args.format, args.quick)
     workload = {"prompts": random_prompts(NUM_REQUESTS, PROMPT_LEN, spec["vocab_size"]), "max_tokens": max_tokens}
     total = NUM_REQUESTS * max_tokens
     print(f"Qwen3-MoE {spec}, {args.format}; {NUM_REQUESTS} requests x {PROMPT_LEN} prompt + {max_tokens} new "

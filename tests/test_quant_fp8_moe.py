@@ -19,8 +19,9 @@ scales with their rows); under expert parallelism each rank holds whole experts.
 way each rank holds its share of the checkpoint's expert bytes in fp8 with their
 scales, not a float copy. Also: the
 engine's greedy tokens, sleep and wake, the dummy load format, a missing expert scale
-(named), and the refusals: experts in another quantised layout at resolution, blocks
-that split an expert's halves or a rank's slice at build.
+(named), and the refusals: experts in another quantised layout (per-tensor fp8, int8
+W8A8) at resolution, blocks that split an expert's halves or a rank's slice at build.
+GPTQ, AWQ and compressed-tensors int4/int8 experts: tests/test_quant_wna16_moe.py.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import zlib
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -43,6 +45,7 @@ from tests.moe_checkpoints import write_moe_checkpoint
 from tests.quant_checkpoints import assert_engine_greedy_matches, hf_logits
 from tests.quant_tp_helpers import load_case, tp_quant_cases
 from tests.test_quant_fp8_checkpoints import ct_fp8_config, dequantize_fp8_blocks, quantize_fp8_blocks
+from tests.test_quant_w8a8 import w8a8_config
 
 FP8 = torch.float8_e4m3fn
 BLOCK = (16, 16)
@@ -249,12 +252,13 @@ def test_fp8_moe_missing_expert_scale_is_named(fp8_moe: SimpleNamespace) -> None
 
 @pytest.mark.parametrize("fields, needles", [
     ({"weight_block_size": None}, ("quant_method='fp8'", "weight_block_size")),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 32}, ("quant_method='gptq'", "mixture-of-experts")),
+    (w8a8_config(), ("quant_method='compressed-tensors'", "CompressedTensorsW8A8Int8", "mixture-of-experts")),
     (ct_fp8_config("tensor", True), ("quant_method='compressed-tensors'", "strategy 'tensor'", "per-channel or block")),
-], ids=["fp8-per-tensor", "gptq", "ct-fp8-per-tensor"])
+], ids=["fp8-per-tensor", "ct-w8a8-int8", "ct-fp8-per-tensor"])
 def test_quantised_experts_in_other_layouts_are_refused_at_resolution(fp8_moe: SimpleNamespace, fields: dict,
                                                                       needles: tuple[str, ...]) -> None:
-    model = variant(fp8_moe, "refused_" + "_".join(fields)[:40], **fields)
+    # named by the fields' values: two compressed-tensors configs share their keys
+    model = variant(fp8_moe, f"refused_{zlib.crc32(json.dumps(fields, sort_keys=True).encode()):08x}", **fields)
     with pytest.raises(ConfigError) as raised:
         create_engine_config(model=str(model), device="cpu")
     for needle in needles:

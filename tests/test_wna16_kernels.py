@@ -82,6 +82,26 @@ def test_layout_holds_the_weight_and_cpu_paths_compute_x_wt(bits: int, grouping:
                                    rtol=1e-5)
 
 
+@pytest.mark.parametrize("grouping", ["contiguous_g64", "ragged"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gemv_at_every_token_count_and_row_remainder(bits: int, grouping: str) -> None:
+    """The C GEMV for 1-32 tokens (every tile shape of the AVX-512 and AVX2 builds, and
+    their chunks of 4 tokens) over 71 rows (remainders of 2 and 4), against the float64
+    product of the dequantised weight: float32 sums of exact weights (AVX2: of exact
+    q - z, scaled per block)."""
+    kernel = wna16_cpu.load()
+    assert kernel is not None, "the C kernel should build on this machine"
+    k = 320
+    layer, weight = _layer(71, k, bits, GROUPINGS[grouping](k), seed=bits)
+    layout = get_wna16_layout(layer)
+    for m in range(1, 33):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + m))
+        xp = x if layout.input_perm is None else torch.nn.functional.pad(x, (0, 1)).index_select(1, layout.input_perm)
+        expected = (x.double() @ weight.double().t()).float()
+        got = kernel.gemv(xp.contiguous(), layout)
+        torch.testing.assert_close(got, expected, atol=1e-5 * (1 << bits), rtol=1e-5, msg=f"{m} tokens")
+
+
 def test_bias_batch_dims_and_bfloat16_activations() -> None:
     layer, weight = _layer(64, 128, 4, torch.arange(128) // 32)
     x = torch.randn(2, 3, 128)

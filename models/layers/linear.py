@@ -62,11 +62,17 @@ class LinearBase(nn.Module):
         output_size: int,
         bias: bool,
         quant_config: QuantizationConfig | None = None,
+        skip_quantization: bool = False,
     ) -> None:
         super().__init__()
         build_config = get_layer_build_config()
         self.quant_method: LinearMethodBase
-        if quant_config is None:
+        # Never quantised, whatever the checkpoint's config (a MoE router, as in vLLM): the
+        # loader does not ask again by name either (model_loader/utils.py).
+        self.skip_quantization = skip_quantization
+        if skip_quantization:
+            self.quant_method = build_config.unquantized_linear_method()
+        elif quant_config is None:
             self.quant_method = build_config.linear_method(self)
         else:
             self.quant_method = quant_config.get_linear_method(self) or build_config.unquantized_linear_method()
@@ -134,8 +140,8 @@ class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 quant_config: QuantizationConfig | None = None) -> None:
-        super().__init__(input_size, [output_size], input_size, output_size, bias, quant_config)
+                 quant_config: QuantizationConfig | None = None, skip_quantization: bool = False) -> None:
+        super().__init__(input_size, [output_size], input_size, output_size, bias, quant_config, skip_quantization)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         load_whole(param, loaded_weight)

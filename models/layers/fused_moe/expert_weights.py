@@ -2,15 +2,16 @@
 
 Used by a MoE architecture's `load_weights` on every rank: `ExpertWeightsLoader.route`
 wraps the (name, tensor) stream, hands every `<prefix>.experts.<id>.<proj>.<suffix>`
-whose suffix the layer's method holds ("weight"; fp8 also "weight_scale_inv" or "weight_scale")
-to the FusedMoE at `<prefix>.experts` through its `weight_loader(param, tensor,
-weight_name, shard_id, expert_id)`, and passes every other tensor on (to
-AutoWeightsLoader). `finish()` then raises `WeightLoadError` naming every local
-expert tensor the checkpoint lacked, by its checkpoint name, and returns the stacked
-parameters that are complete. A stream with no expert tensor at all (the dummy loader,
-which fills the stacked parameters itself) is not an error here: the loader's strict
-all-parameters check then names each stacked parameter it did not fill. Holds no
-tensor; one instance per load.
+whose suffix the layer's method holds ("weight"; fp8 also "weight_scale_inv" or
+"weight_scale"; int4/int8 "qweight", "scales", ... ) to the FusedMoE at
+`<prefix>.experts` through its `weight_loader(param, tensor, weight_name, shard_id,
+expert_id)`, drops those whose suffix the method ignores (`ignored_expert_suffixes`),
+and passes every other tensor on (to AutoWeightsLoader). `finish()` then raises
+`WeightLoadError` naming every local expert tensor the checkpoint lacked, by its
+checkpoint name, and returns the stacked parameters that are complete. A stream with no
+expert tensor at all (the dummy loader, which fills the stacked parameters itself) is
+not an error here: the loader's strict all-parameters check then names each stacked
+parameter it did not fill. Holds no tensor; one instance per load.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class ExpertWeightsLoader:
         }
         # Each layer's stacked parameters by checkpoint suffix, looked up once, not per tensor.
         self.suffixes = {name: layer.expert_suffixes() for name, layer in self.layers.items()}
+        self.ignored = {name: layer.quant_method.ignored_expert_suffixes for name, layer in self.layers.items()}
         self.num_routed = 0
 
     def route(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -48,6 +50,8 @@ class ExpertWeightsLoader:
             layer = self.layers.get(match["module"]) if match else None
             shard_id = self.proj_to_shard.get(match["proj"]) if match else None
             params = self.suffixes[match["module"]].get(match["suffix"]) if layer is not None else None
+            if params is None and shard_id is not None and match["suffix"] in self.ignored[match["module"]]:
+                continue  # metadata the layer's method does not read (GPTQ's g_idx, a weight_shape)
             if params is None or shard_id is None:
                 yield name, tensor  # not an expert tensor: AutoWeightsLoader's (or unexpected)
                 continue

@@ -2,10 +2,12 @@
 
 Called by `FusedMoE.forward` on every rank (CPU tensors, but for a bf16 decode step's,
 which `cpu_moe.py` computes in one C call; also CUDA where Triton is missing) with this
-rank's stacked expert weights and the routing every rank computed alike. Instead of a loop over tokens, the (token, expert) pairs of the whole batch are
-sorted by expert once; each active expert then gathers its tokens with one
-`index_select`, runs its gate/up GEMM and its down GEMM once over all of them, and the
-routed-weighted rows are scatter-added back into their tokens. The Python loop runs
+rank's stacked expert weights and the routing every rank computed alike; the quantised
+experts' methods (fp8, int4/int8) call `grouped_experts` with their own products.
+Instead of a loop over tokens, the (token, expert) pairs of the whole batch are sorted
+by expert once; each active expert then gathers its tokens with one `index_select`,
+runs its gate/up GEMM and its down GEMM once over all of them, and the routed-weighted
+rows are scatter-added back into their tokens. The Python loop runs
 over the active experts only (at most E per step, usually all of them for a prefill),
 so a step costs 2 GEMMs per active expert whatever its token count.
 

@@ -8,9 +8,11 @@ Parameters (vLLM's names), registered by the layer's `quant_method`
 (`moe_method.py`: the model's quantisation config's `get_moe_method`, else full
 precision): `w13_weight` [num_local_experts, 2*intermediate_per_rank, hidden] holds
 each expert's gate rows (w1) then its up rows (w3); `w2_weight` [num_local_experts,
-hidden, intermediate_per_rank] its down projection; a quantised method adds its scales
-beside them in the same stacked layout (fp8: `w13_weight_scale_inv` and
-`w2_weight_scale_inv`, or `..._weight_scale`, counted in blocks or per output row).
+hidden, intermediate_per_rank] its down projection; a quantised method registers its
+own tensors in the same stacked layout (fp8: these in fp8 with `w13_weight_scale_inv`
+and `w2_weight_scale_inv`, or `..._weight_scale`, counted in blocks or per output row;
+int4/int8: the checkpoint's codes, scales and zero points, repacked after loading,
+quantization/wna16_moe.py).
   - tensor parallelism (default): every rank holds every expert, its intermediate
     dimension sliced like a column-parallel w1/w3 and a row-parallel w2;
   - expert parallelism (`enable_expert_parallel`, EP size = TP size): rank r holds
@@ -109,13 +111,17 @@ class FusedMoE(nn.Module):
         the full checkpoint tensor `weight_name`, narrowed to this rank's slice; a scale
         tensor (`param.expert_block` = (bn, bk), the values one scale covers) is
         [ceil(I/bn), ceil(H/bk)] or [ceil(H/bn), ceil(I/bk)] and is sliced in blocks (a
-        per-channel scale, (1, the whole input), is w2's whole on every rank). A tensor
-        of another rank's expert is ignored (the loader normally never reads it)."""
+        per-channel scale, (1, the whole input), is w2's whole on every rank; packed
+        codes count as blocks of the values one element holds). A tensor stored [in, out]
+        is first turned by the parameter's `expert_transform`. A tensor of another
+        rank's expert is ignored (the loader normally never reads it)."""
         if shard_id not in EXPERT_SHARD_IDS:
             raise WeightLoadError(f"{weight_name!r}: expert shard id {shard_id!r} is not one of {EXPERT_SHARD_IDS}")
         local = self.placement.local_expert_id(expert_id)
         if local is None:
             return
+        if (transform := getattr(param, "expert_transform", None)) is not None:
+            loaded_weight = transform(loaded_weight)  # the checkpoint's [in, out] tensors: see moe_method.py
         block_n, block_k = getattr(param, "expert_block", None) or (1, 1)
         rank = self.tp_rank if self.slice_intermediate else 0
         if shard_id == "w2":

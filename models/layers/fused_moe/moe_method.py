@@ -7,7 +7,10 @@ vLLM's shape (`FusedMoEMethodBase`), as the linear methods' (quantization/base.p
    `expert_suffix` (the checkpoint name's last part: "weight", "weight_scale_inv")
    and, for a scale tensor, `expert_block` = (block_n, block_k), the values one scale
    covers (1 by the whole input per channel): the loader then counts rows and columns
-   in blocks when it takes an expert's slice.
+   in blocks when it takes an expert's slice. A checkpoint tensor stored the other way
+   round (GPTQ's and AWQ's [in, out]) is tagged with `expert_transform` (a transpose),
+   applied before the loader looks at it; several values packed into one element count
+   as a block (eight int4 codes to an int32 along the inputs: (1, 8)).
 2. `process_weights_after_loading(layer)` once every tensor is in place.
 3. `apply(layer, x, topk_weights, topk_ids)` every forward: this rank's partial sum.
 
@@ -21,6 +24,7 @@ sleep mode and memory accounting see them).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,13 +35,16 @@ from models.layers.fused_moe.grouped_moe import grouped_fused_experts
 
 
 def expert_parameter(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype, suffix: str,
-                     block: tuple[int, int] | None = None) -> nn.Parameter:
+                     block: tuple[int, int] | None = None,
+                     transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> nn.Parameter:
     """Register a frozen, uninitialised stacked expert tensor `name` on `layer`, loaded
-    by `layer.weight_loader` from the checkpoint tensors ending in `.<suffix>`."""
+    by `layer.weight_loader` from the checkpoint tensors ending in `.<suffix>` (each
+    passed through `transform` first, when given)."""
     param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     param.weight_loader = layer.weight_loader
     param.expert_suffix = suffix
     param.expert_block = block
+    param.expert_transform = transform
     layer.register_parameter(name, param)
     return param
 
@@ -48,6 +55,10 @@ class FusedMoEMethodBase(ABC):
     #: Whether `apply` can be captured in a CUDA graph (no host read of device values);
     #: worker/cuda_graph.py captures nothing for a model holding a layer that cannot.
     supports_cuda_graphs: bool = True
+    #: Per-expert checkpoint tensors the method reads nothing from, dropped by the loader
+    #: (fused_moe/expert_weights.py): GPTQ's g_idx without act-order, compressed-tensors'
+    #: weight_shape.
+    ignored_expert_suffixes: tuple[str, ...] = ()
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, num_local_experts: int, hidden_size: int,

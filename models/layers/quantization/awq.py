@@ -17,7 +17,8 @@ The config comes from config.json's `quantization_config` or AutoAWQ's quant_con
 (`w_bit`, `q_group_size`, `zero_point`, `version`). Refused (ValueError naming
 `quantization_config.<field>` and the value): bits other than 4, group sizes that are
 not -1 or a multiple of 32, `zero_point` false (the zero points would be missing), a
-`version` other than "gemm" (GEMV, Marlin and exllama layouts).
+`version` other than "gemm" (GEMV, Marlin and exllama layouts). A mixture-of-experts
+checkpoint's experts are int4 too (wna16_moe.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from models.layers.quantization.wna16 import (
     plan_groups,
     unpack_int32,
 )
+from models.layers.quantization.wna16_moe import WNA16ExpertFormat, WNA16MoEMethod
 
 PACK = 8  # int4 values per int32
 _CHECKPOINT_PARAMS = ("qweight", "qzeros", "scales")
@@ -105,6 +107,13 @@ class AWQConfig(WNA16Config):
             raise ValueError(f"quantization_config.version={version!r} is not supported; supported: 'gemm'")
         skip = cls.parse_modules_to_not_convert(q)
         return cls(group_size, skip)
+
+    def moe_unsupported_reason(self) -> str | None:
+        return None
+
+    def get_moe_method(self, layer: nn.Module) -> Any:
+        """int4 experts in AWQ's tensors (wna16_moe.WNA16MoEMethod)."""
+        return WNA16MoEMethod(WNA16ExpertFormat.awq(), 4, self.group_size, "quantization_config.group_size")
 
     def __repr__(self) -> str:
         return f"AWQConfig(group_size={self.group_size})"

@@ -24,7 +24,8 @@ inputs are sorted by group once (and the activations gathered to match per call)
 Refused (ValueError naming `quantization_config.<field>` and the value, a ConfigError
 at resolution): bits other than 4 and 8, group sizes that are not -1 or a multiple of
 32, `checkpoint_format` other than gptq/gptq_v2 (marlin, ...), `is_marlin_format`, a
-quantised `lm_head`, per-module `dynamic` overrides.
+quantised `lm_head`, per-module `dynamic` overrides. A mixture-of-experts checkpoint's
+experts are int4/int8 too (wna16_moe.py), without desc_act (refused at resolution).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from models.layers.quantization.wna16 import (
     plan_groups,
     unpack_int32,
 )
+from models.layers.quantization.wna16_moe import WNA16ExpertFormat, WNA16MoEMethod
 
 CHECKPOINT_FORMATS = {"gptq": 1, "gptq_v2": 0}  # format -> what to add to the stored zero point
 _CHECKPOINT_PARAMS = ("qweight", "qzeros", "scales", "g_idx")
@@ -127,6 +129,20 @@ class GPTQConfig(WNA16Config):
                              "supported")
         skip = cls.parse_modules_to_not_convert(q)
         return cls(bits, group_size, bool(q.get("desc_act", False)), fmt, skip)
+
+    def moe_unsupported_reason(self) -> str | None:
+        if self.desc_act:
+            return ("quantization_config.desc_act=True: act-order (g_idx) experts are not supported; int4/int8 "
+                    "experts are served without desc_act")
+        return None
+
+    def get_moe_method(self, layer: nn.Module) -> Any:
+        """int4/int8 experts in GPTQ's tensors (wna16_moe.WNA16MoEMethod); None with
+        desc_act (refused at resolution: `moe_unsupported_reason`)."""
+        if self.desc_act:
+            return None
+        return WNA16MoEMethod(WNA16ExpertFormat.gptq(CHECKPOINT_FORMATS[self.checkpoint_format]), self.bits,
+                              self.group_size, "quantization_config.group_size")
 
     def __repr__(self) -> str:
         return (f"GPTQConfig(bits={self.bits}, group_size={self.group_size}, desc_act={self.desc_act}, "

@@ -12,7 +12,8 @@ KV-cache scheme, sparsity, output activations, a quantisation status other than
 compressed/frozen. A mixture-of-experts checkpoint's experts take the scheme of the
 group that targets every Linear, served where it is FP8 per channel or in blocks
 (fp8_moe.Fp8MoEMethod, `weight_scale`: llm-compressor's FP8_DYNAMIC and FP8_BLOCK MoE
-checkpoints) and refused otherwise.
+checkpoints) or W4A16/W8A16 without act-order (wna16_moe.WNA16MoEMethod), and refused
+otherwise.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from torch import nn
 
 from models.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from models.layers.quantization.compressed_tensors.schemes import CompressedTensorsScheme, get_scheme
+from models.layers.quantization.compressed_tensors.schemes.wna16 import CompressedTensorsWNA16
 from models.layers.quantization.fp8_moe import Fp8MoEMethod
+from models.layers.quantization.wna16_moe import WNA16ExpertFormat, WNA16MoEMethod
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 
@@ -124,20 +127,30 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     def moe_unsupported_reason(self) -> str | None:
         group, scheme = self._expert_scheme()
+        if isinstance(scheme, CompressedTensorsWNA16):
+            if scheme.has_g_idx:
+                return (f"config_groups.{group}.weights.actorder='group': act-order (g_idx) experts are not "
+                        "supported")
+            return None
         method = getattr(scheme, "method", None)
         if getattr(method, "strategy", None) in ("channel", "block"):
             return None
         what = (f"config_groups.{group} is {type(scheme).__name__} with strategy "
                 f"{getattr(method, 'strategy', None)!r}" if group is not None else "no config group targets 'Linear'")
-        return f"{what}; experts are served as fp8 with per-channel or block scales only"
+        return (f"{what}; experts are served as fp8 with per-channel or block scales, or as int4/int8 weight-only "
+                "(pack-quantized) only")
 
     def get_moe_method(self, layer: nn.Module) -> Any:
-        """fp8 experts (per channel or blocks, `weight_scale`) from the group targeting
-        every Linear; None where `moe_unsupported_reason` gives a reason (refused at
-        resolution)."""
+        """The experts' method for the group targeting every Linear: int4/int8
+        weight-only (wna16_moe.WNA16MoEMethod) or fp8 per channel or in blocks
+        (fp8_moe.Fp8MoEMethod, `weight_scale`); None where `moe_unsupported_reason` gives
+        a reason (refused at resolution)."""
         if self.moe_unsupported_reason() is not None:
             return None
         group, scheme = self._expert_scheme()
+        if isinstance(scheme, CompressedTensorsWNA16):
+            return WNA16MoEMethod(WNA16ExpertFormat.compressed_tensors(scheme.symmetric), scheme.bits,
+                                  scheme.group_size, f"config_groups.{group}.weights.group_size")
         method = scheme.method
         return Fp8MoEMethod(method.strategy, method.block, "weight_scale",
                             f"config_groups.{group}.weights.block_structure")

@@ -1,7 +1,8 @@
 """The WNA16 forward: `apply_wna16(layer, x, bias)` reads the layer's WNA16 layout
 (kernels/wna16_layout.py) with the CPU kernels (kernels/wna16_cpu.py) or, on CUDA, the
-Triton kernel (kernels/wna16_triton.py); `dequantize_wna16` rebuilds a whole weight for
-tests. Above the layout and both kernels, which import only the layout.
+Triton kernel (kernels/wna16_triton.py), through `wna16_linear(x, layout)`, which also
+computes one expert of a FusedMoE; `dequantize_wna16` rebuilds a whole weight for tests.
+Above the layout and both kernels, which import only the layout.
 """
 
 from __future__ import annotations
@@ -28,12 +29,23 @@ def dequantize_wna16(layout: WNA16Layout) -> torch.Tensor:
 
 
 def apply_wna16(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x W^T (+ bias) from the layer's WNA16 layout, in x's dtype; the products in
-    float32 (bfloat16 activations over 8 tokens: bfloat16 tiles of W on the CPU).
-    Called from the layer's forward on every rank."""
+    """y = x W^T (+ bias) from the layer's WNA16 layout (`wna16_linear`). Called from the
+    layer's forward on every rank."""
     layout = get_wna16_layout(layer)
     if layout is None:
         raise RuntimeError(f"{type(layer).__name__}: quantised weights used before process_weights_after_loading")
+    y = wna16_linear(x, layout)
+    if bias is not None:
+        y += bias
+    return y
+
+
+def wna16_linear(x: torch.Tensor, layout: WNA16Layout) -> torch.Tensor:
+    """y = x W^T for x [..., K] in x's dtype; the products in float32 (bfloat16
+    activations over 8 tokens: bfloat16 tiles of W on the CPU). The Triton kernel on
+    CUDA, the CPU kernels (`wna16_cpu.wna16_matmul`) otherwise; the activations'
+    columns gathered into the layout's input order where it has one. Also one
+    expert's product in a FusedMoE (quantization/wna16_moe.py)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x.is_cuda:
         from models.layers.quantization.kernels.wna16_triton import wna16_matmul_triton
@@ -44,7 +56,4 @@ def apply_wna16(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) ->
         if layout.input_perm is not None:
             xq = F.pad(xq, (0, 1)).index_select(1, layout.input_perm)
         y = wna16_cpu.wna16_matmul(xq.contiguous(), layout, wna16_cpu.load())
-    y = y.to(x.dtype)
-    if bias is not None:
-        y += bias
-    return y.reshape(*x.shape[:-1], layout.out_features)
+    return y.to(x.dtype).reshape(*x.shape[:-1], layout.out_features)

@@ -9,7 +9,8 @@
  *            with g = block_group[k / 32] (every block lies in one group).
  *
  * Every decoder gives (q - z) * s with q - z exact: one float32 rounding per weight, the
- * same value on every path. Static inline: each includer compiles its own copy. */
+ * same value on every path (wna16_cpu.c's AVX2 GEMV, which decodes its own way, applies s
+ * to each block's sum instead). Static inline: each includer compiles its own copy. */
 #ifndef WNA16_BLOCKS_H
 #define WNA16_BLOCKS_H
 

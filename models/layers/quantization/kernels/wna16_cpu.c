@@ -3,7 +3,9 @@
  *
  * wna16_gemv: y[m, n] = sum_k x[m, k] w[n, k] for a few tokens (decode): each block is
  * decoded once into registers and used for every token of the tile, so the weight is
- * streamed once per call at its packed size. wna16_gemv_int4_bf16: the same for int4
+ * streamed once per call at its packed size; tiles for AVX-512 and for AVX2 (whose build
+ * rearranges x to the order its decoding gives the inputs in), a portable loop
+ * elsewhere. wna16_gemv_int4_bf16: the same for int4
  * weights and bfloat16 tokens, by bfloat16 dot products (AVX-512 BF16). Larger batches
  * dequantise tiles (wna16_dequant.c) for a GEMM.
  *
@@ -62,9 +64,119 @@ INLINE void tile(int bits, const uint8_t *wq, int64_t row_bytes, const void *sca
             y[t * ldy + n0 + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]));
 }
 
-#define TILE_CASE(NR, MT) \
-    tile(bits, wq, row_bytes, scales, scale_dtype, zeros, block_group, n, NR, kp, g_count, x, ldx, MT, y, ldy)
+#elif defined(__AVX2__)
+/* The same tile with AVX2 (no AVX-512: Zen 3, older Intel), without widening shuffles: a
+ * block's 16 (int4) or 32 (int8) bytes are broadcast to both halves of a vector and each
+ * 32-bit lane shifted by its own count (vpsrlvd) and masked to one code, so the lanes
+ * hold the block's inputs in the order X_ORDER, in which the caller has laid out x
+ * (`permute_x`). Each (row, token) sums (q - z) x over the block (q - z exact) and adds
+ * that sum times the block's scale to its accumulator: the scale is applied per block,
+ * not per weight, which saves a multiply per 8 weights and rounds differently from the
+ * AVX-512 tile (float32 either way). Tiles of NR * MT <= 4 keep the accumulators, the
+ * shift counts and the rows' scales and zero points in the 16 registers (tiles of up to 4
+ * rows spilled accumulators: 1.1-1.2x slower at 1-2 tokens). On the Zen 3 VM, 2026-12-06,
+ * 2.0-2.3x the portable loop it replaces (docs/benchmarks.md). */
+static const int32_t X_ORDER[BLOCK] = {0,  4,  8,  12, 1,  5,  9,  13, 2,  6,  10, 14, 3,  7,  11, 15,
+                                       16, 20, 24, 28, 17, 21, 25, 29, 18, 22, 26, 30, 19, 23, 27, 31};
 
+INLINE __m256 sum8(__m256 v) { /* the 8 lanes' sum, in a fixed order */
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm256_castps128_ps256(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+/* Lanes 0-3 shifted by `lo`, 4-7 by `hi`. */
+INLINE __m256i shifts(int lo, int hi) { return _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi); }
+
+/* Vector i (0..3) of block b of a row: its codes minus the zero point `zf`, as floats. */
+INLINE __m256 codes_minus_zero(const int BITS, const uint8_t *row, int64_t b, int i, __m256 zf) {
+    __m256i v, shift;
+    if (BITS == 4) {
+        v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(row + b * 16)));
+        shift = i == 0 ? shifts(0, 8) : i == 1 ? shifts(16, 24) : i == 2 ? shifts(4, 12) : shifts(20, 28);
+    } else {
+        v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(row + b * BLOCK + 16 * (i >> 1))));
+        shift = i & 1 ? shifts(16, 24) : shifts(0, 8);
+    }
+    const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(v, shift), _mm256_set1_epi32(BITS == 4 ? 15 : 255));
+    return _mm256_sub_ps(_mm256_cvtepi32_ps(q), zf);
+}
+
+INLINE void tile(const int BITS, const uint8_t *wq, int64_t row_bytes, const void *scales, int scale_dtype,
+                 const uint8_t *zeros,
+                 const int32_t *block_group, int64_t n0, const int NR, int64_t kp, int64_t g_count, const float *x,
+                 int64_t ldx, const int MT, float *y, int64_t ldy) {
+    __m256 acc[2][TOKENS], sv[2], zf[2];
+    for (int r = 0; r < NR; ++r) {
+        sv[r] = zf[r] = _mm256_setzero_ps();
+        for (int t = 0; t < MT; ++t) acc[r][t] = _mm256_setzero_ps();
+    }
+    const int64_t blocks = kp / BLOCK;
+    int32_t current = -1;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int32_t g = block_group[b];
+        if (g != current) {
+            current = g;
+            for (int r = 0; r < NR; ++r) {
+                sv[r] = _mm256_set1_ps(load_scale(scales, (n0 + r) * g_count + g, scale_dtype));
+                zf[r] = _mm256_set1_ps((float)zeros[(n0 + r) * g_count + g]);
+            }
+        }
+        for (int r = 0; r < NR; ++r) {
+            const uint8_t *row = wq + (n0 + r) * row_bytes;
+            __m256 part[TOKENS];
+            for (int i = 0; i < 4; ++i) {
+                const __m256 w = codes_minus_zero(BITS, row, b, i, zf[r]);
+                for (int t = 0; t < MT; ++t) {
+                    const __m256 xv = _mm256_loadu_ps(x + t * ldx + b * BLOCK + 8 * i);
+                    part[t] = i == 0 ? _mm256_mul_ps(w, xv) : _mm256_fmadd_ps(w, xv, part[t]);
+                }
+            }
+            for (int t = 0; t < MT; ++t) acc[r][t] = _mm256_fmadd_ps(part[t], sv[r], acc[r][t]);
+        }
+    }
+    for (int r = 0; r < NR; ++r)
+        for (int t = 0; t < MT; ++t) y[t * ldy + n0 + r] = _mm256_cvtss_f32(sum8(acc[r][t]));
+}
+
+/* x [m, kp] (row stride ldx) with each block's inputs in X_ORDER, into xp [m, kp]. */
+static void permute_x(const float *x, int64_t ldx, int64_t m, int64_t kp, float *xp) {
+    for (int64_t t = 0; t < m; ++t)
+        for (int64_t b = 0; b < kp / BLOCK; ++b)
+            for (int j = 0; j < BLOCK; ++j) xp[t * kp + b * BLOCK + j] = x[t * ldx + b * BLOCK + X_ORDER[j]];
+}
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+/* bits as a constant (4 or 8), so each tile's decoding is compiled without a branch */
+#define TILE_CASE(NR, MT)                                                                                      \
+    (bits == 4 ? tile(4, wq, row_bytes, scales, scale_dtype, zeros, block_group, n, NR, kp, g_count, x, ldx, MT, \
+                      y, ldy)                                                                                  \
+               : tile(8, wq, row_bytes, scales, scale_dtype, zeros, block_group, n, NR, kp, g_count, x, ldx, MT, \
+                      y, ldy))
+
+#if !defined(__AVX512F__)
+/* AVX2: pairs of rows against 1 or 2 tokens, single rows against 3 or 4. */
+static void rows_tile(int bits, const uint8_t *wq, int64_t row_bytes, const void *scales, int scale_dtype,
+                      const uint8_t *zeros, const int32_t *block_group, int64_t n, int nr, int64_t kp,
+                      int64_t g_count, const float *x, int64_t ldx, int mt, float *y, int64_t ldy) {
+    if (mt <= 2) {
+        for (; nr >= 2; nr -= 2, n += 2) {
+            if (mt == 1) TILE_CASE(2, 1);
+            else TILE_CASE(2, 2);
+        }
+        if (nr == 1) {
+            if (mt == 1) TILE_CASE(1, 1);
+            else TILE_CASE(1, 2);
+        }
+        return;
+    }
+    for (; nr > 0; --nr, ++n) {
+        if (mt == 3) TILE_CASE(1, 3);
+        else TILE_CASE(1, 4);
+    }
+}
+#else
 static void rows_tile(int bits, const uint8_t *wq, int64_t row_bytes, const void *scales, int scale_dtype,
                  const uint8_t *zeros,
                       const int32_t *block_group, int64_t n, int nr, int64_t kp, int64_t g_count, const float *x,
@@ -88,6 +200,7 @@ static void rows_tile(int bits, const uint8_t *wq, int64_t row_bytes, const void
         default: TILE_CASE(1, 4); break;
         }
 }
+#endif
 #else
 /* Portable: one row against up to TOKENS tokens, a block decoded into 32 floats at a time. */
 static void rows_tile(int bits, const uint8_t *wq, int64_t row_bytes, const void *scales, int scale_dtype,
@@ -114,13 +227,21 @@ static void rows_tile(int bits, const uint8_t *wq, int64_t row_bytes, const void
 }
 #endif
 
-/* y [M, N] (row stride ldy) = x [M, Kp] (row stride ldx, float32) times w^T. Returns 0. */
+/* y [M, N] (row stride ldy) = x [M, Kp] (row stride ldx, float32) times w^T. Returns 0,
+ * or 1 when the AVX2 build's scratch (x rearranged, 4 bytes an input a token) could not
+ * be allocated (nothing computed). */
 int wna16_gemv(int bits, const uint8_t *wq, const void *scales, int scale_dtype,
                  const uint8_t *zeros, const int32_t *block_group,
                int64_t n_rows, int64_t kp, int64_t g_count, const float *x, int64_t ldx, int64_t m, float *y,
                int64_t ldy, int num_threads) {
     const int64_t row_bytes = kp * bits / 8;
     const int64_t quads = (n_rows + 3) / 4;
+#if !defined(__AVX512F__) && defined(__AVX2__)
+    float *xp = malloc((size_t)(m * kp) * sizeof(float));
+    if (xp == NULL) return 1;
+    permute_x(x, ldx, m, kp, xp);
+    x = xp, ldx = kp;
+#endif
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n_rows * kp >= (1 << 15))
     for (int64_t q = 0; q < quads; ++q) {
         const int64_t n = 4 * q;
@@ -131,6 +252,9 @@ int wna16_gemv(int bits, const uint8_t *wq, const void *scales, int scale_dtype,
                       ldx, mt, y + t0 * ldy, ldy);
         }
     }
+#if !defined(__AVX512F__) && defined(__AVX2__)
+    free(xp);
+#endif
     return 0;
 }
 

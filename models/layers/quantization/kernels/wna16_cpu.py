@@ -5,9 +5,10 @@ the tiles; both decode blocks with `wna16_blocks.h`), and their torch fallback.
 (models/layers/quantization/kernels/wna16_layout.py) without ever dequantising the
 whole weight:
 
-- a few tokens (decode: up to 6-16, `GEMV_MAX_TOKENS`): the C GEMVs decode each 32-input
-  block into registers once and multiply it with every token, so a step streams the
-  weight at its packed size (0.5 byte a weight for int4) instead of bfloat16's 2; for
+- a few tokens (decode: up to 6-16 with AVX-512, 24-32 with AVX2: `gemv_max_tokens`):
+  the C GEMVs decode each 32-input block into registers once and multiply it with every
+  token, so a step streams the weight at its packed size (0.5 byte a weight for int4)
+  instead of bfloat16's 2; for
   bfloat16 tokens on an AVX512-BF16 CPU (a bfloat16 model's decode) int4 codes go
   straight into bfloat16 dot products (`gemv_bf16`), about half the instructions of
   the float32 GEMV;
@@ -54,10 +55,14 @@ LINK_LIBS = ("-lm",)
 # 1 token, 5.2 ms for 8). Keyed by the tiles' dtype (`tile_dtype`): float32 tiles run
 # float32's slower GEMM, so the float32 GEMV is kept longer where the tiles would be
 # float32 (float32 tokens, and bfloat16 ones where bfloat16 tiles have no fast GEMM). On
-# the Zen 3 VM (AVX2, 2026-12-06) the float32 GEMV and bfloat16 tiles with the AVX2 GEMM
-# meet at 6-8 tokens of a 4096x1024 or 1024x4096 int4 weight (1.3-1.6 ms), as here.
+# AVX2 builds (no AVX-512F) have their own GEMV tile (wna16_cpu.c), 2.0-2.3x the portable
+# loop they had at 1-2 tokens: on the Zen 3 VM, 2026-12-06, with bfloat16 tokens of int4
+# weights in groups of 128 (1536x1024, 1024x768, 4096x1024, 1024x4096), it takes 0.80-1.03x
+# the time of bfloat16 tiles with the AVX2 GEMM at 24 tokens and 1.04-1.27x at 32; float32
+# tiles (torch's GEMM) take 1.1-2.0x the GEMV's time at 32 tokens.
 BF16_DOT_MAX_TOKENS = 16
 GEMV_MAX_TOKENS = {torch.bfloat16: 6, torch.float32: 8}
+AVX2_GEMV_MAX_TOKENS = {torch.bfloat16: 24, torch.float32: 32}
 SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C kernel's scale_dtype
 _TILE_BYTES = 4 << 20  # float32 scratch per dequantised tile of rows
 
@@ -79,13 +84,16 @@ class Wna16Kernel:
         self.has_bf16_gemv = bool(lib.wna16_has_gemv_int4_bf16())
 
     def gemv(self, x: torch.Tensor, layout: WNA16Layout) -> torch.Tensor:
-        """x [M, Kp] float32, rows contiguous -> y [M, N] float32."""
+        """x [M, Kp] float32, rows contiguous -> y [M, N] float32. MemoryError if the AVX2
+        build's scratch (x rearranged, 4 bytes an input a token) cannot be allocated."""
         n, kp = layout.out_features, layout.padded_in_features
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        self._gemv(layout.bits, layout.qweight.data_ptr(), layout.scales.data_ptr(),
-                   SCALE_DTYPES[layout.scales.dtype], layout.zeros.data_ptr(),
-                   layout.block_group.data_ptr(), n, kp, layout.scales.shape[1], x.data_ptr(), x.stride(0),
-                   x.shape[0], y.data_ptr(), y.stride(0), torch.get_num_threads())
+        status = self._gemv(layout.bits, layout.qweight.data_ptr(), layout.scales.data_ptr(),
+                            SCALE_DTYPES[layout.scales.dtype], layout.zeros.data_ptr(),
+                            layout.block_group.data_ptr(), n, kp, layout.scales.shape[1], x.data_ptr(), x.stride(0),
+                            x.shape[0], y.data_ptr(), y.stride(0), torch.get_num_threads())
+        if status:
+            raise MemoryError("int4/int8 GEMV could not allocate its scratch")
         return y
 
     def gemv_bf16(self, x: torch.Tensor, layout: WNA16Layout) -> torch.Tensor | None:
@@ -152,12 +160,20 @@ def _half_gemm() -> str:
     return "avx2" if widens_half_dtype(torch.bfloat16) else "none"
 
 
+@functools.cache
+def gemv_max_tokens() -> dict[torch.dtype, int]:
+    """Up to how many tokens the float32 GEMV beats tiles of each dtype on this CPU (whose
+    instructions the kernels are built for): AVX2_GEMV_MAX_TOKENS without AVX-512F, else
+    GEMV_MAX_TOKENS."""
+    return GEMV_MAX_TOKENS if cpu_sgemm.cpu_has_avx512() else AVX2_GEMV_MAX_TOKENS
+
+
 def wna16_matmul(x: torch.Tensor, layout: WNA16Layout, kernel: Wna16Kernel | None) -> torch.Tensor:
     """y [M, N] = x [M, Kp] (float32 or bfloat16, contiguous, already in the layout's input
     order) times W^T; float32 from the GEMVs, `tile_dtype(x.dtype)` from the tiles.
     `kernel` None: torch only. bfloat16 x of up to BF16_DOT_MAX_TOKENS tokens: the
-    bfloat16-dot GEMV (int4, AVX512-BF16); else up to GEMV_MAX_TOKENS[tile dtype] tokens
-    the float32 GEMV; above, tiles of W in `tile_dtype` (bfloat16 tiles for bfloat16 x
+    bfloat16-dot GEMV (int4, AVX512-BF16); else up to `gemv_max_tokens()[tile dtype]`
+    tokens the float32 GEMV; above, tiles of W in `tile_dtype` (bfloat16 tiles for bfloat16 x
     where they have a fast GEMM: the weight rounded to bfloat16, as a bfloat16 model's
     weights are), at most `_TILE_BYTES` (or 64 rows) of scratch."""
     m = x.shape[0]
@@ -166,7 +182,8 @@ def wna16_matmul(x: torch.Tensor, layout: WNA16Layout, kernel: Wna16Kernel | Non
         if y is not None:
             return y
     # (the tile dtype, a few microseconds to ask, only where the two limits disagree)
-    if kernel is not None and (m <= min(GEMV_MAX_TOKENS.values()) or m <= GEMV_MAX_TOKENS[tile_dtype(x.dtype)]):
+    limits = gemv_max_tokens()
+    if kernel is not None and (m <= min(limits.values()) or m <= limits[tile_dtype(x.dtype)]):
         return kernel.gemv(x.to(torch.float32), layout)
     n, kp = layout.out_features, layout.padded_in_features
     dtype = tile_dtype(x.dtype)

@@ -25,6 +25,10 @@ in any of the global groups, pads each group it holds to whole blocks (at most 3
 codes a group). `Kp` is therefore K, except on such a shard: there, with groups of 128
 split over 2 ranks, about 1.25 K; with groups of 32, nearly 2 K.
 
+A FusedMoE's int4/int8 experts (quantization/wna16_moe.py) hold the same tensors stacked
+over the experts, [E, N, ...] (`build_wna16_tensors`, `WNA16Tensors`), one block_group and
+input_perm serving them all; `WNA16Tensors.layout(e)` is expert e's WNA16Layout.
+
 The kernels that read it (kernels/wna16_cpu.py, kernels/wna16_triton.py) import this
 module, and the forward that picks one (kernels/wna16_apply.py's `apply_wna16`) imports
 them all: this module imports none of them.
@@ -61,6 +65,25 @@ class WNA16Layout:
     @property
     def padded_in_features(self) -> int:
         return self.block_group.numel() * BLOCK
+
+
+@dataclass(frozen=True)
+class WNA16Tensors:
+    """E weights of one shape in the layout, stacked: qweight [E, N, Kp * bits / 8],
+    scales and zeros [E, N, G]; one block_group and input_perm serve all of them."""
+
+    bits: int
+    in_features: int
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    block_group: torch.Tensor
+    input_perm: torch.Tensor | None
+
+    def layout(self, index: int) -> WNA16Layout:
+        """Weight `index`'s layout: views of the stacked tensors, nothing copied."""
+        return WNA16Layout(self.bits, self.in_features, self.qweight[index], self.scales[index], self.zeros[index],
+                           self.block_group, self.input_perm)
 
 
 def _input_order(input_groups: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -107,15 +130,17 @@ def _pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, kp // 2).contiguous()
 
 
-def set_wna16_layout(layer: nn.Module, bits: int, codes_rows: Callable[[int, int], torch.Tensor],
-                     scales: torch.Tensor, zeros: torch.Tensor, input_groups: torch.Tensor,
-                     checkpoint_params: Iterable[str]) -> None:
-    """Replace `layer`'s checkpoint parameters (`checkpoint_params`, deleted) by the WNA16
-    layout's buffers. `codes_rows(a, b)` gives output rows [a, b) of the codes, [b - a, K]
-    integers in [0, 2^bits), inputs in the activations' order; `scales`/`zeros` are
-    [N, G] (float; integers in [0, 2^bits] or 255 for 8-bit) for the groups the ids in
-    `input_groups` [K] name (global ids: only the groups present are kept). Peak extra
-    memory: the new layout plus one chunk of codes."""
+def build_wna16_tensors(bits: int, codes_rows: Callable[[int, int, int], torch.Tensor], scales: torch.Tensor,
+                        zeros: torch.Tensor, input_groups: torch.Tensor) -> WNA16Tensors:
+    """The layout's tensors for E weights of one shape stacked ([E, N, ...]: a FusedMoE's
+    experts; E = 1 for a linear layer). `codes_rows(e, a, b)` gives output rows [a, b)
+    of weight e's codes, [b - a, K] integers in [0, 2^bits), inputs in the activations'
+    order; `scales`/`zeros` are [E, N, G] (float; integers in [0, 2^bits] or 255 for
+    8-bit) for the groups the ids in `input_groups` [K] name (global ids: only the groups
+    present are kept; one input order serves every weight). The scales of all E take one
+    dtype (`compact_scales` over the stack). Built on `scales`' device. ValueError for
+    other bit widths, zero points outside [0, 255] or codes of the wrong shape. Peak
+    extra memory: the new tensors plus one chunk of codes."""
     if bits not in (4, 8):
         raise ValueError(f"the WNA16 layout holds 4- or 8-bit codes, not {bits}")
     k = input_groups.numel()
@@ -123,27 +148,41 @@ def set_wna16_layout(layer: nn.Module, bits: int, codes_rows: Callable[[int, int
     perm, block_group, present = _input_order(input_groups.cpu())
     perm = None if perm is None else perm.to(device)
     block_group, present = block_group.to(device), present.to(device)
-    n = scales.shape[0]
-    scales = compact_scales(scales.index_select(1, present))
-    zeros = zeros.to(device).index_select(1, present)
+    num, n = scales.shape[0], scales.shape[1]
+    scales = compact_scales(scales.index_select(2, present))
+    zeros = zeros.to(device).index_select(2, present)
     if int(zeros.min()) < 0 or int(zeros.max()) > 255:
         raise ValueError(f"zero points outside [0, 255] for {bits}-bit codes")
     zeros = zeros.to(torch.uint8).contiguous()
     kp = block_group.numel() * BLOCK
-    qweight = torch.empty(n, kp * bits // 8, dtype=torch.uint8, device=device)
-    for start in range(0, n, _ROWS_PER_CHUNK):
-        stop = min(n, start + _ROWS_PER_CHUNK)
-        codes = codes_rows(start, stop)
-        if codes.shape != (stop - start, k):
-            raise ValueError(f"codes of shape {tuple(codes.shape)} for rows [{start}, {stop}) of a [{n}, {k}] weight")
-        if perm is not None:
-            codes = F.pad(codes, (0, 1)).index_select(1, perm)
-        qweight[start:stop] = _pack_codes(codes, bits)
+    qweight = torch.empty(num, n, kp * bits // 8, dtype=torch.uint8, device=device)
+    for e in range(num):
+        for start in range(0, n, _ROWS_PER_CHUNK):
+            stop = min(n, start + _ROWS_PER_CHUNK)
+            codes = codes_rows(e, start, stop)
+            if codes.shape != (stop - start, k):
+                raise ValueError(f"codes of shape {tuple(codes.shape)} for rows [{start}, {stop}) of a [{n}, {k}] "
+                                 "weight")
+            if perm is not None:
+                codes = F.pad(codes, (0, 1)).index_select(1, perm)
+            qweight[e, start:stop] = _pack_codes(codes, bits)
+    return WNA16Tensors(bits, k, qweight, scales, zeros, block_group, perm)
+
+
+def set_wna16_layout(layer: nn.Module, bits: int, codes_rows: Callable[[int, int], torch.Tensor],
+                     scales: torch.Tensor, zeros: torch.Tensor, input_groups: torch.Tensor,
+                     checkpoint_params: Iterable[str]) -> None:
+    """Replace `layer`'s checkpoint parameters (`checkpoint_params`, deleted) by the WNA16
+    layout's buffers: `build_wna16_tensors` for one weight, `codes_rows(a, b)` its rows
+    and `scales`/`zeros` [N, G]."""
+    built = build_wna16_tensors(bits, lambda _, a, b: codes_rows(a, b), scales.unsqueeze(0), zeros.unsqueeze(0),
+                                input_groups)
     for name in checkpoint_params:
         if hasattr(layer, name):
             delattr(layer, name)
-    layer.wna16_bits, layer.wna16_in_features = bits, k
-    for name, value in zip(_BUFFERS, (qweight, scales, zeros, block_group, perm)):
+    layer.wna16_bits, layer.wna16_in_features = bits, built.in_features
+    for name, value in zip(_BUFFERS, (built.qweight[0], built.scales[0], built.zeros[0], built.block_group,
+                                      built.input_perm)):
         layer.register_buffer(name, value)
 
 
