@@ -35,6 +35,7 @@ from models.errors import UnsupportedArchitectureError, WeightLoadError
 GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
 # Architectures whose q/k rows llama.cpp's convert_hf_to_gguf.py permutes.
 _PERMUTED_QK_ARCHS = frozenset({"llama"})
@@ -47,6 +48,8 @@ _LAYER_NAMES: dict[str, str] = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head RMSNorms
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",

@@ -55,7 +55,9 @@ FILE_TYPES = {
     "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_S,
     "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
 }
-GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+             "Qwen3ForCausalLM": "qwen3"}
+NAME_MAPS = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
 
 
 # ------------------------------------------------------------------ HF -> GGUF, as llama.cpp does it
@@ -103,7 +105,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", arch: str | None = N
     arch = arch or GGUF_ARCH[cfg["architectures"][0]]
     n_layers, n_head = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads", n_head)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2 if arch == "qwen2" else gguf.MODEL_ARCH.LLAMA, n_layers)
+    name_map = gguf.get_tensor_name_map(NAME_MAPS.get(arch, gguf.MODEL_ARCH.LLAMA), n_layers)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(hf_dir.name)
     writer.add_context_length(cfg["max_position_embeddings"])
@@ -112,10 +115,14 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", arch: str | None = N
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_kv)
-    writer.add_rope_freq_base(cfg["rope_theta"])
+    # (transformers 5 writes it under rope_parameters)
+    writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_rope_dimension_count(cfg["hidden_size"] // n_head)
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != cfg["hidden_size"] // n_head:  # as convert_hf_to_gguf.py writes a head_dim of its own
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_file_type(FILE_TYPES[qtype])
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
@@ -288,6 +295,42 @@ def test_quantised_gguf_loads_exact_dequantised_values(name, qtype, gguf_files, 
     assert rel_err(logits, expected) < QUANT_REL_TOL[qtype]
     if qtype != "Q4_0":
         torch.testing.assert_close(logits, expected, atol=QUANT_ATOL[qtype], rtol=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Qwen3 written by transformers (hidden 64, 4 heads / 2 KV heads of 32: a head
+    size other than hidden / heads, as Qwen3's 128 against 1024 / 16 in Qwen3-0.6B)."""
+    import transformers
+
+    from tests.hf_checkpoints import save_random_checkpoint
+
+    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=320,
+                                      max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1,
+                                      eos_token_id=2)
+    out = tmp_path_factory.mktemp("qwen3") / "qwen3"
+    out.mkdir()
+    return save_random_checkpoint(config, out, seed=9)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_qwen3_gguf_matches_transformers(qtype, tiny_qwen3, tmp_path):
+    """general.architecture "qwen3": the per-head q/k norms (attn_q_norm, attn_k_norm) and
+    a head size from attention.key_length; logits against transformers on the stored
+    (dequantised) values."""
+    path = write_gguf(tiny_qwen3, tmp_path / f"qwen3-{qtype}.gguf", qtype)
+    config = create_engine_config(model=str(path), device="cpu")
+    c = config.model_config.hf_config
+    assert c.architectures == ["Qwen3ForCausalLM"] and c.head_dim == 32 and c.num_attention_heads == 4
+    model = load(path)
+    hf = read_hf_tensors(tiny_qwen3)
+    torch.testing.assert_close(model.model.layers[1].self_attn.k_norm.weight,
+                               hf["model.layers.1.self_attn.k_norm.weight"], atol=0, rtol=0)
+    ids = torch.randint(3, 320, (16,), generator=torch.Generator().manual_seed(4))
+    reference = tiny_qwen3 if qtype == "F32" else dequantised_checkpoint(tiny_qwen3, qtype, tmp_path)
+    torch.testing.assert_close(compute_logits_on_rank(model, ids), transformers_logits(reference, ids),
+                               atol=1e-4, rtol=1e-4)
 
 
 def test_qwen2_bias_and_f16_dtype_auto(gguf_files, tiny_models):

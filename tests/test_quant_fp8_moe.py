@@ -1,27 +1,29 @@
 """fp8 mixture-of-experts checkpoints against transformers on the dequantised weights:
-native block fp8 (`quant_method: "fp8"` with `weight_block_size`, the layout
-Qwen3-MoE-FP8 ships) and compressed-tensors FP8 per channel and in blocks
-(llm-compressor's FP8_DYNAMIC and FP8_BLOCK recipes, `weight_scale`).
+native fp8 (`quant_method: "fp8"`) with `weight_block_size` (the layout Qwen3-MoE-FP8
+ships) or per tensor, and compressed-tensors FP8 per channel, in blocks and per tensor
+(llm-compressor's FP8_DYNAMIC, FP8_BLOCK and FP8 recipes, `weight_scale`).
 
 The checkpoints: tests/moe_checkpoints.py's tiny random Qwen3-MoE (hidden 64, 2 layers, 4
 experts 32 wide, top 2) with every attention and expert projection quantised to
 float8_e4m3fn by test_quant_fp8_checkpoints' reference quantiser (`weight` e4m3 and its
-float32 scale per projection and expert: [ceil(out/16), ceil(in/16)] in 16x16 blocks, or
-[out, 1] per channel); the routers (`mlp.gate`) and the LM head stay float32, named in
-`modules_to_not_convert` (as the Qwen3 FP8 checkpoints name them) or `ignore`. The oracle is
-transformers loading the dequantised weights (q * scale, float32) under the original
-names. With float32 activations our CPU path computes exactly those products (the fp8
-GEMV for a few rows, dequantised tiles for more), so logits agree to float32 summation
-order, and so does the routing.
+float32 scale per projection and expert: [ceil(out/16), ceil(in/16)] in 16x16 blocks,
+[out, 1] per channel, or one value per tensor: [] natively, [1] in compressed-tensors);
+the routers (`mlp.gate`) and the LM head stay float32, named in `modules_to_not_convert`
+(as the Qwen3 FP8 checkpoints name them) or `ignore`. The oracle is transformers loading
+the dequantised weights (q * scale, float32) under the original names. With float32
+activations our CPU path computes exactly those products (the fp8 GEMV for a few rows,
+dequantised tiles for more), so logits agree to float32 summation order, and so does
+the routing.
 
 At TP 2 each expert's intermediate width is sliced (in whole blocks, or per-channel
 scales with their rows); under expert parallelism each rank holds whole experts. Either
 way each rank holds its share of the checkpoint's expert bytes in fp8 with their
-scales, not a float copy. Also: the
+scales, not a float copy (a per-tensor scale held as one per output row). Also: the
 engine's greedy tokens, sleep and wake, the dummy load format, a missing expert scale
-(named), and the refusals: experts in another quantised layout (per-tensor fp8, int8
-W8A8) at resolution, blocks that split an expert's halves or a rank's slice at build.
-GPTQ, AWQ and compressed-tensors int4/int8 experts: tests/test_quant_wna16_moe.py.
+and a per-tensor scale of several values (named), and the refusals: experts in another
+quantised layout (int8 W8A8) at resolution, blocks that split an expert's halves or a
+rank's slice at build. GPTQ, AWQ and compressed-tensors int4/int8 experts:
+tests/test_quant_wna16_moe.py.
 """
 
 from __future__ import annotations
@@ -70,12 +72,22 @@ def ct_quantization_config(strategy: str) -> dict[str, Any]:
     return config
 
 
-# name -> (block (rows, cols), or None for one scale per output channel; the scale's name; its config)
-FORMATS: dict[str, tuple[tuple[int, int] | None, str, Any]] = {
+# name -> (block (rows, cols), "channel" (one scale per output row) or "tensor" (one per
+# projection: [] as native checkpoints store it, [1] as compressed-tensors does); the
+# scale's name; its config)
+FORMATS: dict[str, tuple[tuple[int, int] | str, str, Any]] = {
     "native_block": (BLOCK, "weight_scale_inv", quantization_config),
-    "ct_channel": (None, "weight_scale", lambda layers: ct_quantization_config("channel")),
+    "ct_channel": ("channel", "weight_scale", lambda layers: ct_quantization_config("channel")),
     "ct_block": (BLOCK, "weight_scale", lambda layers: ct_quantization_config("block")),
+    "native_tensor": ("tensor", "weight_scale", lambda layers: quantization_config(layers, weight_block_size=None)),
+    "ct_tensor": ("tensor", "weight_scale", lambda layers: ct_quantization_config("tensor")),
 }
+
+
+def scale_block(fmt: str, weight: torch.Tensor) -> tuple[int, int]:
+    """The values one of `fmt`'s scales covers in `weight` [out, in]."""
+    block = FORMATS[fmt][0]
+    return block if isinstance(block, tuple) else (1, weight.shape[1]) if block == "channel" else tuple(weight.shape)
 
 
 def write_fp8_moe(src: Path, out: Path, fmt: str) -> dict[str, torch.Tensor]:
@@ -83,12 +95,14 @@ def write_fp8_moe(src: Path, out: Path, fmt: str) -> dict[str, torch.Tensor]:
     return the tensors written."""
     from safetensors.torch import load_file, save_file
 
-    block, scale_name, make_config = FORMATS[fmt]
+    _, scale_name, make_config = FORMATS[fmt]
     out.mkdir(parents=True)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in load_file(str(src / "model.safetensors")).items():
         if _QUANTISED.search(name):
-            q, scale = quantize_fp8_blocks(tensor.float(), *(block or (1, tensor.shape[1])))
+            q, scale = quantize_fp8_blocks(tensor.float(), *scale_block(fmt, tensor))
+            if FORMATS[fmt][0] == "tensor":
+                scale = scale.reshape(() if fmt.startswith("native") else (1,))
             tensors[name], tensors[name.removesuffix("weight") + scale_name] = q, scale
         else:
             tensors[name] = tensor
@@ -103,10 +117,13 @@ def write_dequantised(src: Path, tensors: dict[str, torch.Tensor], fmt: str, out
     """The oracle's checkpoint: `tensors`' fp8 weights as q * scale (float32), `src`'s config."""
     from safetensors.torch import save_file
 
-    block, scale_name, _ = FORMATS[fmt]
+    _, scale_name, _ = FORMATS[fmt]
     out.mkdir(parents=True)
-    plain = {name: dequantize_fp8_blocks(t, tensors[name.removesuffix("weight") + scale_name],
-                                         *(block or (1, t.shape[1])))
+    def grid(scale: torch.Tensor) -> torch.Tensor:  # a per-tensor scale, [] or [1]: a grid of one block
+        return scale.reshape(1, 1) if scale.dim() < 2 else scale
+
+    plain = {name: dequantize_fp8_blocks(t, grid(tensors[name.removesuffix("weight") + scale_name]),
+                                         *scale_block(fmt, t))
              if t.dtype == FP8 else t for name, t in tensors.items() if not name.endswith(scale_name)}
     save_file(plain, str(out / "model.safetensors"), metadata={"format": "pt"})
     shutil.copy(src / "config.json", out / "config.json")
@@ -121,8 +138,9 @@ def write_case(root: Path, src: Path, fmt: str) -> SimpleNamespace:
     hf = AutoModelForCausalLM.from_pretrained(root / f"{fmt}-reference", dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = hf.config.eos_token_id = None
     expert_bytes = sum(t.numel() * t.element_size() for n, t in tensors.items() if _EXPERT_TENSOR.search(n))
+    fp8_bytes = sum(t.numel() for n, t in tensors.items() if _EXPERT_TENSOR.search(n) and t.dtype == FP8)
     return SimpleNamespace(root=root, model=root / fmt, fmt=fmt, hf=hf, logits=hf_logits(hf, INPUT_IDS),
-                           expert_bytes=expert_bytes, tensors=tensors)
+                           expert_bytes=expert_bytes, fp8_bytes=fp8_bytes, tensors=tensors)
 
 
 @pytest.fixture(scope="module")
@@ -138,17 +156,18 @@ def fp8_moe(fp8_cases: dict[str, SimpleNamespace]) -> SimpleNamespace:
     return fp8_cases["native_block"]
 
 
-def variant(fp8_moe: SimpleNamespace, name: str, drop: str | None = None, **config_fields: Any) -> Path:
-    """A copy of the fp8 checkpoint without tensor `drop`, or with quantization_config
-    fields replaced (None removes one)."""
+def variant(fp8_moe: SimpleNamespace, name: str, drop: str | None = None,
+            replace: dict[str, torch.Tensor] | None = None, **config_fields: Any) -> Path:
+    """A copy of the fp8 checkpoint without tensor `drop`, with tensors replaced, or with
+    quantization_config fields replaced (None removes one)."""
     from safetensors.torch import save_file
 
     out = fp8_moe.root / name
     if out.exists():
         return out
     out.mkdir()
-    save_file({n: t for n, t in fp8_moe.tensors.items() if n != drop}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    tensors = {**{n: t for n, t in fp8_moe.tensors.items() if n != drop}, **(replace or {})}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((fp8_moe.model / "config.json").read_text())
     quant = config["quantization_config"]
     for key, value in config_fields.items():
@@ -159,14 +178,16 @@ def variant(fp8_moe: SimpleNamespace, name: str, drop: str | None = None, **conf
 
 def check_experts(result: dict[str, Any], fmt: str, shape: tuple[int, int, int], expected_bytes: int) -> None:
     """Every FusedMoE holds fp8 experts of `shape` [E_local, 2I, H] with their float32
-    scales (`fmt`'s: blocks, or one per output channel), and nothing else:
-    `expected_bytes` in all."""
+    scales (`fmt`'s: blocks, or one per output channel, which per-tensor scales are held
+    as), and nothing else: `expected_bytes` in all."""
     block, scale_name, _ = FORMATS[fmt]
     assert len(result["experts"]) == 2
     num_local, rows, hidden = shape
-    bn, bk = block or (1, None)
-    scales = ({"w13": (num_local, rows // bn, hidden // bk), "w2": (num_local, hidden // bn, rows // 2 // bk)}
-              if block else {"w13": (num_local, rows, 1), "w2": (num_local, hidden, 1)})
+    if isinstance(block, tuple):
+        bn, bk = block
+        scales = {"w13": (num_local, rows // bn, hidden // bk), "w2": (num_local, hidden // bn, rows // 2 // bk)}
+    else:
+        scales = {"w13": (num_local, rows, 1), "w2": (num_local, hidden, 1)}
     for tensors in result["experts"].values():
         assert tensors == {
             "w13_weight": (str(FP8), shape),
@@ -182,13 +203,23 @@ def test_fp8_moe_logits_match_transformers(fp8_cases: dict[str, SimpleNamespace]
     case = fp8_cases[fmt]
     result = load_case({"model": str(case.model), "input_ids": INPUT_IDS})
     torch.testing.assert_close(result["logits"], case.logits, atol=LOGITS_ATOL, rtol=0)
-    check_experts(result, fmt, (4, 64, 64), case.expert_bytes)
+    check_experts(result, fmt, (4, 64, 64), held_bytes(case, fmt, (4, 64, 64), 1))
     methods = result["methods"]
-    dense = "Fp8CheckpointLinearMethod" if fmt == "native_block" else "CompressedTensorsLinearMethod"
+    dense = "Fp8CheckpointLinearMethod" if fmt.startswith("native") else "CompressedTensorsLinearMethod"
     assert methods["model.layers.0.self_attn.qkv_proj"] == dense
     assert methods["model.layers.1.self_attn.o_proj"] == dense
     assert result["dtypes"]["model.layers.0.self_attn.qkv_proj"] == str(FP8)
     assert result["dtypes"]["model.layers.0.mlp.gate"] == "torch.float32"  # left unquantised by name
+
+
+def held_bytes(case: SimpleNamespace, fmt: str, shape: tuple[int, int, int], ranks: int) -> int:
+    """The expert bytes a rank holding `shape` [E_local, 2I, H] has: its share of the
+    checkpoint's (fp8 weights and scales); for per-tensor formats its share of the fp8
+    weights and each projection's one scale as one per output row (float32, 2 layers)."""
+    if FORMATS[fmt][0] != "tensor":
+        return case.expert_bytes // ranks
+    num_local, rows, hidden = shape
+    return case.fp8_bytes // ranks + 2 * num_local * (rows + hidden) * 4
 
 
 def test_fp8_moe_tensor_and_expert_parallel_logits_match_transformers(fp8_cases: dict[str, SimpleNamespace]) -> None:
@@ -196,7 +227,8 @@ def test_fp8_moe_tensor_and_expert_parallel_logits_match_transformers(fp8_cases:
     per-channel scales with their rows; w2's per-channel scale whole on each rank); TP 2
     with expert parallelism: two whole experts per rank. Each rank holds half the
     checkpoint's expert bytes, in fp8 (w2's per-channel scales on both ranks)."""
-    runs = [("native_block", False), ("native_block", True), ("ct_channel", False), ("ct_block", True)]
+    runs = [("native_block", False), ("native_block", True), ("ct_channel", False), ("ct_block", True),
+            ("native_tensor", False), ("ct_tensor", True)]
     cases = [{"name": f"{fmt}-{'ep' if ep else 'tp'}", "model": str(fp8_cases[fmt].model), "input_ids": INPUT_IDS,
               "kwargs": {"enable_expert_parallel": ep}} for fmt, ep in runs]
     expert_map_bytes = 2 * 4 * 8  # under EP each layer also holds its map of the 4 experts (int64)
@@ -209,7 +241,7 @@ def test_fp8_moe_tensor_and_expert_parallel_logits_match_transformers(fp8_cases:
             torch.testing.assert_close(result["logits"], case.logits, atol=LOGITS_ATOL, rtol=0)
             shape = (2, 64, 64) if ep else (4, 32, 64)
             extra = expert_map_bytes if ep else w2_channel_scale_bytes // 2 if fmt == "ct_channel" else 0
-            check_experts(result, fmt, shape, case.expert_bytes // 2 + extra)
+            check_experts(result, fmt, shape, held_bytes(case, fmt, shape, 2) + extra)
 
 
 @pytest.mark.slow
@@ -250,11 +282,17 @@ def test_fp8_moe_missing_expert_scale_is_named(fp8_moe: SimpleNamespace) -> None
     assert kind == "WeightLoadError" and name in message, message
 
 
+def test_per_tensor_expert_scale_of_several_values_is_named(fp8_cases: dict[str, SimpleNamespace]) -> None:
+    name = "model.layers.0.mlp.experts.1.up_proj.weight_scale"
+    model = variant(fp8_cases["native_tensor"], "two_value_scale", replace={name: torch.ones(2)})
+    kind, message = load_case({"model": str(model), "input_ids": INPUT_IDS, "expect_error": True})["error"]
+    assert kind == "WeightLoadError" and name in message and "one value" in message, message
+
+
 @pytest.mark.parametrize("fields, needles", [
-    ({"weight_block_size": None}, ("quant_method='fp8'", "weight_block_size")),
-    (w8a8_config(), ("quant_method='compressed-tensors'", "CompressedTensorsW8A8Int8", "mixture-of-experts")),
-    (ct_fp8_config("tensor", True), ("quant_method='compressed-tensors'", "strategy 'tensor'", "per-channel or block")),
-], ids=["fp8-per-tensor", "ct-w8a8-int8", "ct-fp8-per-tensor"])
+    (w8a8_config(), ("quant_method='compressed-tensors'", "CompressedTensorsW8A8Int8", "mixture-of-experts",
+                     "served as fp8 or as int4/int8")),
+], ids=["ct-w8a8-int8"])
 def test_quantised_experts_in_other_layouts_are_refused_at_resolution(fp8_moe: SimpleNamespace, fields: dict,
                                                                       needles: tuple[str, ...]) -> None:
     # named by the fields' values: two compressed-tensors configs share their keys

@@ -121,7 +121,10 @@ class FusedMoE(nn.Module):
         if local is None:
             return
         if (transform := getattr(param, "expert_transform", None)) is not None:
-            loaded_weight = transform(loaded_weight)  # the checkpoint's [in, out] tensors: see moe_method.py
+            try:  # [in, out] tensors turned, per-tensor scales widened: see moe_method.py
+                loaded_weight = transform(loaded_weight)
+            except ValueError as e:
+                raise WeightLoadError(f"{weight_name!r}: expert {expert_id} {shard_id}: {e}") from None
         block_n, block_k = getattr(param, "expert_block", None) or (1, 1)
         rank = self.tp_rank if self.slice_intermediate else 0
         if shard_id == "w2":

@@ -8,9 +8,11 @@ vLLM's shape (`FusedMoEMethodBase`), as the linear methods' (quantization/base.p
    and, for a scale tensor, `expert_block` = (block_n, block_k), the values one scale
    covers (1 by the whole input per channel): the loader then counts rows and columns
    in blocks when it takes an expert's slice. A checkpoint tensor stored the other way
-   round (GPTQ's and AWQ's [in, out]) is tagged with `expert_transform` (a transpose),
-   applied before the loader looks at it; several values packed into one element count
-   as a block (eight int4 codes to an int32 along the inputs: (1, 8)).
+   round (GPTQ's and AWQ's [in, out]), or a per-tensor scale held per channel, is
+   tagged with `expert_transform` (a transpose, a widening), applied before the loader
+   looks at it (a ValueError it raises becomes a WeightLoadError naming the tensor);
+   several values packed into one element count as a block (eight int4 codes to an
+   int32 along the inputs: (1, 8)).
 2. `process_weights_after_loading(layer)` once every tensor is in place.
 3. `apply(layer, x, topk_weights, topk_ids)` every forward: this rank's partial sum.
 

@@ -12,7 +12,7 @@ Two producers write them, with the same tensors under different names:
   (strategy "channel"), [1] ("tensor") or [out/bn, in/bk] ("block");
   schemes/w8a8_fp8.py builds this same method.
 
-A mixture-of-experts checkpoint's experts in this layout (blocks only) go to
+A mixture-of-experts checkpoint's experts in this layout (blocks, or per tensor) go to
 `fp8_moe.Fp8MoEMethod` (`Fp8CheckpointConfig.get_moe_method`).
 
 `Fp8CheckpointLinearMethod` registers those tensors for this rank's shard, tagged so the
@@ -181,14 +181,14 @@ class Fp8CheckpointConfig(QuantizationConfig):
         return self.method
 
     def moe_unsupported_reason(self) -> str | None:
-        if self.block is None:
-            return "fp8 experts are served with block scales only (quantization_config.weight_block_size)"
         return None
 
     def get_moe_method(self, layer: nn.Module) -> Any:
-        """Block-scaled fp8 experts (fp8_moe.Fp8MoEMethod); None without blocks (refused
-        at resolution: `moe_unsupported_reason`)."""
-        return Fp8MoEMethod("block", self.block, "weight_scale_inv") if self.block is not None else None
+        """fp8 experts (fp8_moe.Fp8MoEMethod): block scales (`weight_scale_inv`), or
+        without `weight_block_size` one `weight_scale` per projection."""
+        if self.block is None:
+            return Fp8MoEMethod("tensor", None, "weight_scale")
+        return Fp8MoEMethod("block", self.block, "weight_scale_inv")
 
     def __repr__(self) -> str:
         return f"Fp8CheckpointConfig(weight_block_size={self.block}, ignored_layers={self.ignored})"

@@ -6,7 +6,9 @@ in blocks, llm-compressor's FP8_DYNAMIC and FP8_BLOCK); vLLM's `Fp8MoEMethod` an
 Each expert's gate, up and down projections are stored like a dense fp8 layer's
 (fp8_checkpoint.py): `weight` [out, in] float8_e4m3fn and its float32 scale, the factor
 that multiplies q back: `weight_scale_inv` (native) or `weight_scale`
-(compressed-tensors), [ceil(out/bn), ceil(in/bk)] in blocks or [out, 1] per channel.
+(compressed-tensors), [ceil(out/bn), ceil(in/bk)] in blocks, [out, 1] per channel, or
+one value per tensor (native fp8 without `weight_block_size`, compressed-tensors FP8
+"tensor"), which is held as the per-channel scale it equals (widened as it loads).
 The method registers them stacked, in the FusedMoE layout (scales counted in blocks):
 
 - `w13_weight` [E_local, 2I, H] e4m3 and `w13_<scale>` [E_local, 2I/bn, ceil(H/bk)] or
@@ -34,6 +36,7 @@ on every rank with this rank's experts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,16 +48,28 @@ from models.layers.quantization.fp8 import FP8_DTYPE
 from models.layers.quantization.fp8_kernels import fp8_linear
 
 
+def _per_tensor_as_rows(rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A per-tensor scale (one value, [] or [1]) as the [rows, 1] per-channel scale it
+    equals. ValueError for a tensor that is not one value."""
+    def expand(scale: torch.Tensor) -> torch.Tensor:
+        if scale.numel() != 1:
+            raise ValueError(f"a per-tensor scale must be one value, the checkpoint has shape {tuple(scale.shape)}")
+        return scale.reshape(1, 1).expand(rows, 1)
+    return expand
+
+
 class Fp8MoEMethod(FusedMoEMethodBase):
-    """fp8 experts with block scales (`strategy` "block", `block` = (block_n, block_k)) or
-    one scale per output channel ("channel"), stored under `scale_name` (see the module
-    docstring). `block_field` names the checkpoint's block setting in errors."""
+    """fp8 experts with block scales (`strategy` "block", `block` = (block_n, block_k)),
+    one scale per output channel ("channel"), or one per projection ("tensor": held as
+    the per-channel scale it equals, each row the projection's value, as the dense fp8
+    layers hold it), stored under `scale_name` (see the module docstring). `block_field`
+    names the checkpoint's block setting in errors."""
 
     supports_cuda_graphs = False  # the grouping reads the per-expert counts on the host
 
     def __init__(self, strategy: str, block: tuple[int, int] | None, scale_name: str,
                  block_field: str = "weight_block_size") -> None:
-        if strategy not in ("block", "channel") or (strategy == "block") != (block is not None):
+        if strategy not in ("block", "channel", "tensor") or (strategy == "block") != (block is not None):
             raise ValueError(f"fp8 experts with strategy {strategy!r} and block {block!r} are not supported")
         self.strategy, self.block, self.scale_name, self.block_field = strategy, block, scale_name, block_field
 
@@ -84,12 +99,18 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                       (experts, -(-hidden // block_n), -(-inter // block_k)))
             blocks = (self.block, self.block)
         else:  # one scale per output row: a "block" of one row by the whole input
+            full = getattr(layer, "intermediate_size", inter)
             shapes = ((experts, 2 * inter, 1), (experts, hidden, 1))
-            blocks = ((1, hidden), (1, getattr(layer, "intermediate_size", inter)))
+            blocks = ((1, hidden), (1, full))
+        # per tensor: each projection's one value, widened to its rows as it loads
+        transforms = ((_per_tensor_as_rows(full), _per_tensor_as_rows(hidden)) if self.strategy == "tensor"
+                      else (None, None))
         expert_parameter(layer, "w13_weight", (experts, 2 * inter, hidden), FP8_DTYPE, "weight")
         expert_parameter(layer, "w2_weight", (experts, hidden, inter), FP8_DTYPE, "weight")
-        expert_parameter(layer, f"w13_{self.scale_name}", shapes[0], torch.float32, self.scale_name, blocks[0])
-        expert_parameter(layer, f"w2_{self.scale_name}", shapes[1], torch.float32, self.scale_name, blocks[1])
+        expert_parameter(layer, f"w13_{self.scale_name}", shapes[0], torch.float32, self.scale_name, blocks[0],
+                         transforms[0])
+        expert_parameter(layer, f"w2_{self.scale_name}", shapes[1], torch.float32, self.scale_name, blocks[1],
+                         transforms[1])
 
     def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:

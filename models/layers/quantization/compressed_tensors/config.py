@@ -12,8 +12,8 @@ KV-cache scheme, sparsity, output activations, a quantisation status other than
 compressed/frozen. A mixture-of-experts checkpoint's experts take the scheme of the
 group that targets every Linear, served where it is FP8 per channel or in blocks
 (fp8_moe.Fp8MoEMethod, `weight_scale`: llm-compressor's FP8_DYNAMIC and FP8_BLOCK MoE
-checkpoints) or W4A16/W8A16 without act-order (wna16_moe.WNA16MoEMethod), and refused
-otherwise.
+checkpoints; per tensor too) or W4A16/W8A16 without act-order (wna16_moe.WNA16MoEMethod),
+and refused otherwise.
 """
 
 from __future__ import annotations
@@ -133,18 +133,17 @@ class CompressedTensorsConfig(QuantizationConfig):
                         "supported")
             return None
         method = getattr(scheme, "method", None)
-        if getattr(method, "strategy", None) in ("channel", "block"):
+        if getattr(method, "strategy", None) in ("channel", "block", "tensor"):
             return None
         what = (f"config_groups.{group} is {type(scheme).__name__} with strategy "
                 f"{getattr(method, 'strategy', None)!r}" if group is not None else "no config group targets 'Linear'")
-        return (f"{what}; experts are served as fp8 with per-channel or block scales, or as int4/int8 weight-only "
-                "(pack-quantized) only")
+        return f"{what}; experts are served as fp8 or as int4/int8 weight-only (pack-quantized) only"
 
     def get_moe_method(self, layer: nn.Module) -> Any:
         """The experts' method for the group targeting every Linear: int4/int8
-        weight-only (wna16_moe.WNA16MoEMethod) or fp8 per channel or in blocks
-        (fp8_moe.Fp8MoEMethod, `weight_scale`); None where `moe_unsupported_reason` gives
-        a reason (refused at resolution)."""
+        weight-only (wna16_moe.WNA16MoEMethod) or fp8 per channel, per tensor or in
+        blocks (fp8_moe.Fp8MoEMethod, `weight_scale`); None where
+        `moe_unsupported_reason` gives a reason (refused at resolution)."""
         if self.moe_unsupported_reason() is not None:
             return None
         group, scheme = self._expert_scheme()
