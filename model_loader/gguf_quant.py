@@ -10,6 +10,9 @@ path, as before). The rules:
   blocks, and so is every tensor its layer fuses with it (q/k/v; gate/up), each in its
   own type: F16/BF16/F32 as they are, a type with no kernel dequantised to "F32";
 - token_embd and output are held as blocks when their type has a kernel;
+- a mixture of experts' stacked experts (ffn_gate_exps, ffn_up_exps, ffn_down_exps) are
+  held as blocks when all three of a layer's have kernel types (gate and up alike:
+  otherwise a ValueError), else dequantised (models/layers/quantization/gguf_moe.py);
 - everything else (norms, biases, layers with only float or kernel-less types) is
   plain, a kernel-less type dequantised at load as before, and logged once by type.
 
@@ -37,6 +40,8 @@ _LINEAR_RE = re.compile(r"^blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|ffn_gat
 # GGUF tensors our layers fuse into one (QKVParallelLinear, MergedColumnParallelLinear).
 _FUSED_GROUPS = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv",
                  "ffn_gate": "ffn_gate_up", "ffn_up": "ffn_gate_up"}
+_EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+_EXPERTS_RE = re.compile(r"^blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.weight$")
 # The row-parallel modules, and the hf_config size that is their input.
 _ROW_PARALLEL = {"self_attn.o_proj": "attention", "mlp.down_proj": "intermediate_size"}
 
@@ -58,6 +63,19 @@ def gguf_quantization_config(reader: Any, hf_name: Any) -> dict[str, Any] | None
             layer, part = m.groups()
             groups.setdefault((layer, _FUSED_GROUPS.get(part, part)), []).append(name)
     tensor_types: dict[str, str] = {}
+    # A mixture of experts' stacks: held as blocks when all three of a layer's have kernels.
+    stacks: dict[str, dict[str, str]] = {}
+    for name in file_types:
+        if (m := _EXPERTS_RE.match(name)) is not None:
+            stacks.setdefault(m.group(1), {})[m.group(2)] = name
+    for layer, parts in stacks.items():
+        if sorted(parts) == sorted(_EXPERT_PARTS) and all(file_types[n] in QUANTIZED_TYPES for n in parts.values()):
+            if file_types[parts["ffn_gate_exps"]] != file_types[parts["ffn_up_exps"]]:
+                raise ValueError(f"GGUF layer {layer}: its experts' gate ({file_types[parts['ffn_gate_exps']]}) and "
+                                 f"up ({file_types[parts['ffn_up_exps']]}) stacks differ in type, which the "
+                                 "experts' kernels do not serve")
+            for n in parts.values():
+                tensor_types[hf_name(n).removesuffix(".weight")] = file_types[n]
     for members in groups.values():
         if any(file_types[n] in QUANTIZED_TYPES for n in members):
             for n in members:

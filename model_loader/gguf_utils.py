@@ -10,7 +10,9 @@ Memory: `GGUFReader` memory-maps the file. Tensors the model holds as GGUF block
 `<module>.qweight`, zero-copy uint8 views of their [rows, row_bytes] bytes, and each
 rank's weight loader copies only its rows or blocks: resident weights are about the
 file's bytes (this rank's share of them). F32/F16/BF16 tensors are zero-copy views too;
-tensors of a type with no kernel become one float32 tensor at a time. Llama q/k rows are
+tensors of a type with no kernel become one float32 tensor at a time. A mixture of
+experts' stacked expert tensors (`ffn_gate_exps` ... [E, rows, cols]) are handed over one
+expert at a time under each expert's HF name (views of the stack). Llama q/k rows are
 un-permuted (llama.cpp's convert script reorders them for its interleaved RoPE): a row
 permutation, so it moves whole rows of blocks, and costs one copy of that tensor.
 
@@ -36,6 +38,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 # Architectures whose q/k rows llama.cpp's convert_hf_to_gguf.py permutes.
 _PERMUTED_QK_ARCHS = frozenset({"llama"})
@@ -53,7 +56,11 @@ _LAYER_NAMES: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
+# A mixture of experts' stacked expert tensors ([E, rows, cols]) -> the HF projection of each
+# expert; `gguf_to_hf_name` names the stack `model.layers.N.mlp.experts.<proj>`.
+EXPERT_STACKS: dict[str, str] = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -173,7 +180,8 @@ def gguf_hf_config(path: Path) -> SimpleNamespace:
         "architectures": [hf_arch],
         "model_type": model_type,
         "hidden_size": hidden_size,
-        "intermediate_size": int(get("feed_forward_length")),
+        # (a mixture of experts' file may give only its experts' width: set below)
+        "intermediate_size": int(get("feed_forward_length", 0 if model_type == "qwen3_moe" else KeyError)),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
@@ -202,6 +210,11 @@ def gguf_hf_config(path: Path) -> SimpleNamespace:
             config[hf_key] = int(meta[key])
     if model_type == "qwen2":
         config.update(use_sliding_window=False, sliding_window=None)
+    if model_type == "qwen3_moe":  # llama.cpp's qwen3moe: every layer sparse, top-k renormalised
+        experts = int(get("expert_feed_forward_length"))
+        config.update(num_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
+                      moe_intermediate_size=experts, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                      intermediate_size=config["intermediate_size"] or experts)
     quantization_config = gguf_quantization_config(reader, gguf_to_hf_name)
     if quantization_config is not None:
         config["quantization_config"] = quantization_config
@@ -216,6 +229,8 @@ def gguf_to_hf_name(name: str) -> str:
         layer, part, kind = m.groups()
         if part in _LAYER_NAMES:
             return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        if part in EXPERT_STACKS:
+            return f"model.layers.{layer}.mlp.experts.{EXPERT_STACKS[part]}.{kind}"
         return name
     m = _GLOBAL_RE.match(name)
     if m is not None and m.group(1) in _GLOBAL_NAMES:
@@ -303,6 +318,24 @@ def _held_blocks(tensor: Any) -> torch.Tensor:
     return data.reshape(rows, -1).view(torch.uint8) if data.dtype != torch.uint8 else data.reshape(rows, -1)
 
 
+_STACK_SUFFIXES = tuple(f".experts.{proj}" for proj in EXPERT_STACKS.values())
+
+
+def _expert_tensors(tensor: Any, stack: str, held: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stacked expert tensor ([E, rows, cols]) as each expert's HF tensor:
+    `...experts.<e>.<proj>.qweight`, the expert's [rows, row_bytes] block bytes (a view of
+    the mapping), where the layer holds the experts as blocks, else its float values."""
+    parent, proj = stack.rsplit(".", 1)
+    experts = int(tensor.shape.tolist()[-1])
+    if held:
+        blocks = _held_blocks(tensor)  # [E * rows, row_bytes]
+        weights = blocks.reshape(experts, -1, blocks.shape[-1])
+    else:
+        weights = tensor_to_torch(tensor)
+    for e in range(experts):
+        yield f"{parent}.{e}.{proj}.{'qweight' if held else 'weight'}", weights[e]
+
+
 def gguf_weights_iterator(path: Path, hf_config: SimpleNamespace) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every tensor of the file, in file order, q/k un-permuted for
     llama (a row permutation: for tensors held as blocks it moves whole rows of blocks).
@@ -322,6 +355,9 @@ def gguf_weights_iterator(path: Path, hf_config: SimpleNamespace) -> Iterator[tu
     for tensor in reader.tensors:
         name = gguf_to_hf_name(tensor.name)
         module = name.removesuffix(".weight")
+        if module.endswith(_STACK_SUFFIXES):
+            yield from _expert_tensors(tensor, module, module in held)
+            continue
         if module in held and held_type(tensor.tensor_type.name) == tensor.tensor_type.name:
             weight, name = _held_blocks(tensor), f"{module}.qweight"
         else:

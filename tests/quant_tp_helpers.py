@@ -42,7 +42,7 @@ def load_case(case: dict[str, Any], tp_size: int = 1) -> dict[str, Any]:
         "logits": compute_logits_on_rank(model, case["input_ids"]),
         "linear_bytes": sum(module_resident_bytes(m) for m in linears.values()),
         "methods": {name: type(m.quant_method).__name__ for name, m in linears.items()},
-        # the weight's dtype: the plain or fp8 `weight`, or the int4/int8 layout's codes
+        # the weight's dtype (uint8 for GGUF blocks and int4/int8 codes)
         "dtypes": {name: str(_weight_of(m).dtype) for name, m in linears.items()},
         # mixture-of-experts layers: every tensor each holds (parameters and buffers but the
         # expert-parallel map), by name (dtype, shape), and their bytes
@@ -54,8 +54,11 @@ def load_case(case: dict[str, Any], tp_size: int = 1) -> dict[str, Any]:
 
 
 def _weight_of(linear: torch.nn.Module) -> torch.Tensor:
-    weight = linear._parameters.get("weight")
-    return weight if weight is not None else linear._buffers["wna16_qweight"]
+    """The plain or fp8 `weight`, GGUF's block bytes (`qweight`) or the int4/int8 layout's codes."""
+    for weight in (linear._parameters.get("weight"), linear._parameters.get("qweight")):
+        if weight is not None:
+            return weight
+    return linear._buffers["wna16_qweight"]
 
 
 def tp_quant_cases(rank: int, world_size: int, port: int, cases: list[dict[str, Any]]) -> dict[str, Any]:

@@ -91,6 +91,18 @@ class FusedMoE(nn.Module):
         # (local expert, shard id, checkpoint suffix) filled so far: the strict check names the rest.
         self._loaded_shards: set[tuple[int, str, str]] = set()
 
+    def set_quant_method(self, method: FusedMoEMethodBase) -> None:
+        """Replace the method and its (not yet loaded) expert tensors: what the model
+        loader does once the layer's name is known, for a config whose experts' layout
+        differs per layer (GGUF: `QuantizationConfig.selects_moe_by_name`). Only before
+        loading."""
+        for name in [n for n, p in self.named_parameters(recurse=False) if hasattr(p, "expert_suffix")]:
+            delattr(self, name)
+        self.quant_method = method
+        method.create_weights(self, self.placement.num_local_experts, self.hidden_size, self.intermediate_per_rank,
+                              torch.get_default_dtype())
+        self._loaded_shards.clear()
+
     @property
     def num_experts(self) -> int:
         return self.placement.num_experts
@@ -135,6 +147,8 @@ class FusedMoE(nn.Module):
             expected = (-(-self.intermediate_size // block_n), -(-self.hidden_size // block_k))
             size, dim = param.shape[1] // 2, 0
             dst = param.data[local].narrow(0, 0 if shard_id == "w1" else size, size)
+        # (a tensor held in blocks of bytes has their trailing dims: [rows, blocks, bytes])
+        expected += tuple(param.shape[3:])
         if tuple(loaded_weight.shape) != expected:
             raise WeightLoadError(
                 f"{weight_name!r}: expert {expert_id} {shard_id} has shape {tuple(loaded_weight.shape)}, "

@@ -111,7 +111,7 @@ class AWQConfig(WNA16Config):
     def moe_unsupported_reason(self) -> str | None:
         return None
 
-    def get_moe_method(self, layer: nn.Module) -> Any:
+    def get_moe_method(self, layer: nn.Module, prefix: str = "") -> Any:
         """int4 experts in AWQ's tensors (wna16_moe.WNA16MoEMethod)."""
         return WNA16MoEMethod(WNA16ExpertFormat.awq(), 4, self.group_size, "quantization_config.group_size")
 

@@ -90,11 +90,16 @@ class QuantizationConfig(ABC):
         return ("FusedMoE holds experts in full precision or in fp8 (quant_method 'fp8' with weight_block_size, "
                 "or compressed-tensors FP8 per channel or in blocks) only")
 
-    def get_moe_method(self, layer: nn.Module) -> Any:
+    #: Whether the experts' method depends on the layer's name (GGUF: types per layer): the
+    #: model loader then asks `get_moe_method` again with each FusedMoE's name before loading.
+    selects_moe_by_name: bool = False
+
+    def get_moe_method(self, layer: nn.Module, prefix: str = "") -> Any:
         """The FusedMoE method (models/layers/fused_moe/moe_method.py's
         FusedMoEMethodBase) for `layer`'s experts, or None for full-precision experts;
-        called while the layer is built. An online method (a full-precision checkpoint)
-        leaves the experts as they are."""
+        called while the layer is built (no `prefix`), and with its module name
+        ("model.layers.0.mlp.experts") where `selects_moe_by_name`. An online method (a
+        full-precision checkpoint) leaves the experts as they are."""
         return None
 
     def __repr__(self) -> str:

@@ -183,7 +183,7 @@ class Fp8CheckpointConfig(QuantizationConfig):
     def moe_unsupported_reason(self) -> str | None:
         return None
 
-    def get_moe_method(self, layer: nn.Module) -> Any:
+    def get_moe_method(self, layer: nn.Module, prefix: str = "") -> Any:
         """fp8 experts (fp8_moe.Fp8MoEMethod): block scales (`weight_scale_inv`), or
         without `weight_block_size` one `weight_scale` per projection."""
         if self.block is None:

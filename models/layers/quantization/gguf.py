@@ -13,6 +13,11 @@ mixes them; a shard whose file type we have no kernel for is held dequantised, a
 "F32". A layer none of whose modules is named keeps the plain method (F16/BF16/F32
 files stay 16/32-bit).
 
+A mixture of experts' stacked experts (qwen3moe) are named per stack
+("model.layers.0.mlp.experts.down_proj": "Q6_K") and held as blocks by gguf_moe.py's
+`GGUFMoEMethod`, which a FusedMoE gets once the loader knows its name
+(`selects_moe_by_name`).
+
 Every rank builds the same config from that dict. Memory: each layer holds one uint8
 parameter `qweight`, this rank's rows (column-parallel: whole rows, never a split
 block) or this rank's blocks of every row (row-parallel: the per-rank input size is a
@@ -49,6 +54,7 @@ from models.layers.quantization.gguf_kernels import (
     gguf_linear_shards,
     shard_plan,
 )
+from models.layers.quantization.gguf_moe import GGUFMoEMethod
 
 _QKV_ORDER = "qkv"
 
@@ -232,6 +238,26 @@ class GGUFConfig(QuantizationConfig):
         if isinstance(current, GGUFLinearMethod) and current.shard_types == types:
             return current
         return GGUFLinearMethod(types)
+
+    selects_moe_by_name = True  # the experts' types come per layer
+
+    def moe_unsupported_reason(self) -> str | None:
+        return None
+
+    def get_moe_method(self, layer: nn.Module, prefix: str = "") -> GGUFMoEMethod | None:
+        """The experts held as blocks (gguf_moe.GGUFMoEMethod) where `tensor_types` names
+        the layer's stacks (`<prefix>.gate_proj` ...), else None: float experts (F16/F32
+        files, or stacks held dequantised), and every layer before it is named."""
+        if not prefix:
+            return None
+        names = [f"{prefix}.{proj}" for proj in ("gate_proj", "up_proj", "down_proj")]
+        gate, up, down = (self.tensor_types.get(n) for n in names)
+        if gate is None and up is None and down is None:
+            return None
+        if gate is None or down is None or gate != up:
+            raise ValueError(f"quantization_config.tensor_types holds the experts {names} as {[gate, up, down]}: "
+                             "gate and up of one type, and down, are needed")
+        return GGUFMoEMethod(gate, down)
 
     def get_embedding_method(self, role: str) -> GGUFEmbeddingMethod | None:
         """The table's method for "embed_tokens" (token_embd) or "lm_head" (output), None

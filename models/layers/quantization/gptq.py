@@ -136,7 +136,7 @@ class GPTQConfig(WNA16Config):
                     "experts are served without desc_act")
         return None
 
-    def get_moe_method(self, layer: nn.Module) -> Any:
+    def get_moe_method(self, layer: nn.Module, prefix: str = "") -> Any:
         """int4/int8 experts in GPTQ's tensors (wna16_moe.WNA16MoEMethod); None with
         desc_act (refused at resolution: `moe_unsupported_reason`)."""
         if self.desc_act:

@@ -139,7 +139,7 @@ class CompressedTensorsConfig(QuantizationConfig):
                 f"{getattr(method, 'strategy', None)!r}" if group is not None else "no config group targets 'Linear'")
         return f"{what}; experts are served as fp8 or as int4/int8 weight-only (pack-quantized) only"
 
-    def get_moe_method(self, layer: nn.Module) -> Any:
+    def get_moe_method(self, layer: nn.Module, prefix: str = "") -> Any:
         """The experts' method for the group targeting every Linear: int4/int8
         weight-only (wna16_moe.WNA16MoEMethod) or fp8 per channel, per tensor or in
         blocks (fp8_moe.Fp8MoEMethod, `weight_scale`); None where

@@ -1,0 +1,108 @@
+"""GGUF experts: a mixture of experts' layers of a llama.cpp file (qwen3moe) kept in their
+block formats, as the dense GGUF layers are (gguf.py); vLLM's `GGUFMoEMethod`.
+
+The file stacks each layer's experts: `blk.N.ffn_gate_exps` / `ffn_up_exps` [E, I, H]
+and `ffn_down_exps` [E, H, I] (rows of GGUF blocks along the last dimension), which the
+GGUF iterator (model_loader/gguf_utils.py) hands over one expert at a time as
+`experts.<e>.<proj>.qweight`, that expert's [rows, row_bytes] bytes. The method holds
+them stacked, as the file's blocks, each row a run of blocks ([E, rows, blocks per row,
+bytes per block], so that the loader slices whole blocks):
+
+    w13_qweight  uint8 [E_local, 2I, H / qk13, bytes13]  each expert's gate rows, then its up
+                                                         rows (one type: the file's gate and
+                                                         up types must agree)
+    w2_qweight   uint8 [E_local, H, I / qk2, bytes2]     its down rows, this rank's blocks
+
+with I this rank's intermediate width: tensor parallelism slices w13's rows and w2's
+blocks (I / tensor_parallel_size must be whole blocks of the down type: 256 values for
+the K-quants; otherwise `create_weights` raises naming tensor_parallel_size, and expert
+parallelism, whole experts per rank, serves); its bytes are this rank's share of the
+file's. The types come per layer from the GGUF config's `tensor_types`
+(`model.layers.N.mlp.experts.gate_proj` ...), so a FusedMoE gets this method once the
+loader knows its name (`GGUFConfig.selects_moe_by_name`).
+
+Compute: the experts' tokens are grouped per expert (`grouped_moe.grouped_experts`) and
+each product is `gguf_linear` on the expert's blocks (the dense GGUF layers' kernels:
+int8 products of 16-bit activations, float products of float32 ones). The grouping
+reads the per-expert counts on the host: such a step runs eagerly (no CPU or CUDA
+graph). Called by `FusedMoE.forward` on every rank with this rank's experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.layers.fused_moe.grouped_moe import grouped_experts
+from models.layers.fused_moe.moe_method import FusedMoEMethodBase, expert_parameter
+from models.layers.quantization.gguf_dequant import GGUF_FORMATS, dequantize
+from models.layers.quantization.gguf_kernels import gguf_linear
+
+
+def _in_blocks(block_bytes: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An expert's [rows, row_bytes] block bytes as [rows, blocks, block_bytes]."""
+    return lambda blocks: blocks.reshape(blocks.shape[0], -1, block_bytes)
+
+
+class GGUFMoEMethod(FusedMoEMethodBase):
+    """Experts held as GGUF blocks: gate and up of type `gate_up_type`, down of
+    `down_type` (see the module docstring)."""
+
+    supports_cuda_graphs = False  # the grouping reads the per-expert counts on the host
+
+    def __init__(self, gate_up_type: str, down_type: str) -> None:
+        for qtype in (gate_up_type, down_type):
+            if qtype not in GGUF_FORMATS:
+                raise ValueError(f"GGUF experts of type {qtype} are not supported; supported: {list(GGUF_FORMATS)}")
+        self.gate_up_type, self.down_type = gate_up_type, down_type
+
+    def create_weights(self, layer: nn.Module, num_local_experts: int, hidden_size: int,
+                       intermediate_per_rank: int, params_dtype: torch.dtype) -> None:
+        up, down = GGUF_FORMATS[self.gate_up_type], GGUF_FORMATS[self.down_type]
+        if hidden_size % up.block_size:
+            raise ValueError(f"GGUF {self.gate_up_type} experts: hidden_size={hidden_size} is not a whole number of "
+                             f"blocks of {up.block_size}")
+        if intermediate_per_rank % down.block_size:
+            tp = getattr(layer, "tp_size", 1) if getattr(layer, "slice_intermediate", False) else 1
+            raise ValueError(f"GGUF {self.down_type} experts: {intermediate_per_rank} intermediate features per rank "
+                             f"(moe_intermediate_size={getattr(layer, 'intermediate_size', intermediate_per_rank)}, "
+                             f"tensor_parallel_size={tp}) are not whole blocks of {down.block_size}; use a "
+                             "tensor_parallel_size that leaves whole blocks, or expert parallelism (whole experts "
+                             "per rank)")
+        experts = num_local_experts
+        expert_parameter(layer, "w13_qweight",
+                         (experts, 2 * intermediate_per_rank, hidden_size // up.block_size, up.block_bytes),
+                         torch.uint8, "qweight", (1, up.block_size), _in_blocks(up.block_bytes))
+        expert_parameter(layer, "w2_qweight",
+                         (experts, hidden_size, intermediate_per_rank // down.block_size, down.block_bytes),
+                         torch.uint8, "qweight", (1, down.block_size), _in_blocks(down.block_bytes))
+
+    @staticmethod
+    def _product(qtype: str, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [n, k] times the expert's [rows, blocks, bytes] weight, in x's dtype."""
+        rows = blocks.shape[0]
+        out = torch.empty(x.shape[0], rows, dtype=x.dtype if x.dtype in (torch.float32, torch.bfloat16,
+                                                                          torch.float16) else torch.float32,
+                          device=x.device)
+        gguf_linear(qtype, blocks.view(rows, -1), x.shape[1], x.contiguous(), out)
+        return out.to(x.dtype)
+
+    def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        w13, w2 = layer.w13_qweight, layer.w2_qweight
+        inter = w13.shape[1] // 2
+        return grouped_experts(x, topk_weights, topk_ids, layer.expert_map, w13.shape[0], inter,
+                               lambda e, rows: self._product(self.gate_up_type, w13[e], rows),
+                               lambda e, act: self._product(self.down_type, w2[e], act))
+
+    def dequantized_weights(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E_local, 2I, H], w2 [E_local, H, I]) as float32 values: for tests and
+        inspection (new tensors of the full-precision experts' size)."""
+        w13, w2 = layer.w13_qweight, layer.w2_qweight
+        hidden = w2.shape[1]
+        inter = w13.shape[1] // 2
+        return (torch.stack([dequantize(self.gate_up_type, w.reshape(w.shape[0], -1), hidden) for w in w13]),
+                torch.stack([dequantize(self.down_type, w.reshape(w.shape[0], -1), inter) for w in w2]))

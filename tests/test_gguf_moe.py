@@ -1,0 +1,169 @@
+"""GGUF mixture-of-experts files (llama.cpp's qwen3moe) against transformers on the stored values.
+
+The files are written here from tests/moe_checkpoints.py's tiny random Qwen3-MoE (4
+experts, top 2) the way llama.cpp's convert_hf_to_gguf.py lays them out: each layer's
+experts stacked into `blk.N.ffn_gate_exps` / `ffn_up_exps` [E, I, H] and
+`ffn_down_exps` [E, H, I], the router as `ffn_gate_inp` (F32, as llama.cpp keeps it),
+the expert metadata (`expert_count`, `expert_used_count`, `expert_feed_forward_length`)
+and the head size (`attention.key_length`); names from gguf's own `TensorNameMap`. Two
+files: everything Q8_0 (hidden 64, experts 32 wide), and a Q4_K_M-like mix (hidden and
+experts 256 wide: gate/up Q4_K, down Q6_K, attention and tables Q8_0).
+
+The oracle: transformers on the dequantised stored values, so with float32 activations
+(float products of the blocks) logits agree to 1e-4. Each rank holds the experts as the
+file's blocks (uint8, the file's bytes for its experts), under expert parallelism too;
+tensor parallelism that would split a block of the down type is refused at load naming
+tensor_parallel_size and expert parallelism. Also the engine's greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.conftest import run_tp
+from tests.moe_checkpoints import write_moe_checkpoint
+from tests.quant_checkpoints import assert_engine_greedy_matches, hf_logits
+from tests.quant_tp_helpers import load_case, tp_quant_cases
+from tests.test_gguf import FILE_TYPES, read_hf_tensors, store, stored_value
+
+INPUT_IDS = torch.randint(3, 320, (12,), generator=torch.Generator().manual_seed(3))
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+# name -> (checkpoint sizes, default type, the expert stacks' types)
+FILES: dict[str, tuple[dict[str, int], str, dict[str, str]]] = {
+    "q8_0": ({"hidden_size": 64, "moe_intermediate_size": 32}, "Q8_0", {}),
+    "q4_k_m": ({"hidden_size": 256, "moe_intermediate_size": 256}, "Q8_0",
+               {"gate_proj": "Q4_K", "up_proj": "Q4_K", "down_proj": "Q6_K"}),
+}
+
+
+def write_qwen3moe_gguf(hf_dir: Path, out: Path, default_type: str, expert_types: dict[str, str]
+                        ) -> dict[str, torch.Tensor]:
+    """The checkpoint as a qwen3moe GGUF file; returns the dequantised stored values under
+    the HF names (the oracle's state dict)."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    n_layers, n_head, n_kv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, n_layers)
+    writer = gguf.GGUFWriter(str(out), "qwen3moe")
+    writer.add_name(hf_dir.name)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(n_layers)
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])  # (transformers 5 writes the latter)
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    writer.add_file_type(FILE_TYPES["Q4_K_M" if expert_types else default_type])
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    values: dict[str, torch.Tensor] = {}
+    stacks: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    for name, tensor in read_hf_tensors(hf_dir).items():
+        if (m := _EXPERT.match(name)) is not None:
+            stacks.setdefault((int(m[1]), m[3]), {})[int(m[2])] = tensor.float().numpy()
+            values[name] = stored_value(tensor.float().numpy(), expert_types.get(m[3], default_type))
+            continue
+        qtype = "F32" if name.endswith("mlp.gate.weight") else default_type  # llama.cpp keeps routers F32
+        data, raw = store(tensor.float().numpy(), qtype)
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), data, raw_dtype=raw)
+        values[name] = stored_value(tensor.float().numpy(), qtype)
+    for (layer, proj), experts in stacks.items():
+        stacked = np.stack([experts[e] for e in sorted(experts)])  # [E, rows, cols]
+        data, raw = store(stacked.reshape(-1, stacked.shape[-1]), expert_types.get(proj, default_type))
+        writer.add_tensor(f"blk.{layer}.{_STACKS[proj]}.weight", data.reshape(*stacked.shape[:2], -1),
+                          raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return values
+
+
+def expert_file_bytes(path: Path) -> int:
+    reader = gguf.GGUFReader(str(path))
+    return sum(int(t.n_bytes) for t in reader.tensors if "_exps." in t.name)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SimpleNamespace]:
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("gguf_moe")
+    out = {}
+    for name, (sizes, default_type, expert_types) in FILES.items():
+        src = write_moe_checkpoint(root / f"{name}-src", "qwen3_moe", seed=13, **sizes)
+        path = root / f"{name}.gguf"
+        values = write_qwen3moe_gguf(src, path, default_type, expert_types)
+        reference = root / f"{name}-reference"
+        reference.mkdir()
+        save_file({n: v.contiguous() for n, v in values.items()}, str(reference / "model.safetensors"))
+        (reference / "config.json").write_text((src / "config.json").read_text())
+        hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+        hf.generation_config.eos_token_id = hf.config.eos_token_id = None
+        out[name] = SimpleNamespace(path=path, hf=hf, logits=hf_logits(hf, INPUT_IDS), sizes=sizes,
+                                    expert_bytes=expert_file_bytes(path), types=expert_types or {
+                                        p: default_type for p in _STACKS})
+    return out
+
+
+def check_experts(result: dict[str, Any], case: SimpleNamespace, num_local: int, ranks: int) -> None:
+    """Every FusedMoE holds its experts as the file's blocks ([E, rows, blocks, bytes]
+    uint8) and nothing else: its share of the file's expert bytes."""
+    hidden, inter = case.sizes["hidden_size"], case.sizes["moe_intermediate_size"]
+    up, down = (gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[case.types[p]]] for p in ("gate_proj", "down_proj"))
+    assert len(result["experts"]) == 2
+    for held in result["experts"].values():
+        assert held == {"w13_qweight": ("torch.uint8", (num_local, 2 * inter, hidden // up[0], up[1])),
+                        "w2_qweight": ("torch.uint8", (num_local, hidden, inter // down[0], down[1]))}
+    assert result["expert_bytes"] == case.expert_bytes // ranks + (2 * 4 * 8 if num_local < 4 else 0)  # + EP's map
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_gguf_moe_logits_match_transformers(files: dict[str, SimpleNamespace], name: str) -> None:
+    case = files[name]
+    result = load_case({"model": str(case.path), "input_ids": INPUT_IDS})
+    torch.testing.assert_close(result["logits"], case.logits, atol=1e-4, rtol=0)
+    check_experts(result, case, 4, 1)
+    assert result["methods"]["model.layers.0.self_attn.qkv_proj"] == "GGUFLinearMethod"
+    assert result["dtypes"]["model.layers.0.mlp.gate"] == "torch.float32"  # the router, F32 in the file
+
+
+def test_gguf_moe_expert_parallel_and_tensor_parallel_refusal(files: dict[str, SimpleNamespace]) -> None:
+    """TP 2 with expert parallelism: two whole experts per rank, in blocks. TP 2 without it
+    would give each rank 16 of the Q8_0 experts' 32 intermediate features: half a block
+    of the down stack, refused naming the fix."""
+    case = files["q8_0"]
+    specs = [{"name": "ep", "model": str(case.path), "input_ids": INPUT_IDS,
+              "kwargs": {"enable_expert_parallel": True}},
+             {"name": "tp", "model": str(case.path), "input_ids": INPUT_IDS, "expect_error": True}]
+    for rank_result in run_tp(tp_quant_cases, 2, specs):
+        torch.testing.assert_close(rank_result["ep"]["logits"], case.logits, atol=1e-4, rtol=0)
+        check_experts(rank_result["ep"], case, 2, 2)
+        kind, message = rank_result["tp"]["error"]
+        for needle in ("Q8_0", "16 intermediate features per rank", "tensor_parallel_size=2", "expert parallelism"):
+            assert needle in message, (needle, kind, message)
+
+
+@pytest.mark.slow
+def test_gguf_moe_engine_greedy_matches_transformers(files: dict[str, SimpleNamespace]) -> None:
+    case = files["q4_k_m"]
+    prompts = [[5, 17, 33, 71, 9], [100, 3, 250, 41, 8, 60, 77, 12, 300]]
+    assert_engine_greedy_matches(case.path, case.hf, prompts, 8)
