@@ -1,4 +1,4 @@
-"""The random-weight Llama GGUF files bench_vs_llamacpp.py measures: F16, Q8_0 and Q4_K_M.
+"""The random-weight Llama (or Qwen3-MoE) GGUF files bench_vs_llamacpp.py measures: F16, Q8_0 and Q4_K_M.
 
 `ensure_gguf_files(root, spec, file_types, llamacpp_python)` writes each file once and
 caches it under `root/<spec tag>/` (a file is reused while its marker, the spec it was
@@ -42,7 +42,10 @@ FILE_TYPES = ("F16", "Q8_0", "Q4_K_M")
 
 @dataclass(frozen=True)
 class GGUFModelSpec:
-    """A Llama's shape. FULL_SPEC is issue 37's 853M-parameter model."""
+    """A Llama's shape, or with `num_experts` a Qwen3-MoE's (llama.cpp's qwen3moe: per-head
+    q/k norms, every layer `num_experts` experts `intermediate_size` wide, top
+    `experts_per_tok`). FULL_SPEC is issue 37's 853M-parameter model; MOE_SPEC
+    bench_moe.py's 0.39B Qwen3-MoE shape."""
 
     hidden_size: int
     intermediate_size: int
@@ -51,6 +54,12 @@ class GGUFModelSpec:
     num_key_value_heads: int
     vocab_size: int
     context_length: int = 2048
+    num_experts: int = 0
+    experts_per_tok: int = 0
+
+    @property
+    def arch(self) -> str:
+        return "qwen3moe" if self.num_experts else "llama"
 
     @property
     def head_dim(self) -> int:
@@ -58,8 +67,9 @@ class GGUFModelSpec:
 
     @property
     def tag(self) -> str:
-        return (f"llama-h{self.hidden_size}-i{self.intermediate_size}-l{self.num_hidden_layers}"
-                f"-a{self.num_attention_heads}-kv{self.num_key_value_heads}-v{self.vocab_size}")
+        experts = f"-e{self.num_experts}k{self.experts_per_tok}" if self.num_experts else ""
+        return (f"{self.arch}-h{self.hidden_size}-i{self.intermediate_size}-l{self.num_hidden_layers}"
+                f"-a{self.num_attention_heads}-kv{self.num_key_value_heads}-v{self.vocab_size}{experts}")
 
     def kv_bytes_per_position(self, element_bytes: int = 2) -> int:
         """K and V of one position over every layer (both engines cache 16-bit values)."""
@@ -69,13 +79,18 @@ class GGUFModelSpec:
         """(GGUF name, numpy shape [rows, n_per_row]) of every tensor, in file order."""
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (self.vocab_size, h))]
+        i_size, e = self.intermediate_size, self.num_experts
         for i in range(self.num_hidden_layers):
             b = f"blk.{i}."
             out += [(b + "attn_norm.weight", (h,)), (b + "attn_q.weight", (h, h)), (b + "attn_k.weight", (kv, h)),
-                    (b + "attn_v.weight", (kv, h)), (b + "attn_output.weight", (h, h)),
-                    (b + "ffn_norm.weight", (h,)), (b + "ffn_gate.weight", (self.intermediate_size, h)),
-                    (b + "ffn_up.weight", (self.intermediate_size, h)),
-                    (b + "ffn_down.weight", (h, self.intermediate_size))]
+                    (b + "attn_v.weight", (kv, h)), (b + "attn_output.weight", (h, h)), (b + "ffn_norm.weight", (h,))]
+            if e:
+                out += [(b + "attn_q_norm.weight", (self.head_dim,)), (b + "attn_k_norm.weight", (self.head_dim,)),
+                        (b + "ffn_gate_inp.weight", (e, h)), (b + "ffn_gate_exps.weight", (e, i_size, h)),
+                        (b + "ffn_up_exps.weight", (e, i_size, h)), (b + "ffn_down_exps.weight", (e, h, i_size))]
+            else:
+                out += [(b + "ffn_gate.weight", (i_size, h)), (b + "ffn_up.weight", (i_size, h)),
+                        (b + "ffn_down.weight", (h, i_size))]
         return out + [("output_norm.weight", (h,)), ("output.weight", (self.vocab_size, h))]
 
     def num_params(self) -> int:
@@ -84,6 +99,8 @@ class GGUFModelSpec:
 
 FULL_SPEC = GGUFModelSpec(2048, 5632, 16, 32, 8, 32000)  # 852.7M parameters, untied LM head
 QUICK_SPEC = GGUFModelSpec(256, 768, 2, 4, 2, 8192)  # K-quant rows need multiples of 256
+MOE_SPEC = GGUFModelSpec(1024, 768, 8, 16, 4, 32000, num_experts=16, experts_per_tok=4)  # 0.39B parameters
+QUICK_MOE_SPEC = GGUFModelSpec(256, 256, 2, 4, 2, 8192, num_experts=8, experts_per_tok=2)
 
 
 # --------------------------------------------------------------------------- which type each tensor gets
@@ -96,13 +113,14 @@ def _use_more_bits(i_layer: int, n_layers: int) -> bool:
 
 def storage_type(name: str, shape: tuple[int, ...], file_type: str, n_layers: int) -> str:
     """The GGML type `name` is stored as in a `file_type` file."""
-    if len(shape) == 1:
+    if len(shape) == 1 or name.endswith("ffn_gate_inp.weight"):  # norms and routers, as llama.cpp keeps them
         return "F32"
     if file_type != "Q4_K_M":
         return file_type
     if name == "output.weight":
         return "Q6_K"
-    if name.endswith(("attn_v.weight", "ffn_down.weight")) and _use_more_bits(int(name.split(".")[1]), n_layers):
+    if name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")) and _use_more_bits(
+            int(name.split(".")[1]), n_layers):
         return "Q6_K"
     return "Q4_K"
 
@@ -113,18 +131,23 @@ def _stored_nbytes(shape: tuple[int, ...], ggml_type: str) -> int:
     if ggml_type in ("F32", "F16"):
         return int(np.prod(shape)) * (4 if ggml_type == "F32" else 2)
     block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]]
-    return shape[0] * (shape[1] // block) * block_bytes
+    return int(np.prod(shape[:-1])) * (shape[-1] // block) * block_bytes
 
 
 def bytes_read_per_token(path: Path) -> int:
     """Weight bytes one decode step streams: every tensor of the file but the embedding
-    table, of which a step reads one row (a tied file reads it whole as the LM head)."""
+    table, of which a step reads one row (a tied file reads it whole as the LM head); of
+    a mixture of experts' stacks, the share of the experts one token uses."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     names = {t.name for t in reader.tensors}
     tied = "output.weight" not in names
-    return sum(int(t.n_bytes) for t in reader.tensors if tied or t.name != "token_embd.weight")
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    used = reader.fields.get(f"{arch}.expert_used_count")
+    share = (int(used.parts[-1][0]) / int(reader.fields[f"{arch}.expert_count"].parts[-1][0])) if used else 1.0
+    return int(sum(int(t.n_bytes) * (share if "_exps." in t.name else 1) for t in reader.tensors
+                   if tied or t.name != "token_embd.weight"))
 
 
 # --------------------------------------------------------------------------- writing
@@ -196,7 +219,7 @@ def write_gguf(path: Path, spec: GGUFModelSpec, file_type: str, quantizer: PeerQ
     import gguf
 
     Q = gguf.GGMLQuantizationType
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), spec.arch)
     writer.add_name(f"random {spec.tag}")
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.hidden_size)
@@ -208,6 +231,10 @@ def write_gguf(path: Path, spec: GGUFModelSpec, file_type: str, quantizer: PeerQ
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(spec.head_dim)
     writer.add_vocab_size(spec.vocab_size)
+    if spec.num_experts:
+        writer.add_expert_count(spec.num_experts)
+        writer.add_expert_used_count(spec.experts_per_tok)
+        writer.add_expert_feed_forward_length(spec.intermediate_size)
     writer.add_file_type({"F16": gguf.LlamaFileType.MOSTLY_F16, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
                           "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M}[file_type])
     _add_tokenizer(writer, spec)
@@ -218,7 +245,9 @@ def write_gguf(path: Path, spec: GGUFModelSpec, file_type: str, quantizer: PeerQ
         if ggml_type in ("F32", "F16"):
             writer.add_tensor_info(name, shape, np.dtype(np.float32 if ggml_type == "F32" else np.float16), nbytes)
         else:
-            writer.add_tensor_info(name, (shape[0], nbytes // shape[0]), np.dtype(np.uint8), nbytes, Q[ggml_type])
+            rows = shape[:-1]
+            writer.add_tensor_info(name, (*rows, nbytes // int(np.prod(rows))), np.dtype(np.uint8), nbytes,
+                                   Q[ggml_type])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -232,7 +261,8 @@ def write_gguf(path: Path, spec: GGUFModelSpec, file_type: str, quantizer: PeerQ
         else:
             if quantizer is None:
                 raise ValueError(f"{file_type} needs llama.cpp's quantiser (--llamacpp-python)")
-            stored = quantizer.quantize(data, ggml_type)
+            # (a stack of experts as its rows)
+            stored = quantizer.quantize(data.reshape(-1, data.shape[-1]), ggml_type).reshape(*data.shape[:-1], -1)
         writer.write_tensor_data(stored)
     writer.close()
     return path

@@ -26,8 +26,12 @@ buffer far larger than the last-level cache on the same threads (GB/s); roofline
 embedding table, plus the mean KV cache read). Targets (issue 37): batch-1 >= llama.cpp
 and >= 60% of the roofline; 16 concurrent >= 2x llama.cpp; resident <= 1.2x the file.
 
-    python scripts/bench_vs_llamacpp.py [--files F16,Q8_0,Q4_K_M] [--repeats 2] [--quick]
+    python scripts/bench_vs_llamacpp.py [--files F16,Q8_0,Q4_K_M] [--repeats 2] [--quick] [--moe]
         [--llamacpp-python ~/.cache/peers/llama-cpp/bin/python] [--dtype bfloat16]
+
+--moe: a random Qwen3-MoE instead (llama.cpp's qwen3moe; bench_moe.py's shape: hidden
+1024, 8 layers, 16 experts of 768, top 4, 0.39B parameters), whose decode step reads the
+used experts' share of the stacks (the roofline counts that).
 
 --quick: a 6M-parameter model and 48 new tokens, a smoke run of every path in about a
 minute. Without the peer's python: ours alone (and no Q4_K_M file). Not a test: timings
@@ -45,7 +49,15 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from bench_common import child_env, comma_list, load_average, print_result, run_children  # noqa: E402
-from bench_gguf_model import FILE_TYPES, FULL_SPEC, QUICK_SPEC, bytes_read_per_token, ensure_gguf_files  # noqa: E402
+from bench_gguf_model import (  # noqa: E402
+    FILE_TYPES,
+    FULL_SPEC,
+    MOE_SPEC,
+    QUICK_MOE_SPEC,
+    QUICK_SPEC,
+    bytes_read_per_token,
+    ensure_gguf_files,
+)
 from bench_held import measure_decode, random_prompts, run_held_child, serve_held  # noqa: E402
 
 DEFAULT_PEER_PYTHON = Path.home() / ".cache" / "peers" / "llama-cpp" / "bin" / "python"
@@ -176,6 +188,7 @@ def main() -> None:
     p.add_argument("--files", default=",".join(FILE_TYPES), help="comma-separated, of " + ", ".join(FILE_TYPES))
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="a tiny model and 48 new tokens: a smoke run")
+    p.add_argument("--moe", action="store_true", help="a Qwen3-MoE (qwen3moe) file instead of the llama")
     p.add_argument("--llamacpp-python", default=str(DEFAULT_PEER_PYTHON) if DEFAULT_PEER_PYTHON.exists() else None,
                    help="the llama.cpp peer venv's python (default: %(default)s; none: ours alone)")
     p.add_argument("--dtype", default="bfloat16", help="our compute dtype (EngineConfig dtype)")
@@ -199,14 +212,14 @@ def main() -> None:
     if not args.llamacpp_python and "Q4_K_M" in files:
         print("no llama.cpp peer: Q4_K_M (written by its quantiser) left out")
         files.remove("Q4_K_M")
-    spec = QUICK_SPEC if args.quick else FULL_SPEC
+    spec = (QUICK_MOE_SPEC if args.quick else MOE_SPEC) if args.moe else QUICK_SPEC if args.quick else FULL_SPEC
     prompt_len, max_tokens = (128, 48) if args.quick else (128, 128)
     probe_mib = args.probe_mib or (256 if args.quick else 2048)
     ctx_per_slot = -(-(prompt_len + max_tokens) // 256) * 256  # llama.cpp rounds a slot up to 256 positions
     kv_bytes = args.concurrency * ctx_per_slot * spec.kv_bytes_per_position()
     workload = make_workload(spec.vocab_size, prompt_len, max_tokens, args.concurrency)
     paths = ensure_gguf_files(Path(args.model_root), spec, files, args.llamacpp_python)
-    print(f"{spec.num_params() / 1e6:.0f}M-parameter llama; prompts {prompt_len}, {max_tokens} new tokens, greedy; "
+    print(f"{spec.num_params() / 1e6:.0f}M-parameter {spec.arch}; prompts {prompt_len}, {max_tokens} new tokens, greedy; "
           f"batch 1 and {args.concurrency} concurrent; cores {cores()}; ours dtype {args.dtype}; "
           f"KV cache {kv_bytes / 2**20:.0f} MiB each side; load average {load_average()}", flush=True)
 

@@ -39,7 +39,7 @@ from torch import nn
 from models.layers.fused_moe.grouped_moe import grouped_experts
 from models.layers.fused_moe.moe_method import FusedMoEMethodBase, expert_parameter
 from models.layers.quantization.gguf_dequant import GGUF_FORMATS, dequantize
-from models.layers.quantization.gguf_kernels import gguf_linear
+from models.layers.quantization.gguf_kernels import ShardPlan, gguf_linear, gguf_linear_shards
 
 
 def _in_blocks(block_bytes: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -80,23 +80,39 @@ class GGUFMoEMethod(FusedMoEMethodBase):
                          (experts, hidden_size, intermediate_per_rank // down.block_size, down.block_bytes),
                          torch.uint8, "qweight", (1, down.block_size), _in_blocks(down.block_bytes))
 
+    def _plans(self, layer: nn.Module) -> tuple[list[ShardPlan], list[ShardPlan]]:
+        """(w13's, w2's) kernel plan per local expert, built on first use and again
+        whenever the stacks' storage has moved (sleep and wake), as a dense GGUF layer
+        keeps its plan: a decode step builds none."""
+        w13, w2 = layer.w13_qweight, layer.w2_qweight
+        key = (w13.data_ptr(), w2.data_ptr())
+        cached = layer.__dict__.get("_gguf_expert_plans")
+        if cached is None or cached[0] != key:
+            plans = ([ShardPlan([(self.gate_up_type, w.view(w.shape[0], -1))]) for w in w13],
+                     [ShardPlan([(self.down_type, w.view(w.shape[0], -1))]) for w in w2])
+            layer.__dict__["_gguf_expert_plans"] = cached = (key, plans)
+        return cached[1]
+
     @staticmethod
-    def _product(qtype: str, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [n, k] times the expert's [rows, blocks, bytes] weight, in x's dtype."""
+    def _product(plan: ShardPlan, qtype: str, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [n, k] times one expert's [rows, blocks, bytes] weight, in x's dtype: in one
+        C call through its plan for 16-bit x, else `gguf_linear`."""
         rows = blocks.shape[0]
-        out = torch.empty(x.shape[0], rows, dtype=x.dtype if x.dtype in (torch.float32, torch.bfloat16,
-                                                                          torch.float16) else torch.float32,
-                          device=x.device)
-        gguf_linear(qtype, blocks.view(rows, -1), x.shape[1], x.contiguous(), out)
+        out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+        out = torch.empty(x.shape[0], rows, dtype=out_dtype, device=x.device)
+        x = x.contiguous()
+        k = x.shape[1]
+        if not gguf_linear_shards(plan, k, x, out):
+            gguf_linear(qtype, blocks.view(rows, -1), k, x, out)
         return out.to(x.dtype)
 
     def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         w13, w2 = layer.w13_qweight, layer.w2_qweight
-        inter = w13.shape[1] // 2
-        return grouped_experts(x, topk_weights, topk_ids, layer.expert_map, w13.shape[0], inter,
-                               lambda e, rows: self._product(self.gate_up_type, w13[e], rows),
-                               lambda e, act: self._product(self.down_type, w2[e], act))
+        p13, p2 = self._plans(layer) if x.device.type == "cpu" else ([None] * w13.shape[0], [None] * w2.shape[0])
+        return grouped_experts(x, topk_weights, topk_ids, layer.expert_map, w13.shape[0], w13.shape[1] // 2,
+                               lambda e, rows: self._product(p13[e], self.gate_up_type, w13[e], rows),
+                               lambda e, act: self._product(p2[e], self.down_type, w2[e], act))
 
     def dequantized_weights(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E_local, 2I, H], w2 [E_local, H, I]) as float32 values: for tests and
