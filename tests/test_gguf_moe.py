@@ -167,3 +167,113 @@ def test_gguf_moe_engine_greedy_matches_transformers(files: dict[str, SimpleName
     case = files["q4_k_m"]
     prompts = [[5, 17, 33, 71, 9], [100, 3, 250, 41, 8, 60, 77, 12, 300]]
     assert_engine_greedy_matches(case.path, case.hf, prompts, 8)
+
+
+# ------------------------------------------------------------------ a decode step's experts in one C call
+
+
+def _experts_layer(path: Path) -> torch.nn.Module:
+    """Layer 0's FusedMoE of the file, loaded in bfloat16 (the C kernel's activations)."""
+    from engine.arg_utils import create_engine_config
+    from model_loader import get_model
+
+    model = get_model(create_engine_config(model=str(path), device="cpu", dtype="bfloat16", use_tqdm_on_load=False))
+    return model.model.layers[0].mlp.experts
+
+
+def _grouped(method: Any, layer: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+             monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    """The same experts grouped in torch (the C kernel switched off by its token limit)."""
+    from models.layers.quantization import gguf_moe
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_moe, "MAX_KERNEL_TOKENS", 0)
+        return method.apply(layer, x, weights, ids)
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_c_kernel_computes_the_grouped_experts(files: dict[str, SimpleNamespace], name: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 tokens (1, 5, 16 and 64 of them): the one-call kernel and the experts
+    grouped in torch against the float64 product of the dequantised experts, and against
+    each other: both round the activations to int8 (the grouped path's larger groups of
+    tokens take bf16 tiles, without), the kernel keeps gate/up and the activation in
+    float32 where torch rounds them to bfloat16."""
+    from models.layers.fused_moe.router import fused_topk
+
+    layer = _experts_layer(files[name].path)
+    method = layer.quant_method
+    w13, w2 = (w.double() for w in method.dequantized_weights(layer))
+    inter = w13.shape[1] // 2
+    hidden = w2.shape[1]
+    for tokens in (1, 5, 16, 64):
+        gen = torch.Generator().manual_seed(tokens)
+        x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+        weights, ids = fused_topk(torch.randn(tokens, 4, generator=gen), 2, True)
+        kernel = method.apply(layer, x, weights, ids)
+        grouped = _grouped(method, layer, x, weights, ids, monkeypatch)
+        exact = torch.zeros(tokens, hidden, dtype=torch.float64)
+        for t in range(tokens):
+            for j in range(2):
+                e = int(ids[t, j])
+                gate_up = w13[e] @ x[t].double()
+                exact[t] += float(weights[t, j]) * (w2[e] @ (torch.nn.functional.silu(gate_up[:inter])
+                                                            * gate_up[inter:]))
+        assert kernel.dtype == torch.bfloat16 and kernel.shape == (tokens, hidden)
+        # (measured: 0.5-2.1% each against the exact product, the K-quants' activations
+        # rounded per 256 values the most; a wrong expert, pair or weight is tens of per cent)
+        assert rel_err(kernel, exact) < 3e-2 and rel_err(grouped, exact) < 3e-2, tokens
+        assert rel_err(kernel, grouped) < 3e-2, tokens
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_c_kernel_under_expert_parallelism_and_bad_ids(files: dict[str, SimpleNamespace],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank holding experts 2 and 3 of 4 (the map sends 0 and 1 to -1): the kernel adds
+    only its experts' pairs, as the grouped path does; an id past the model's experts is a
+    ValueError naming them."""
+    from models.layers.fused_moe.router import fused_topk
+
+    full = _experts_layer(files["q8_0"].path)
+    rank = SimpleNamespace(w13_qweight=full.w13_qweight[2:].contiguous(), w2_qweight=full.w2_qweight[2:].contiguous(),
+                           expert_map=torch.tensor([-1, -1, 0, 1]), num_experts=4)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, full.w2_qweight.shape[1], generator=gen).bfloat16()
+    weights, ids = fused_topk(torch.randn(7, 4, generator=gen), 2, True)
+    method = full.quant_method
+    kernel = method.apply(rank, x, weights, ids)
+    assert rel_err(kernel, _grouped(method, rank, x, weights, ids, monkeypatch)) < 1e-2
+    ids[3, 1] = 4
+    with pytest.raises(ValueError, match="outside the model's 4 experts"):
+        method.apply(rank, x, weights, ids)
+
+
+def _captured_sizes(worker: Any) -> list[int]:
+    graphs = worker.model_runner.cpu_graphs
+    return [] if graphs is None else graphs.captured_sizes
+
+
+def _decode(path: Path, eager: bool) -> tuple[list, list]:
+    from config import SamplingParams
+    from engine.core import EngineCore
+
+    prompts = [[5, 9, 13, 2, 7, 11, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [42, 17]]
+    with EngineCore(model=str(path), device="cpu", dtype="bfloat16", max_model_len=128, kv_cache_memory_bytes=1 << 22,
+                    block_size=16, enforce_eager=eager, use_tqdm_on_load=False) as core:
+        outs = core.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
+                                       for n in (12, 6, 9)])
+        sizes = core.collective_rpc(_captured_sizes)
+    return [(o.token_ids, o.logprobs) for o in outs], sizes
+
+
+def test_gguf_moe_decode_steps_are_recorded_and_replay_eager(files: dict[str, SimpleNamespace]) -> None:
+    """In bfloat16 a decode step's experts are one C call reading the routing from tensors:
+    every decode batch size is recorded as a CPU graph and replays the eager steps' tokens
+    and logprobs."""
+    eager, none = _decode(files["q4_k_m"].path, True)
+    replayed, sizes = _decode(files["q4_k_m"].path, False)
+    assert none == [[]] and sizes == [[1, 2, 3]]
+    assert replayed == eager

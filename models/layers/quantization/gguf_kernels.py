@@ -1,7 +1,7 @@
 """The products and lookups GGUF layers compute from their blocks (`gguf_kernels.c`: float
 products and dequantisers; `gguf_vnni.c`: int8 products with AVX-512 VNNI, or
 `gguf_avx2.c` on AVX2 CPUs without it; `gguf_vnni_tiles.c`, `gguf_avx2_tiles.c`: int8
-tiles, likewise; `gguf_bf16.c`: bf16 tiles).
+tiles, likewise; `gguf_bf16.c`: bf16 tiles; `gguf_moe.c`: experts, gguf_moe.py's).
 
 `gguf_linear(qtype, blocks, k, x, out)`: out = x W^T for W held as [rows, row_bytes]
 blocks of `qtype`. On the CPU, with the C kernels built:
@@ -99,15 +99,14 @@ from models.layers.quantization.gguf_dequant import (
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_kernels.c")
-#: What the library is built from: the float path and dequantisers, the int8 path (and
-#: its activations' quantisation; AVX-512 VNNI or AVX2, whichever the build targets), the
-#: int8 tiles, the bf16 tiles, and the headers they share.
+#: The library's sources (the module docstring's) and the headers they share.
 SOURCES = (SOURCE, SOURCE.with_name("gguf_vnni.c"), SOURCE.with_name("gguf_avx2.c"),
            SOURCE.with_name("gguf_quantize_x.h"),
            SOURCE.with_name("gguf_vnni_tiles.c"), SOURCE.with_name("gguf_avx2_tiles.c"),
            SOURCE.with_name("gguf_avx2_unpack.h"),
-           SOURCE.with_name("gguf_bf16.c"), SOURCE.with_name("gguf_blocks.h"), SOURCE.parent.parent / "bf16_tile.h",
-           SOURCE.parent.parent / "avx2_transpose.h", BF16_CONVERT_H, FP16_CONVERT_H)
+           SOURCE.with_name("gguf_bf16.c"), SOURCE.with_name("gguf_moe.c"), SOURCE.with_name("gguf_blocks.h"),
+           SOURCE.parent.parent / "bf16_tile.h", SOURCE.parent.parent / "avx2_transpose.h", BF16_CONVERT_H,
+           FP16_CONVERT_H)
 COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
@@ -150,7 +149,7 @@ class GGUFKernels:
     """The loaded library."""
 
     def __init__(self, lib: NativeLibrary, path: Path) -> None:
-        self.path = path
+        self.path, self.lib = path, lib  # (gguf_moe.py binds the experts' entry point itself)
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._gemm, self._shards, self._rows = lib.gguf_gemm, lib.gguf_gemm_q8_shards, lib.gguf_dequantize_rows
         self._bf16, self._rows_bf16 = lib.gguf_gemm_bf16_shards, lib.gguf_dequantize_rows_bf16
@@ -196,7 +195,7 @@ class GGUFKernels:
         status = self._shards(len(plan.qtypes), plan.qtypes, plan.pointers, plan.rows_per_shard, plan.row_bytes, k,
                               x.data_ptr(), _X_DTYPES[x.dtype], x.stride(0), x.shape[0], out.data_ptr(),
                               _X_DTYPES[out.dtype], out.stride(0), torch.get_num_threads())
-        return _succeeded(status, plan.names, "the quantised activations")
+        return succeeded(status, plan.names, "the quantised activations")
 
     def gemm_shards_bf16(self, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
         """out [m, plan.rows] (as gemm_shards') = x [m, k] (bfloat16, rows contiguous)
@@ -208,7 +207,7 @@ class GGUFKernels:
         status = self._bf16(len(plan.qtypes), plan.qtypes, plan.pointers, plan.rows_per_shard, plan.row_bytes, k,
                             x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), _X_DTYPES[out.dtype],
                             out.stride(0), torch.get_num_threads())
-        return _succeeded(status, plan.names, "a dequantised tile")
+        return succeeded(status, plan.names, "a dequantised tile")
 
     def gemm_shards_int8_tiles(self, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
         """out [m, plan.rows] (as gemm_shards') = x [m, k] (bfloat16 or float16, rows
@@ -222,7 +221,7 @@ class GGUFKernels:
         if status == -1:
             raise ValueError(f"GGUF int8 tiles take {sorted(self.int8_tile_types)} rows and 16-bit activations, "
                              f"not {plan.names} and {x.dtype}")
-        return _succeeded(status, plan.names, "the quantised activations or a tile")
+        return succeeded(status, plan.names, "the quantised activations or a tile")
 
     def dequantize_rows_bf16(self, qtype: str, blocks: torch.Tensor, k: int, out: torch.Tensor) -> bool:
         """out [n, k] bfloat16 (rows contiguous) = every row of `blocks`, rounded once to
@@ -230,7 +229,7 @@ class GGUFKernels:
         written, where this build has no AVX-512 BF16."""
         status = self._rows_bf16(GGUF_FORMATS[qtype].type_id, blocks.data_ptr(), blocks.stride(0), k, blocks.shape[0],
                                  out.data_ptr(), out.stride(0), torch.get_num_threads())
-        return _succeeded(status, [qtype], "")
+        return succeeded(status, [qtype], "")
 
     def dequantize_rows(self, qtype: str, blocks: torch.Tensor, k: int, ids: torch.Tensor | None,
                         out: torch.Tensor) -> None:
@@ -243,7 +242,7 @@ class GGUFKernels:
             raise ValueError(f"GGUF kernel: unknown type {qtype}")
 
 
-def _succeeded(status: int, names: list[str], scratch: str) -> bool:
+def succeeded(status: int, names: list[str], scratch: str) -> bool:
     """A C entry point's status: True (0), False (-2: this build lacks the instructions),
     or the error: MemoryError (-3: no memory for `scratch`), ValueError (-1: a type among
     `names` that the library does not know)."""
@@ -373,7 +372,8 @@ def _int8_tiles(kernel: GGUFKernels, plan: ShardPlan, k: int, x: torch.Tensor, o
     out (float32 or x's dtype, rows contiguous) where the tiles take every shard
     (`GGUFKernels.int8_tile_types`); False, with nothing written, otherwise or where the
     build has no int8 tiles."""
-    if not (kernel.has_int8_tiles and x.shape[0] >= INT8_TILE_MIN_TOKENS and out.stride(1) == 1
+    # (the tiles walk whole 256-value super-blocks: Q8_0 rows of other widths take the other paths)
+    if not (kernel.has_int8_tiles and x.shape[0] >= INT8_TILE_MIN_TOKENS and out.stride(1) == 1 and k % 256 == 0
             and kernel.int8_tile_types.issuperset(plan.names)):
         return False
     return kernel.gemm_shards_int8_tiles(plan, k, x if x.stride(1) == 1 else x.contiguous(), out)

@@ -21,15 +21,22 @@ file's. The types come per layer from the GGUF config's `tensor_types`
 (`model.layers.N.mlp.experts.gate_proj` ...), so a FusedMoE gets this method once the
 loader knows its name (`GGUFConfig.selects_moe_by_name`).
 
-Compute: the experts' tokens are grouped per expert (`grouped_moe.grouped_experts`) and
-each product is `gguf_linear` on the expert's blocks (the dense GGUF layers' kernels:
-int8 products of 16-bit activations, float products of float32 ones). The grouping
-reads the per-expert counts on the host: such a step runs eagerly (no CPU or CUDA
-graph). Called by `FusedMoE.forward` on every rank with this rank's experts.
+Compute, on the CPU: a decode step of 16-bit activations (up to `MAX_KERNEL_TOKENS`
+tokens) in one C call (gguf_moe.c: the pairs sorted by expert, each active expert's
+tokens through the dense GGUF layers' int8 products, gate/up and the activation kept in
+float32), which reads the routing from tensors, so the step records and replays as a
+CPU graph. Otherwise (a prefill, float32 activations, CUDA) the tokens are grouped per
+expert in torch (`grouped_moe.grouped_experts`: a host read of the per-expert counts,
+eager) and each product is the dense layers' (`gguf_linear`: int8 products or tiles of
+16-bit activations, float products of float32 ones, through each expert's kernel plan,
+built once). No CUDA graph captures these layers (`supports_cuda_graphs`). Called by
+`FusedMoE.forward` on every rank with this rank's experts.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +46,33 @@ from torch import nn
 from models.layers.fused_moe.grouped_moe import grouped_experts
 from models.layers.fused_moe.moe_method import FusedMoEMethodBase, expert_parameter
 from models.layers.quantization.gguf_dequant import GGUF_FORMATS, dequantize
-from models.layers.quantization.gguf_kernels import ShardPlan, gguf_linear, gguf_linear_shards
+from models.layers.quantization.gguf_kernels import (
+    INT8_ACTIVATION_DTYPES,
+    ShardPlan,
+    gguf_linear,
+    gguf_linear_shards,
+    load,
+    succeeded,
+)
+
+#: Up to this many tokens (a decode step's batch) of 16-bit activations the experts run in one
+#: C call (gguf_moe.c), which a CPU graph records; a prefill's larger batches, and float32
+#: activations (float products, as the dense GGUF layers give them), are grouped in torch.
+MAX_KERNEL_TOKENS = 64
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+_X_DTYPES = {torch.bfloat16: 1, torch.float16: 2}  # gguf_moe.c's x_dtype (0, float32, takes the grouped path)
+
+
+@functools.cache
+def _bind(lib: Any) -> Any:
+    """gguf_moe.c's entry point in the GGUF library, its types set (once per library)."""
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    moe = lib.gguf_moe_q8
+    moe.restype = i32
+    moe.argtypes = [i32, p, i64, i64, i32, p, i64, i64, i64, i64, p, i32, i64, i64, p, p, i64, p, i64, i64, p, i32]
+    return moe
 
 
 def _in_blocks(block_bytes: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -98,7 +131,7 @@ class GGUFMoEMethod(FusedMoEMethodBase):
         """x [n, k] times one expert's [rows, blocks, bytes] weight, in x's dtype: in one
         C call through its plan for 16-bit x, else `gguf_linear`."""
         rows = blocks.shape[0]
-        out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+        out_dtype = x.dtype if x.dtype in _FLOAT_DTYPES else torch.float32
         out = torch.empty(x.shape[0], rows, dtype=out_dtype, device=x.device)
         x = x.contiguous()
         k = x.shape[1]
@@ -106,9 +139,36 @@ class GGUFMoEMethod(FusedMoEMethodBase):
             gguf_linear(qtype, blocks.view(rows, -1), k, x, out)
         return out.to(x.dtype)
 
+    def _one_call(self, kernel: Any, w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
+                  num_experts: int) -> torch.Tensor | None:
+        """The step's experts in one C call (gguf_moe.c): [T, H] float32 for 16-bit x [T, H]
+        (unit stride along H), float32 `topk_weights` and int64 `topk_ids` [T, k]
+        (contiguous); None, with nothing computed, where the build has no int8 products.
+        ValueError for an expert id outside the model's; MemoryError without scratch."""
+        moe = _bind(kernel.lib)
+        tokens, hidden = x.shape
+        y = torch.empty(tokens, hidden, dtype=torch.float32)
+        status = moe(GGUF_FORMATS[self.gate_up_type].type_id, w13.data_ptr(), w13[0].numel(),
+                     w13[0].numel() // w13.shape[1], GGUF_FORMATS[self.down_type].type_id, w2.data_ptr(),
+                     w2[0].numel(), w2[0].numel() // hidden, hidden, w13.shape[1] // 2, x.data_ptr(),
+                     _X_DTYPES[x.dtype], x.stride(0), tokens, topk_ids.data_ptr(), topk_weights.data_ptr(),
+                     topk_ids.shape[1], None if expert_map is None else expert_map.data_ptr(), num_experts,
+                     w13.shape[0], y.data_ptr(), torch.get_num_threads())
+        if status == -1:
+            raise ValueError(f"GGUF experts: an expert id outside the model's {num_experts} experts, or one the "
+                             f"expert map sends past this rank's {w13.shape[0]}")
+        return y if succeeded(status, [self.gate_up_type, self.down_type], "the experts' pairs") else None
+
     def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         w13, w2 = layer.w13_qweight, layer.w2_qweight
+        if (x.device.type == "cpu" and 0 < x.shape[0] <= MAX_KERNEL_TOKENS and x.dtype in INT8_ACTIVATION_DTYPES
+                and x.stride(1) == 1 and (kernel := load()) is not None):
+            y = self._one_call(kernel, w13, w2, x, topk_weights.float().contiguous(),
+                               topk_ids.to(torch.int64).contiguous(), layer.expert_map, layer.num_experts)
+            if y is not None:
+                return y.to(x.dtype)
         p13, p2 = self._plans(layer) if x.device.type == "cpu" else ([None] * w13.shape[0], [None] * w2.shape[0])
         return grouped_experts(x, topk_weights, topk_ids, layer.expert_map, w13.shape[0], w13.shape[1] // 2,
                                lambda e, rows: self._product(p13[e], self.gate_up_type, w13[e], rows),
