@@ -13,7 +13,10 @@ The oracle: transformers on the dequantised stored values, so with float32 activ
 (float products of the blocks) logits agree to 1e-4. Each rank holds the experts as the
 file's blocks (uint8, the file's bytes for its experts), under expert parallelism too;
 tensor parallelism that would split a block of the down type is refused at load naming
-tensor_parallel_size and expert parallelism. Also the engine's greedy tokens.
+tensor_parallel_size and expert parallelism. An F16 file keeps float experts. Also the
+engine's greedy tokens, and a decode step's experts in one C call (16-bit activations):
+against the grouped path and the exact product, under expert parallelism, and recorded
+as a CPU graph that replays the eager steps.
 """
 
 from __future__ import annotations
@@ -144,6 +147,26 @@ def test_gguf_moe_logits_match_transformers(files: dict[str, SimpleNamespace], n
     check_experts(result, case, 4, 1)
     assert result["methods"]["model.layers.0.self_attn.qkv_proj"] == "GGUFLinearMethod"
     assert result["dtypes"]["model.layers.0.mlp.gate"] == "torch.float32"  # the router, F32 in the file
+
+
+def test_f16_gguf_moe_keeps_float_experts(files: dict[str, SimpleNamespace], tmp_path: Path) -> None:
+    """An F16 file's expert stacks are split per expert into the plain float experts (no
+    quantisation config), logits as transformers' on the stored values."""
+    case = files["q8_0"]
+    src = case.path.with_name("q8_0-src")
+    path = tmp_path / "f16.gguf"
+    values = write_qwen3moe_gguf(src, path, "F16", {})
+    result = load_case({"model": str(path), "input_ids": INPUT_IDS})
+    reference = tmp_path / "f16-reference"
+    reference.mkdir()
+    save_file({n: v.contiguous() for n, v in values.items()}, str(reference / "model.safetensors"))
+    (reference / "config.json").write_text((src / "config.json").read_text())
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    torch.testing.assert_close(result["logits"], hf_logits(hf, INPUT_IDS), atol=1e-4, rtol=0)
+    for held in result["experts"].values():
+        assert held == {"w13_weight": ("torch.float32", (4, 64, 64)), "w2_weight": ("torch.float32", (4, 64, 32))}
 
 
 def test_gguf_moe_expert_parallel_and_tensor_parallel_refusal(files: dict[str, SimpleNamespace]) -> None:

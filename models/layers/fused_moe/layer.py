@@ -12,7 +12,7 @@ hidden, intermediate_per_rank] its down projection; a quantised method registers
 own tensors in the same stacked layout (fp8: these in fp8 with `w13_weight_scale_inv`
 and `w2_weight_scale_inv`, or `..._weight_scale`, counted in blocks or per output row;
 int4/int8: the checkpoint's codes, scales and zero points, repacked after loading,
-quantization/wna16_moe.py).
+quantization/wna16_moe.py; GGUF: the file's blocks, quantization/gguf_moe.py).
   - tensor parallelism (default): every rank holds every expert, its intermediate
     dimension sliced like a column-parallel w1/w3 and a row-parallel w2;
   - expert parallelism (`enable_expert_parallel`, EP size = TP size): rank r holds

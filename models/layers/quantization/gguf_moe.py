@@ -60,8 +60,6 @@ from models.layers.quantization.gguf_kernels import (
 #: activations (float products, as the dense GGUF layers give them), are grouped in torch.
 MAX_KERNEL_TOKENS = 64
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 _X_DTYPES = {torch.bfloat16: 1, torch.float16: 2}  # gguf_moe.c's x_dtype (0, float32, takes the grouped path)
 
 
