@@ -17,7 +17,9 @@ per-channel scales of w2 whole on each rank); under expert parallelism each rank
 whole experts. Either way each rank holds the codes at the checkpoint's bits (its share
 of them), compact scales and byte zero points, and nothing else: no float copy. Also:
 the engine's greedy tokens, sleep and wake, the dummy load format, a missing expert
-tensor (named), act-order refused at resolution, and groups that split a rank's slice.
+tensor (named), act-order refused at resolution, groups that split a rank's slice, and
+a decode step's experts in one C call: against the grouped path, and recorded as a CPU
+graph that replays the eager steps.
 """
 
 from __future__ import annotations
@@ -189,7 +191,7 @@ def test_wna16_moe_tensor_and_expert_parallel_logits_match_transformers(cases: d
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_wna16_moe_engine_greedy_matches_transformers(cases: dict[str, SimpleNamespace], tp: int) -> None:
-    """Through the engine (its steps eager: grouping the experts reads counts on the host)."""
+    """Through the engine (decode steps' experts in one C call, replayed as CPU graphs)."""
     prompts = [[5, 17, 33, 71, 9], [100, 3, 250, 41, 8, 60, 77, 12, 300]]
     case = cases["gptq4_g32_sym" if tp == 1 else "awq_g32"]
     assert_engine_greedy_matches(case.model, case.hf, prompts, 8, tensor_parallel_size=tp)
@@ -272,6 +274,67 @@ def test_groups_or_packs_that_split_an_expert_or_slice_are_refused(intermediate:
         method.create_weights(layer, 4, HIDDEN, intermediate // tp, torch.float32)
     for needle in needles:
         assert needle in str(raised.value), (needle, str(raised.value))
+
+
+def _experts_layer(case: SimpleNamespace, dtype: str) -> torch.nn.Module:
+    from model_loader import get_model
+
+    model = get_model(create_engine_config(model=str(case.model), device="cpu", dtype=dtype, use_tqdm_on_load=False))
+    return model.model.layers[0].mlp.experts
+
+
+@pytest.mark.parametrize("name", ["gptq4_g32_sym", "ct8_channel_sym"])
+def test_one_call_experts_compute_the_grouped_experts(cases: dict[str, SimpleNamespace], name: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step's experts in one C call (kernels/wna16_moe.c, each product the GEMV)
+    against the experts grouped in torch (the C call switched off by its token limit), for
+    1, 7 and 64 float32 and bfloat16 tokens; an expert id past the model's is named."""
+    from models.layers.fused_moe.router import fused_topk
+    from models.layers.quantization import wna16_moe
+
+    for dtype, tol in (("float32", 2e-5), ("bfloat16", 2e-2)):
+        layer = _experts_layer(cases[name], dtype)
+        for tokens in (1, 7, 64):
+            gen = torch.Generator().manual_seed(tokens)
+            x = torch.randn(tokens, HIDDEN, generator=gen).to(getattr(torch, dtype))
+            weights, ids = fused_topk(torch.randn(tokens, EXPERTS, generator=gen), 2, True)
+            one_call = layer.quant_method.apply(layer, x, weights, ids)
+            with monkeypatch.context() as patch:
+                patch.setattr(wna16_moe, "MAX_KERNEL_TOKENS", 0)
+                grouped = layer.quant_method.apply(layer, x, weights, ids)
+            assert one_call.dtype == x.dtype
+            torch.testing.assert_close(one_call.float(), grouped.float(), atol=tol, rtol=tol)
+    ids[0, 1] = EXPERTS
+    with pytest.raises(ValueError, match=f"outside the model's {EXPERTS} experts"):
+        layer.quant_method.apply(layer, x, weights, ids)
+
+
+def _captured_sizes(worker: Any) -> list[int]:
+    graphs = worker.model_runner.cpu_graphs
+    return [] if graphs is None else graphs.captured_sizes
+
+
+def _decode(model: Path, eager: bool) -> tuple[list, list]:
+    from config import SamplingParams
+    from engine.core import EngineCore
+
+    prompts = [[5, 9, 13, 2, 7, 11, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [42, 17]]
+    with EngineCore(model=str(model), device="cpu", dtype="bfloat16", max_model_len=128,
+                    kv_cache_memory_bytes=1 << 22, block_size=16, enforce_eager=eager,
+                    use_tqdm_on_load=False) as core:
+        outs = core.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
+                                       for n in (12, 6, 9)])
+        sizes = core.collective_rpc(_captured_sizes)
+    return [(o.token_ids, o.logprobs) for o in outs], sizes
+
+
+def test_wna16_moe_decode_steps_are_recorded_and_replay_eager(cases: dict[str, SimpleNamespace]) -> None:
+    """The one-call experts read the routing from tensors: every decode batch size is
+    recorded as a CPU graph and replays the eager steps' tokens and logprobs."""
+    eager, none = _decode(cases["awq_g32"].model, True)
+    replayed, sizes = _decode(cases["awq_g32"].model, False)
+    assert none == [[]] and sizes == [[1, 2, 3]]
+    assert replayed == eager
 
 
 @pytest.mark.cuda

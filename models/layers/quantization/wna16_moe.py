@@ -31,13 +31,16 @@ zero points), stacked over the experts: `w13_wna16_qweight` [E_local, 2I, H * bi
 and the rest, registered buffers (so `state_dict()`, sleep mode and memory accounting
 see them); the checkpoint's tensors are deleted. The codes stay int4/int8 in memory.
 
-Compute: the experts' tokens are grouped as for full-precision experts
-(`grouped_moe.grouped_experts`: one product pair per active expert), each product
-`wna16_linear` on the expert's layout (the C GEMV streaming the packed codes for a few
-tokens, dequantised tiles and a GEMM for more; the Triton kernel on CUDA). The grouping
-reads the per-expert counts on the host, so such a step is not recorded as a CPU graph
-nor captured as a CUDA graph (`supports_cuda_graphs`). Called by `FusedMoE.forward` on
-every rank with this rank's experts.
+Compute, on the CPU: a decode step (up to `MAX_KERNEL_TOKENS` tokens) in one C call
+(kernels/wna16_moe.c: the pairs sorted by expert, each active expert's tokens through
+the WNA16 GEMV on its layout, gate/up and the activation in float32), which reads the
+routing from tensors, so the step records and replays as a CPU graph. Otherwise (a
+prefill, CUDA, a layout with an input permutation) the experts' tokens are grouped as
+for full-precision experts (`grouped_moe.grouped_experts`: one product pair per active
+expert, a host read of the counts, eager), each product `wna16_linear` on the expert's
+layout (the GEMV for a few tokens, dequantised tiles and a GEMM for more; the Triton
+kernel on CUDA). No CUDA graph captures these layers (`supports_cuda_graphs`). Called by
+`FusedMoE.forward` on every rank with this rank's experts.
 
 Refused: act-order experts (GPTQ desc_act, compressed-tensors actorder "group"; vLLM's
 WNA16 MoE kernel refuses them too) at resolution, by the configs'
@@ -48,6 +51,8 @@ divide an expert or a rank's slice of one.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,11 +61,29 @@ from torch import nn
 
 from models.layers.fused_moe.grouped_moe import grouped_experts
 from models.layers.fused_moe.moe_method import FusedMoEMethodBase, expert_parameter
+from models.layers.quantization.kernels import wna16_cpu
 from models.layers.quantization.kernels.wna16_apply import wna16_linear
+from models.layers.quantization.kernels.wna16_cpu import SCALE_DTYPES
 from models.layers.quantization.kernels.wna16_layout import WNA16Layout, WNA16Tensors, build_wna16_tensors
 from models.layers.quantization.wna16 import AWQ_PACK_ORDER, input_groups, unpack_int32
 
 _LAYOUT = ("qweight", "scales", "zeros", "block_group", "input_perm")  # WNA16Tensors' tensors, as buffers
+#: Up to this many tokens (a decode step's batch) the experts run in one C call
+#: (kernels/wna16_moe.c, each product the GEMV), which a CPU graph records; a prefill's
+#: larger batches are grouped in torch (tiles for the larger groups).
+MAX_KERNEL_TOKENS = 64
+_X_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # wna16_moe.c's x_dtype
+
+
+@functools.cache
+def _bind(lib: Any) -> Any:
+    """wna16_moe.c's entry point in the WNA16 library, its types set (once per library)."""
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    moe = lib.wna16_moe
+    moe.restype = i32
+    stack = [p, i64, p, i64, i32, p, i64, p, i64]
+    moe.argtypes = [i32, *stack, *stack, i64, i64, p, i32, i64, i64, p, p, i64, p, i64, i64, p, i32]
+    return moe
 
 
 def _transpose(tensor: torch.Tensor) -> torch.Tensor:
@@ -202,8 +225,41 @@ class WNA16MoEMethod(FusedMoEMethodBase):
         layer.__dict__["_wna16_expert_layouts"] = (current, layouts)
         return layouts
 
+    def _one_call(self, layer: nn.Module, kernel: Any, x: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+        """The step's experts in one C call (kernels/wna16_moe.c): [T, H] float32 for x [T,
+        H] (float32, bfloat16 or float16; unit stride along H), float32 `topk_weights` and
+        int64 `topk_ids` [T, k] (contiguous). ValueError for an expert id outside the
+        model's; MemoryError without scratch."""
+        moe = _bind(kernel.lib)
+        stacks = [[getattr(layer, f"{prefix}_wna16_{name}") for name in ("qweight", "scales", "zeros", "block_group")]
+                  for prefix in ("w13", "w2")]
+        args: list[Any] = []
+        for q, s, z, bg in stacks:
+            args += [q.data_ptr(), q[0].numel(), s.data_ptr(), s[0].numel() * s.element_size(), SCALE_DTYPES[s.dtype],
+                     z.data_ptr(), z[0].numel(), bg.data_ptr(), s.shape[2]]
+        tokens, hidden = x.shape
+        y = torch.empty(tokens, hidden, dtype=torch.float32)
+        expert_map = layer.expert_map
+        status = moe(self.bits, *args, hidden, stacks[1][0].shape[2] * 8 // self.bits, x.data_ptr(),
+                     _X_DTYPES[x.dtype], x.stride(0), tokens, topk_ids.data_ptr(), topk_weights.data_ptr(),
+                     topk_ids.shape[1], None if expert_map is None else expert_map.data_ptr(), layer.num_experts,
+                     stacks[0][0].shape[0], y.data_ptr(), torch.get_num_threads())
+        if status == -1:
+            raise ValueError(f"int4/int8 experts: an expert id outside the model's {layer.num_experts} experts, or "
+                             f"one the expert map sends past this rank's {stacks[0][0].shape[0]}")
+        if status:
+            raise MemoryError("int4/int8 experts: no memory for the pairs' scratch")
+        return y
+
     def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
+        if (x.device.type == "cpu" and 0 < x.shape[0] <= MAX_KERNEL_TOKENS and x.dtype in _X_DTYPES
+                and x.stride(1) == 1 and layer.w13_wna16_input_perm is None and layer.w2_wna16_input_perm is None
+                and (kernel := wna16_cpu.load()) is not None):
+            y = self._one_call(layer, kernel, x, topk_weights.float().contiguous(),
+                               topk_ids.to(torch.int64).contiguous())
+            return y.to(x.dtype)
         w13, w2 = self.layouts(layer)
         return grouped_experts(x, topk_weights, topk_ids, layer.expert_map, len(w13), w2[0].in_features,
                                lambda e, rows: wna16_linear(rows, w13[e]), lambda e, act: wna16_linear(act, w2[e]))

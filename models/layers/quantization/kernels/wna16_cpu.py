@@ -43,9 +43,10 @@ if TYPE_CHECKING:
     from models.layers.quantization.kernels.wna16_layout import WNA16Layout
 
 SOURCE = Path(__file__).with_name("wna16_cpu.c")
-# The GEMVs, the tile dequantiser and the block decoders they share; a change to a header rebuilds.
-SOURCES = (SOURCE, SOURCE.with_name("wna16_dequant.c"), SOURCE.with_name("wna16_blocks.h"), BF16_CONVERT_H,
-           FP16_CONVERT_H)
+# The GEMVs, the tile dequantiser, a mixture of experts' decode step (wna16_moe.c) and the block
+# decoders they share; a change to a header rebuilds.
+SOURCES = (SOURCE, SOURCE.with_name("wna16_dequant.c"), SOURCE.with_name("wna16_moe.c"),
+           SOURCE.with_name("wna16_blocks.h"), BF16_CONVERT_H, FP16_CONVERT_H)
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
@@ -71,7 +72,7 @@ class Wna16Kernel:
     """The loaded library: the GEMV and the tile dequantiser."""
 
     def __init__(self, lib: NativeLibrary, path: Path) -> None:
-        self.path = path
+        self.path, self.lib = path, lib  # (quantization/wna16_moe.py binds the experts' entry point itself)
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._gemv, self._dequant = lib.wna16_gemv, lib.wna16_dequant
         self._gemv.restype = self._dequant.restype = ctypes.c_int
