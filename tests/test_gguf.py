@@ -97,6 +97,28 @@ def stored_value(data: np.ndarray, qtype: str) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(arr, raw))
 
 
+def add_model_metadata(writer: Any, name: str, cfg: dict[str, Any]) -> None:
+    """The sizes, RoPE and norm settings of config.json `cfg`, as convert_hf_to_gguf.py
+    writes them (a head size other than hidden / heads as key_length and value_length)."""
+    n_head = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+    writer.add_name(name)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(cfg.get("num_key_value_heads", n_head))
+    # (transformers 5 writes it under rope_parameters)
+    writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != cfg["hidden_size"] // n_head:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+
+
 def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", arch: str | None = None,
                add_tokenizer: bool = False, tensor_types: dict[str, str] | None = None) -> Path:
     """The HF checkpoint as a GGUF file, every 2-D tensor stored as `qtype` unless
@@ -106,23 +128,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", arch: str | None = N
     n_layers, n_head = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads", n_head)
     name_map = gguf.get_tensor_name_map(NAME_MAPS.get(arch, gguf.MODEL_ARCH.LLAMA), n_layers)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_name(hf_dir.name)
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_block_count(n_layers)
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_kv)
-    # (transformers 5 writes it under rope_parameters)
-    writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_rope_dimension_count(head_dim)
-    if head_dim != cfg["hidden_size"] // n_head:  # as convert_hf_to_gguf.py writes a head_dim of its own
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
+    add_model_metadata(writer, hf_dir.name, cfg)
     writer.add_file_type(FILE_TYPES[qtype])
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])

@@ -37,7 +37,7 @@ from tests.conftest import run_tp
 from tests.moe_checkpoints import write_moe_checkpoint
 from tests.quant_checkpoints import assert_engine_greedy_matches, hf_logits
 from tests.quant_tp_helpers import load_case, tp_quant_cases
-from tests.test_gguf import FILE_TYPES, read_hf_tensors, store, stored_value
+from tests.test_gguf import FILE_TYPES, add_model_metadata, read_hf_tensors, store, stored_value
 
 INPUT_IDS = torch.randint(3, 320, (12,), generator=torch.Generator().manual_seed(3))
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -56,21 +56,9 @@ def write_qwen3moe_gguf(hf_dir: Path, out: Path, default_type: str, expert_types
     """The checkpoint as a qwen3moe GGUF file; returns the dequantised stored values under
     the HF names (the oracle's state dict)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
-    n_layers, n_head, n_kv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, n_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, cfg["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(out), "qwen3moe")
-    writer.add_name(hf_dir.name)
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_block_count(n_layers)
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_kv)
-    writer.add_key_length(cfg["head_dim"])
-    writer.add_value_length(cfg["head_dim"])
-    writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_vocab_size(cfg["vocab_size"])
+    add_model_metadata(writer, hf_dir.name, cfg)
     writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])  # (transformers 5 writes the latter)
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
     writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])

@@ -16,18 +16,17 @@
  * groups in torch); -3 when scratch cannot be allocated. Memory for the call: the pairs'
  * gathered rows (x's dtype), their gate/up products, activations and outputs (float32). */
 
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "../fused_moe/expert_pairs.h"
 
 int gguf_gemm_q8_shards(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
                         const int64_t *row_bytes, int64_t k, const void *x, int x_dtype, int64_t ldx, int64_t m,
                         void *y, int y_dtype, int64_t ldy, int num_threads);
 
-static void release(void *a, void *b, void *c, void *d, void *e, void *f) {
-    free(a), free(b), free(c), free(d), free(e), free(f);
-}
+static void release(void *a, void *b, void *c, void *d, void *e) { free(a), free(b), free(c), free(d), free(e); }
 
 /* w13: expert e's gate then up rows at w13 + e * w13_expert_bytes, [2 * inter, w13_row_bytes];
  * w2: its down rows [hidden, w2_row_bytes]. x [tokens, hidden] (x_dtype 0 float32, 1
@@ -46,26 +45,14 @@ int gguf_moe_q8(int type13, const uint8_t *w13, int64_t w13_expert_bytes, int64_
     float *act = malloc(sizeof(float) * (size_t)pairs * (size_t)inter);
     float *out = malloc(sizeof(float) * (size_t)pairs * (size_t)hidden);
     if (!local || !xg || !gu || !act || !out) {
-        release(local, xg, gu, act, out, NULL);
+        release(local, xg, gu, act, out);
         return -3;
     }
     int64_t *start = local + pairs, *order = start + num_local + 1;
-    memset(start, 0, sizeof(int64_t) * (size_t)(num_local + 1));
-    for (int64_t p = 0; p < pairs; ++p) {
-        const int64_t id = topk_ids[p];
-        const int64_t e = id < 0 || id >= num_experts ? -2 : expert_map ? expert_map[id] : id;
-        if (e < -1 || e >= num_local) {
-            release(local, xg, gu, act, out, NULL);
-            return -1;
-        }
-        local[p] = e;
-        if (e >= 0) ++start[e + 1];
+    if (sort_expert_pairs(topk_ids, pairs, expert_map, num_experts, num_local, local, start, order)) {
+        release(local, xg, gu, act, out);
+        return -1;
     }
-    for (int64_t e = 0; e < num_local; ++e) start[e + 1] += start[e];
-    for (int64_t p = 0; p < pairs; ++p) /* stable: pairs keep their order within an expert */
-        if (local[p] >= 0) order[start[local[p]]++] = p;
-    for (int64_t e = num_local; e > 0; --e) start[e] = start[e - 1]; /* back to each expert's first */
-    start[0] = 0;
     memset(y, 0, sizeof(float) * (size_t)tokens * (size_t)hidden);
     const int64_t rows13 = 2 * inter, rows2 = hidden;
     for (int64_t e = 0; e < num_local; ++e) {
@@ -77,25 +64,17 @@ int gguf_moe_q8(int type13, const uint8_t *w13, int64_t w13_expert_bytes, int64_
         const uint8_t *we13 = w13 + e * w13_expert_bytes, *we2 = w2 + e * w2_expert_bytes;
         int status = gguf_gemm_q8_shards(1, &type13, &we13, &rows13, &w13_row_bytes, hidden, xg, x_dtype, hidden, n,
                                          gu, 0, rows13, num_threads);
-        for (int64_t i = 0; status == 0 && i < n; ++i) {
-            const float *g = gu + i * rows13, *u = g + inter;
-            float *a = act + i * inter;
-            for (int64_t j = 0; j < inter; ++j) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-        }
-        if (status == 0)
+        if (status == 0) {
+            silu_and_mul(gu, n, inter, act);
             status = gguf_gemm_q8_shards(1, &type2, &we2, &rows2, &w2_row_bytes, inter, act, 0, inter, n, out, 0,
                                          hidden, num_threads);
+        }
         if (status) {
-            release(local, xg, gu, act, out, NULL);
+            release(local, xg, gu, act, out);
             return status;
         }
-        for (int64_t i = 0; i < n; ++i) {
-            const int64_t p = order[first + i];
-            const float weight = topk_weights[p], *o = out + i * hidden;
-            float *yt = y + (p / top_k) * hidden;
-            for (int64_t h = 0; h < hidden; ++h) yt[h] += weight * o[h];
-        }
+        add_expert_outputs(order + first, n, top_k, topk_weights, out, hidden, y);
     }
-    release(local, xg, gu, act, out, NULL);
+    release(local, xg, gu, act, out);
     return 0;
 }

@@ -46,7 +46,8 @@ SOURCE = Path(__file__).with_name("wna16_cpu.c")
 # The GEMVs, the tile dequantiser, a mixture of experts' decode step (wna16_moe.c) and the block
 # decoders they share; a change to a header rebuilds.
 SOURCES = (SOURCE, SOURCE.with_name("wna16_dequant.c"), SOURCE.with_name("wna16_moe.c"),
-           SOURCE.with_name("wna16_blocks.h"), BF16_CONVERT_H, FP16_CONVERT_H)
+           SOURCE.with_name("wna16_blocks.h"), SOURCE.parents[2] / "fused_moe" / "expert_pairs.h", BF16_CONVERT_H,
+           FP16_CONVERT_H)
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)

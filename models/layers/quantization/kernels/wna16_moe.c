@@ -16,10 +16,11 @@
  * num_local; -3 when scratch cannot be allocated. Memory for the call: the pairs'
  * gathered rows, gate/up products, activations and outputs (float32). */
 
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "../../fused_moe/expert_pairs.h"
 
 #include "../../../../distributed/bf16_convert.h"
 #include "../../../../distributed/fp16_convert.h"
@@ -74,22 +75,10 @@ int wna16_moe(int bits, const uint8_t *q13, int64_t q13_stride, const uint8_t *s
         return -3;
     }
     int64_t *start = local + pairs, *order = start + num_local + 1;
-    memset(start, 0, sizeof(int64_t) * (size_t)(num_local + 1));
-    for (int64_t p = 0; p < pairs; ++p) {
-        const int64_t id = topk_ids[p];
-        const int64_t e = id < 0 || id >= num_experts ? -2 : expert_map ? expert_map[id] : id;
-        if (e < -1 || e >= num_local) {
-            release(local, xg, gu, act, out);
-            return -1;
-        }
-        local[p] = e;
-        if (e >= 0) ++start[e + 1];
+    if (sort_expert_pairs(topk_ids, pairs, expert_map, num_experts, num_local, local, start, order)) {
+        release(local, xg, gu, act, out);
+        return -1;
     }
-    for (int64_t e = 0; e < num_local; ++e) start[e + 1] += start[e];
-    for (int64_t p = 0; p < pairs; ++p) /* stable: pairs keep their order within an expert */
-        if (local[p] >= 0) order[start[local[p]]++] = p;
-    for (int64_t e = num_local; e > 0; --e) start[e] = start[e - 1]; /* back to each expert's first */
-    start[0] = 0;
     memset(y, 0, sizeof(float) * (size_t)tokens * (size_t)hidden);
     for (int64_t e = 0; e < num_local; ++e) {
         const int64_t first = start[e], n = start[e + 1] - first;
@@ -105,22 +94,15 @@ int wna16_moe(int bits, const uint8_t *q13, int64_t q13_stride, const uint8_t *s
             }
         }
         int status = gemv(&w13, bits, e, xg, n, gu, num_threads);
-        for (int64_t i = 0; status == 0 && i < n; ++i) {
-            const float *g = gu + i * 2 * inter, *u = g + inter;
-            float *a = act + i * inter;
-            for (int64_t j = 0; j < inter; ++j) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        if (status == 0) {
+            silu_and_mul(gu, n, inter, act);
+            status = gemv(&w2, bits, e, act, n, out, num_threads);
         }
-        if (status == 0) status = gemv(&w2, bits, e, act, n, out, num_threads);
         if (status) {
             release(local, xg, gu, act, out);
             return -3; /* the GEMV's only failure: its scratch */
         }
-        for (int64_t i = 0; i < n; ++i) {
-            const int64_t p = order[first + i];
-            const float weight = topk_weights[p], *o = out + i * hidden;
-            float *yt = y + (p / top_k) * hidden;
-            for (int64_t h = 0; h < hidden; ++h) yt[h] += weight * o[h];
-        }
+        add_expert_outputs(order + first, n, top_k, topk_weights, out, hidden, y);
     }
     release(local, xg, gu, act, out);
     return 0;

@@ -1,0 +1,57 @@
+/* What the one-call expert kernels of the quantised formats share (quantization/gguf_moe.c,
+ * quantization/kernels/wna16_moe.c): a batch's (token, k) pairs sorted by local expert, the
+ * activation between an expert's two products, and its outputs added into their tokens' rows. Static inline: each includer
+ * compiles its own copy. */
+#ifndef EXPERT_PAIRS_H
+#define EXPERT_PAIRS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* The pairs p = t * top_k + j of topk_ids [pairs] sorted by local expert, stably: expert
+ * e's are order[start[e] .. start[e + 1]) (start: num_local + 1 entries; order and local:
+ * `pairs` each, local scratch). Pairs of another rank's expert (-1 in expert_map, which
+ * may be NULL: every expert local) are left out. Returns 0, or -1 for an id outside
+ * [0, num_experts) or one the map sends past num_local. */
+static inline int sort_expert_pairs(const int64_t *topk_ids, int64_t pairs, const int64_t *expert_map,
+                                    int64_t num_experts, int64_t num_local, int64_t *local, int64_t *start,
+                                    int64_t *order) {
+    memset(start, 0, sizeof(int64_t) * (size_t)(num_local + 1));
+    for (int64_t p = 0; p < pairs; ++p) {
+        const int64_t id = topk_ids[p];
+        const int64_t e = id < 0 || id >= num_experts ? -2 : expert_map ? expert_map[id] : id;
+        if (e < -1 || e >= num_local) return -1;
+        local[p] = e;
+        if (e >= 0) ++start[e + 1];
+    }
+    for (int64_t e = 0; e < num_local; ++e) start[e + 1] += start[e];
+    for (int64_t p = 0; p < pairs; ++p) /* stable: pairs keep their order within an expert */
+        if (local[p] >= 0) order[start[local[p]]++] = p;
+    for (int64_t e = num_local; e > 0; --e) start[e] = start[e - 1]; /* back to each expert's first */
+    start[0] = 0;
+    return 0;
+}
+
+/* act[i, j] = silu(gu[i, j]) * gu[i, inter + j] for n rows of gate then up products, float32. */
+static inline void silu_and_mul(const float *gu, int64_t n, int64_t inter, float *act) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float *g = gu + i * 2 * inter, *u = g + inter;
+        float *a = act + i * inter;
+        for (int64_t j = 0; j < inter; ++j) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}
+
+/* y[t] += topk_weights[p] * out[i] for the expert's n pairs order[0 .. n) (t = p / top_k),
+ * out [n, hidden] and y [tokens, hidden] float32. */
+static inline void add_expert_outputs(const int64_t *order, int64_t n, int64_t top_k, const float *topk_weights,
+                                      const float *out, int64_t hidden, float *y) {
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t p = order[i];
+        const float weight = topk_weights[p], *o = out + i * hidden;
+        float *yt = y + (p / top_k) * hidden;
+        for (int64_t h = 0; h < hidden; ++h) yt[h] += weight * o[h];
+    }
+}
+
+#endif
