@@ -7,6 +7,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* The pairs p = t * top_k + j of topk_ids [pairs] sorted by local expert, stably: expert
@@ -30,6 +31,41 @@ static inline int sort_expert_pairs(const int64_t *topk_ids, int64_t pairs, cons
         if (local[p] >= 0) order[start[local[p]]++] = p;
     for (int64_t e = num_local; e > 0; --e) start[e] = start[e - 1]; /* back to each expert's first */
     start[0] = 0;
+    return 0;
+}
+
+/* A call's scratch: the pairs sorted by expert (`start`, `order`: sort_expert_pairs'), one
+ * expert's gathered rows (`x`, x_elem bytes a value) and its gate/up products, activations
+ * and outputs (float32), sized for every pair of the batch. */
+typedef struct {
+    int64_t *local, *start, *order;
+    void *x;
+    float *gu, *act, *out;
+} expert_scratch_t;
+
+static inline void free_expert_scratch(expert_scratch_t *s) {
+    free(s->local), free(s->x), free(s->gu), free(s->act), free(s->out);
+}
+
+/* Allocate `s` and sort the pairs into it: 0; -3 (nothing held) without memory; -1 (nothing
+ * held) for an expert id sort_expert_pairs refuses. */
+static inline int expert_scratch(expert_scratch_t *s, const int64_t *topk_ids, int64_t pairs,
+                                 const int64_t *expert_map, int64_t num_experts, int64_t num_local, int64_t hidden,
+                                 int64_t inter, size_t x_elem) {
+    s->local = malloc(sizeof(int64_t) * (size_t)(2 * pairs + num_local + 1));
+    s->x = malloc((size_t)pairs * (size_t)hidden * x_elem);
+    s->gu = malloc(sizeof(float) * (size_t)pairs * 2 * (size_t)inter);
+    s->act = malloc(sizeof(float) * (size_t)pairs * (size_t)inter);
+    s->out = malloc(sizeof(float) * (size_t)pairs * (size_t)hidden);
+    if (!s->local || !s->x || !s->gu || !s->act || !s->out) {
+        free_expert_scratch(s);
+        return -3;
+    }
+    s->start = s->local + pairs, s->order = s->start + num_local + 1;
+    if (sort_expert_pairs(topk_ids, pairs, expert_map, num_experts, num_local, s->local, s->start, s->order)) {
+        free_expert_scratch(s);
+        return -1;
+    }
     return 0;
 }
 

@@ -26,8 +26,6 @@ int gguf_gemm_q8_shards(int n, const int *qtypes, const uint8_t *const *w, const
                         const int64_t *row_bytes, int64_t k, const void *x, int x_dtype, int64_t ldx, int64_t m,
                         void *y, int y_dtype, int64_t ldy, int num_threads);
 
-static void release(void *a, void *b, void *c, void *d, void *e) { free(a), free(b), free(c), free(d), free(e); }
-
 /* w13: expert e's gate then up rows at w13 + e * w13_expert_bytes, [2 * inter, w13_row_bytes];
  * w2: its down rows [hidden, w2_row_bytes]. x [tokens, hidden] (x_dtype 0 float32, 1
  * bfloat16, 2 float16; row stride ldx); topk_ids int64 and topk_weights float32 [tokens,
@@ -39,20 +37,12 @@ int gguf_moe_q8(int type13, const uint8_t *w13, int64_t w13_expert_bytes, int64_
                 int64_t num_local, float *y, int num_threads) {
     const int64_t pairs = tokens * top_k;
     const size_t elem = x_dtype == 0 ? 4 : 2;
-    int64_t *local = malloc(sizeof(int64_t) * (size_t)(pairs + num_local + 1) + sizeof(int64_t) * (size_t)pairs);
-    uint8_t *xg = malloc((size_t)pairs * (size_t)hidden * elem);
-    float *gu = malloc(sizeof(float) * (size_t)pairs * 2 * (size_t)inter);
-    float *act = malloc(sizeof(float) * (size_t)pairs * (size_t)inter);
-    float *out = malloc(sizeof(float) * (size_t)pairs * (size_t)hidden);
-    if (!local || !xg || !gu || !act || !out) {
-        release(local, xg, gu, act, out);
-        return -3;
-    }
-    int64_t *start = local + pairs, *order = start + num_local + 1;
-    if (sort_expert_pairs(topk_ids, pairs, expert_map, num_experts, num_local, local, start, order)) {
-        release(local, xg, gu, act, out);
-        return -1;
-    }
+    expert_scratch_t sc;
+    const int failed = expert_scratch(&sc, topk_ids, pairs, expert_map, num_experts, num_local, hidden, inter, elem);
+    if (failed) return failed;
+    const int64_t *start = sc.start, *order = sc.order;
+    uint8_t *xg = sc.x;
+    float *gu = sc.gu, *act = sc.act, *out = sc.out;
     memset(y, 0, sizeof(float) * (size_t)tokens * (size_t)hidden);
     const int64_t rows13 = 2 * inter, rows2 = hidden;
     for (int64_t e = 0; e < num_local; ++e) {
@@ -70,11 +60,11 @@ int gguf_moe_q8(int type13, const uint8_t *w13, int64_t w13_expert_bytes, int64_
                                          hidden, num_threads);
         }
         if (status) {
-            release(local, xg, gu, act, out);
+            free_expert_scratch(&sc);
             return status;
         }
         add_expert_outputs(order + first, n, top_k, topk_weights, out, hidden, y);
     }
-    release(local, xg, gu, act, out);
+    free_expert_scratch(&sc);
     return 0;
 }

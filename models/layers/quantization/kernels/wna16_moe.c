@@ -48,8 +48,6 @@ static int gemv(const stack_t *w, int bits, int64_t e, const float *x, int64_t m
                       w->block_group, w->rows, w->kp, w->groups, x, w->kp, m, y, w->rows, threads);
 }
 
-static void release(void *a, void *b, void *c, void *d, void *e) { free(a), free(b), free(c), free(d), free(e); }
-
 /* w13 [2 * inter, hidden] and w2 [hidden, inter] per expert (`bits` wide codes); x [tokens,
  * hidden] (x_dtype 0 float32, 1 bfloat16, 2 float16; row stride ldx); topk_ids int64 and
  * topk_weights float32 [tokens, top_k], contiguous; expert_map int64 [num_experts] or NULL;
@@ -65,20 +63,12 @@ int wna16_moe(int bits, const uint8_t *q13, int64_t q13_stride, const uint8_t *s
                          g13};
     const stack_t w2 = {q2, q2_stride, s2, s2_stride, scale_dtype2, z2, z2_stride, bg2, hidden, inter, g2};
     const int64_t pairs = tokens * top_k;
-    int64_t *local = malloc(sizeof(int64_t) * (size_t)(2 * pairs + num_local + 1));
-    float *xg = malloc(sizeof(float) * (size_t)pairs * (size_t)hidden);
-    float *gu = malloc(sizeof(float) * (size_t)pairs * 2 * (size_t)inter);
-    float *act = malloc(sizeof(float) * (size_t)pairs * (size_t)inter);
-    float *out = malloc(sizeof(float) * (size_t)pairs * (size_t)hidden);
-    if (!local || !xg || !gu || !act || !out) {
-        release(local, xg, gu, act, out);
-        return -3;
-    }
-    int64_t *start = local + pairs, *order = start + num_local + 1;
-    if (sort_expert_pairs(topk_ids, pairs, expert_map, num_experts, num_local, local, start, order)) {
-        release(local, xg, gu, act, out);
-        return -1;
-    }
+    expert_scratch_t sc;
+    const int failed = expert_scratch(&sc, topk_ids, pairs, expert_map, num_experts, num_local, hidden, inter,
+                                      sizeof(float));
+    if (failed) return failed;
+    const int64_t *start = sc.start, *order = sc.order;
+    float *xg = sc.x, *gu = sc.gu, *act = sc.act, *out = sc.out;
     memset(y, 0, sizeof(float) * (size_t)tokens * (size_t)hidden);
     for (int64_t e = 0; e < num_local; ++e) {
         const int64_t first = start[e], n = start[e + 1] - first;
@@ -99,11 +89,11 @@ int wna16_moe(int bits, const uint8_t *q13, int64_t q13_stride, const uint8_t *s
             status = gemv(&w2, bits, e, act, n, out, num_threads);
         }
         if (status) {
-            release(local, xg, gu, act, out);
+            free_expert_scratch(&sc);
             return -3; /* the GEMV's only failure: its scratch */
         }
         add_expert_outputs(order + first, n, top_k, topk_weights, out, hidden, y);
     }
-    release(local, xg, gu, act, out);
+    free_expert_scratch(&sc);
     return 0;
 }
