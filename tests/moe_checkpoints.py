@@ -87,3 +87,46 @@ def naive_moe_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
             act = F.silu(gate_up[:inter]) * gate_up[inter:]
             out[t] += float(topk_weights[t, j]) * (w2[local].double() @ act)
     return out
+
+
+# ------------------------------------------------------------------ the quantised experts' one-call kernels
+
+
+def experts_layer(model_path: Path, dtype: str, layer: int = 0) -> torch.nn.Module:
+    """Layer `layer`'s FusedMoE of a checkpoint or GGUF file, loaded on the CPU in `dtype`."""
+    from engine.arg_utils import create_engine_config
+    from model_loader import get_model
+
+    model = get_model(create_engine_config(model=str(model_path), device="cpu", dtype=dtype, use_tqdm_on_load=False))
+    return model.model.layers[layer].mlp.experts
+
+
+def grouped_apply(module: Any, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  monkeypatch: Any) -> torch.Tensor:
+    """`layer`'s quantised experts grouped in torch: the one-call C kernel of the method's
+    module (`module.MAX_KERNEL_TOKENS`) switched off, for comparison."""
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "MAX_KERNEL_TOKENS", 0)
+        return layer.quant_method.apply(layer, x, topk_weights, topk_ids)
+
+
+def captured_sizes(worker: Any) -> list[int]:
+    """For `EngineCore.collective_rpc`: the decode batch sizes this rank recorded as CPU graphs."""
+    graphs = worker.model_runner.cpu_graphs
+    return [] if graphs is None else graphs.captured_sizes
+
+
+def decode_with_graphs(model_path: Path, eager: bool) -> tuple[list, list]:
+    """Three bfloat16 requests' greedy tokens and logprobs, eager or with CPU graphs, and
+    the batch sizes recorded (one rank)."""
+    from config import SamplingParams
+    from engine.core import EngineCore
+
+    prompts = [[5, 9, 13, 2, 7, 11, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [42, 17]]
+    with EngineCore(model=str(model_path), device="cpu", dtype="bfloat16", max_model_len=128,
+                    kv_cache_memory_bytes=1 << 22, block_size=16, enforce_eager=eager,
+                    use_tqdm_on_load=False) as core:
+        outs = core.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
+                                       for n in (12, 6, 9)])
+        sizes = core.collective_rpc(captured_sizes)
+    return [(o.token_ids, o.logprobs) for o in outs], sizes

@@ -33,8 +33,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from models.layers.quantization import gguf_moe
 from tests.conftest import run_tp
-from tests.moe_checkpoints import write_moe_checkpoint
+from tests.moe_checkpoints import decode_with_graphs, experts_layer, grouped_apply, write_moe_checkpoint
 from tests.quant_checkpoints import assert_engine_greedy_matches, hf_logits
 from tests.quant_tp_helpers import load_case, tp_quant_cases
 from tests.test_gguf import FILE_TYPES, add_model_metadata, read_hf_tensors, store, stored_value
@@ -183,25 +184,6 @@ def test_gguf_moe_engine_greedy_matches_transformers(files: dict[str, SimpleName
 # ------------------------------------------------------------------ a decode step's experts in one C call
 
 
-def _experts_layer(path: Path) -> torch.nn.Module:
-    """Layer 0's FusedMoE of the file, loaded in bfloat16 (the C kernel's activations)."""
-    from engine.arg_utils import create_engine_config
-    from model_loader import get_model
-
-    model = get_model(create_engine_config(model=str(path), device="cpu", dtype="bfloat16", use_tqdm_on_load=False))
-    return model.model.layers[0].mlp.experts
-
-
-def _grouped(method: Any, layer: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-             monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
-    """The same experts grouped in torch (the C kernel switched off by its token limit)."""
-    from models.layers.quantization import gguf_moe
-
-    with monkeypatch.context() as patch:
-        patch.setattr(gguf_moe, "MAX_KERNEL_TOKENS", 0)
-        return method.apply(layer, x, weights, ids)
-
-
 @pytest.mark.parametrize("name", list(FILES))
 def test_c_kernel_computes_the_grouped_experts(files: dict[str, SimpleNamespace], name: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
@@ -212,7 +194,7 @@ def test_c_kernel_computes_the_grouped_experts(files: dict[str, SimpleNamespace]
     float32 where torch rounds them to bfloat16."""
     from models.layers.fused_moe.router import fused_topk
 
-    layer = _experts_layer(files[name].path)
+    layer = experts_layer(files[name].path, "bfloat16")
     method = layer.quant_method
     w13, w2 = (w.double() for w in method.dequantized_weights(layer))
     inter = w13.shape[1] // 2
@@ -222,7 +204,7 @@ def test_c_kernel_computes_the_grouped_experts(files: dict[str, SimpleNamespace]
         x = torch.randn(tokens, hidden, generator=gen).bfloat16()
         weights, ids = fused_topk(torch.randn(tokens, 4, generator=gen), 2, True)
         kernel = method.apply(layer, x, weights, ids)
-        grouped = _grouped(method, layer, x, weights, ids, monkeypatch)
+        grouped = grouped_apply(gguf_moe, layer, x, weights, ids, monkeypatch)
         exact = torch.zeros(tokens, hidden, dtype=torch.float64)
         for t in range(tokens):
             for j in range(2):
@@ -248,43 +230,25 @@ def test_c_kernel_under_expert_parallelism_and_bad_ids(files: dict[str, SimpleNa
     ValueError naming them."""
     from models.layers.fused_moe.router import fused_topk
 
-    full = _experts_layer(files["q8_0"].path)
+    full = experts_layer(files["q8_0"].path, "bfloat16")
     rank = SimpleNamespace(w13_qweight=full.w13_qweight[2:].contiguous(), w2_qweight=full.w2_qweight[2:].contiguous(),
-                           expert_map=torch.tensor([-1, -1, 0, 1]), num_experts=4)
+                           expert_map=torch.tensor([-1, -1, 0, 1]), num_experts=4, quant_method=full.quant_method)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(7, full.w2_qweight.shape[1], generator=gen).bfloat16()
     weights, ids = fused_topk(torch.randn(7, 4, generator=gen), 2, True)
     method = full.quant_method
     kernel = method.apply(rank, x, weights, ids)
-    assert rel_err(kernel, _grouped(method, rank, x, weights, ids, monkeypatch)) < 1e-2
+    assert rel_err(kernel, grouped_apply(gguf_moe, rank, x, weights, ids, monkeypatch)) < 1e-2
     ids[3, 1] = 4
     with pytest.raises(ValueError, match="outside the model's 4 experts"):
         method.apply(rank, x, weights, ids)
-
-
-def _captured_sizes(worker: Any) -> list[int]:
-    graphs = worker.model_runner.cpu_graphs
-    return [] if graphs is None else graphs.captured_sizes
-
-
-def _decode(path: Path, eager: bool) -> tuple[list, list]:
-    from config import SamplingParams
-    from engine.core import EngineCore
-
-    prompts = [[5, 9, 13, 2, 7, 11, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [42, 17]]
-    with EngineCore(model=str(path), device="cpu", dtype="bfloat16", max_model_len=128, kv_cache_memory_bytes=1 << 22,
-                    block_size=16, enforce_eager=eager, use_tqdm_on_load=False) as core:
-        outs = core.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
-                                       for n in (12, 6, 9)])
-        sizes = core.collective_rpc(_captured_sizes)
-    return [(o.token_ids, o.logprobs) for o in outs], sizes
 
 
 def test_gguf_moe_decode_steps_are_recorded_and_replay_eager(files: dict[str, SimpleNamespace]) -> None:
     """In bfloat16 a decode step's experts are one C call reading the routing from tensors:
     every decode batch size is recorded as a CPU graph and replays the eager steps' tokens
     and logprobs."""
-    eager, none = _decode(files["q4_k_m"].path, True)
-    replayed, sizes = _decode(files["q4_k_m"].path, False)
+    eager, none = decode_with_graphs(files["q4_k_m"].path, True)
+    replayed, sizes = decode_with_graphs(files["q4_k_m"].path, False)
     assert none == [[]] and sizes == [[1, 2, 3]]
     assert replayed == eager

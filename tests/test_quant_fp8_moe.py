@@ -43,7 +43,7 @@ from config import ConfigError
 from engine.arg_utils import create_engine_config
 from models.layers.quantization.fp8_moe import Fp8MoEMethod
 from tests.conftest import run_tp
-from tests.moe_checkpoints import write_moe_checkpoint
+from tests.moe_checkpoints import decode_with_graphs, experts_layer, grouped_apply, write_moe_checkpoint
 from tests.quant_checkpoints import assert_engine_greedy_matches, hf_logits
 from tests.quant_tp_helpers import load_case, tp_quant_cases
 from tests.test_quant_fp8_checkpoints import ct_fp8_config, dequantize_fp8_blocks, quantize_fp8_blocks
@@ -247,7 +247,7 @@ def test_fp8_moe_tensor_and_expert_parallel_logits_match_transformers(fp8_cases:
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_fp8_moe_engine_greedy_matches_transformers(fp8_moe: SimpleNamespace, tp: int) -> None:
-    """Through the engine (its steps eager: grouping the experts reads counts on the host)."""
+    """Through the engine (decode steps' experts in one C call, replayed as CPU graphs)."""
     prompts = [[5, 17, 33, 71, 9], [100, 3, 250, 41, 8, 60, 77, 12, 300]]
     assert_engine_greedy_matches(fp8_moe.model, fp8_moe.hf, prompts, 8, tensor_parallel_size=tp)
 
@@ -316,6 +316,39 @@ def test_blocks_that_split_an_experts_halves_or_slice_are_refused(intermediate: 
     needles += [f"tensor_parallel_size={tp}", "expert parallelism"] if sliced else ["gate and up halves"]
     for needle in needles:
         assert needle in str(raised.value), (needle, str(raised.value))
+
+
+@pytest.mark.parametrize("fmt", ["native_block", "ct_channel"])
+def test_one_call_experts_compute_the_grouped_experts(fp8_cases: dict[str, SimpleNamespace], fmt: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step's experts in one C call (fp8_moe.c, each product the fp8 GEMV, more
+    than 16 tokens of an expert in chunks) against the experts grouped in torch, for 1, 7
+    and 64 float32 and bfloat16 tokens; an expert id past the model's is named."""
+    from models.layers.fused_moe.router import fused_topk
+    from models.layers.quantization import fp8_moe
+
+    for dtype, tol in (("float32", 2e-5), ("bfloat16", 2e-2)):
+        layer = experts_layer(fp8_cases[fmt].model, dtype)
+        for tokens in (1, 7, 64):
+            gen = torch.Generator().manual_seed(tokens)
+            x = torch.randn(tokens, 64, generator=gen).to(getattr(torch, dtype))
+            weights, ids = fused_topk(torch.randn(tokens, 4, generator=gen), 2, True)
+            one_call = layer.quant_method.apply(layer, x, weights, ids)
+            grouped = grouped_apply(fp8_moe, layer, x, weights, ids, monkeypatch)
+            assert one_call.dtype == x.dtype
+            torch.testing.assert_close(one_call.float(), grouped.float(), atol=tol, rtol=tol)
+    ids[0, 1] = 4
+    with pytest.raises(ValueError, match="outside the model's 4 experts"):
+        layer.quant_method.apply(layer, x, weights, ids)
+
+
+def test_fp8_moe_decode_steps_are_recorded_and_replay_eager(fp8_moe: SimpleNamespace) -> None:
+    """The one-call experts read the routing from tensors: every decode batch size is
+    recorded as a CPU graph and replays the eager steps' tokens and logprobs."""
+    eager, none = decode_with_graphs(fp8_moe.model, True)
+    replayed, sizes = decode_with_graphs(fp8_moe.model, False)
+    assert none == [[]] and sizes == [[1, 2, 3]]
+    assert replayed == eager
 
 
 @pytest.mark.cuda

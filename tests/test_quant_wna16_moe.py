@@ -39,7 +39,7 @@ from config import ConfigError
 from engine.arg_utils import create_engine_config
 from models.layers.quantization.wna16_moe import WNA16ExpertFormat, WNA16MoEMethod
 from tests.conftest import run_tp
-from tests.moe_checkpoints import write_moe_checkpoint
+from tests.moe_checkpoints import decode_with_graphs, experts_layer, grouped_apply, write_moe_checkpoint
 from tests.quant_checkpoints import assert_engine_greedy_matches, hf_logits
 from tests.quant_tp_helpers import load_case, tp_quant_cases
 from tests.wna16_formats import awq_quantizer, ct_quantization_config, ct_quantizer, gptq_quantizer
@@ -276,13 +276,6 @@ def test_groups_or_packs_that_split_an_expert_or_slice_are_refused(intermediate:
         assert needle in str(raised.value), (needle, str(raised.value))
 
 
-def _experts_layer(case: SimpleNamespace, dtype: str) -> torch.nn.Module:
-    from model_loader import get_model
-
-    model = get_model(create_engine_config(model=str(case.model), device="cpu", dtype=dtype, use_tqdm_on_load=False))
-    return model.model.layers[0].mlp.experts
-
-
 @pytest.mark.parametrize("name", ["gptq4_g32_sym", "ct8_channel_sym"])
 def test_one_call_experts_compute_the_grouped_experts(cases: dict[str, SimpleNamespace], name: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -293,15 +286,13 @@ def test_one_call_experts_compute_the_grouped_experts(cases: dict[str, SimpleNam
     from models.layers.quantization import wna16_moe
 
     for dtype, tol in (("float32", 2e-5), ("bfloat16", 2e-2)):
-        layer = _experts_layer(cases[name], dtype)
+        layer = experts_layer(cases[name].model, dtype)
         for tokens in (1, 7, 64):
             gen = torch.Generator().manual_seed(tokens)
             x = torch.randn(tokens, HIDDEN, generator=gen).to(getattr(torch, dtype))
             weights, ids = fused_topk(torch.randn(tokens, EXPERTS, generator=gen), 2, True)
             one_call = layer.quant_method.apply(layer, x, weights, ids)
-            with monkeypatch.context() as patch:
-                patch.setattr(wna16_moe, "MAX_KERNEL_TOKENS", 0)
-                grouped = layer.quant_method.apply(layer, x, weights, ids)
+            grouped = grouped_apply(wna16_moe, layer, x, weights, ids, monkeypatch)
             assert one_call.dtype == x.dtype
             torch.testing.assert_close(one_call.float(), grouped.float(), atol=tol, rtol=tol)
     ids[0, 1] = EXPERTS
@@ -309,30 +300,11 @@ def test_one_call_experts_compute_the_grouped_experts(cases: dict[str, SimpleNam
         layer.quant_method.apply(layer, x, weights, ids)
 
 
-def _captured_sizes(worker: Any) -> list[int]:
-    graphs = worker.model_runner.cpu_graphs
-    return [] if graphs is None else graphs.captured_sizes
-
-
-def _decode(model: Path, eager: bool) -> tuple[list, list]:
-    from config import SamplingParams
-    from engine.core import EngineCore
-
-    prompts = [[5, 9, 13, 2, 7, 11, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [42, 17]]
-    with EngineCore(model=str(model), device="cpu", dtype="bfloat16", max_model_len=128,
-                    kv_cache_memory_bytes=1 << 22, block_size=16, enforce_eager=eager,
-                    use_tqdm_on_load=False) as core:
-        outs = core.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
-                                       for n in (12, 6, 9)])
-        sizes = core.collective_rpc(_captured_sizes)
-    return [(o.token_ids, o.logprobs) for o in outs], sizes
-
-
 def test_wna16_moe_decode_steps_are_recorded_and_replay_eager(cases: dict[str, SimpleNamespace]) -> None:
     """The one-call experts read the routing from tensors: every decode batch size is
     recorded as a CPU graph and replays the eager steps' tokens and logprobs."""
-    eager, none = _decode(cases["awq_g32"].model, True)
-    replayed, sizes = _decode(cases["awq_g32"].model, False)
+    eager, none = decode_with_graphs(cases["awq_g32"].model, True)
+    replayed, sizes = decode_with_graphs(cases["awq_g32"].model, False)
     assert none == [[]] and sizes == [[1, 2, 3]]
     assert replayed == eager
 

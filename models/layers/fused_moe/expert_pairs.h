@@ -1,5 +1,5 @@
-/* What the one-call expert kernels of the quantised formats share (quantization/gguf_moe.c,
- * quantization/kernels/wna16_moe.c): a batch's (token, k) pairs sorted by local expert, the
+/* What the one-call expert kernels of the quantised formats share (quantization/fp8_moe.c,
+ * quantization/gguf_moe.c, quantization/kernels/wna16_moe.c): a batch's (token, k) pairs sorted by local expert, the
  * activation between an expert's two products, and its outputs added into their tokens' rows. Static inline: each includer
  * compiles its own copy. */
 #ifndef EXPERT_PAIRS_H

@@ -44,7 +44,8 @@ logger = logging.getLogger(__name__)
 TILE_ELEMENTS = 1 << 20
 GEMV_MAX_ROWS = 16  # up to this many rows (decode batches, an expert's tokens) the C kernel reads the fp8 bytes
 SOURCE = Path(__file__).with_name("fp8_kernels.c")
-SOURCES = (SOURCE, BF16_CONVERT_H)  # a change to the header rebuilds
+# with a mixture of experts' decode step (fp8_moe.c, fp8_moe.py's); a change to a header rebuilds
+SOURCES = (SOURCE, SOURCE.with_name("fp8_moe.c"), SOURCE.parent.parent / "fused_moe" / "expert_pairs.h", BF16_CONVERT_H)
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -54,7 +55,7 @@ class Fp8DequantKernel:
     """The loaded fp8_kernels.c."""
 
     def __init__(self, lib: NativeLibrary, path: Path) -> None:
-        self.path = path
+        self.path, self.lib = path, lib  # (fp8_moe.py binds the experts' entry point itself)
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._dequant = lib.fp8_dequant_rows
         self._dequant.restype = None

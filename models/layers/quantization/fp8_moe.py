@@ -23,19 +23,24 @@ boundary, so I must be a multiple of bn, and a rank's slice of w2's inputs whole
 setting, moe_intermediate_size and tensor_parallel_size otherwise (as vLLM refuses such
 a TP size). The weights stay fp8 in memory: one byte a weight plus the scales.
 
-Compute: the experts' tokens are grouped as for full-precision experts
-(`grouped_moe.grouped_experts`: one product pair per active expert), each product
-`fp8_kernels.fp8_linear` on the expert's fp8 bytes and scales (the C GEMV for a
-few tokens, dequantised tiles for more on the CPU; the Triton fp8 GEMM on CUDA). The
-grouping reads the per-expert counts on the host, so a step with these experts is not
-recorded as a CPU graph, nor captured as a CUDA graph (`supports_cuda_graphs`): it runs
-eagerly. Activations stay in the model's dtype (the checkpoint's dynamic fp8
-activations are not applied, as for the dense fp8 layers). Called by `FusedMoE.forward`
-on every rank with this rank's experts.
+Compute, on the CPU: a decode step (up to `MAX_KERNEL_TOKENS` tokens, float32 or bfloat16)
+in one C call (fp8_moe.c: the pairs sorted by expert, each active expert's tokens through
+the fp8 GEMV, 16 a call, gate/up and the activation in float32), which reads the routing
+from tensors, so the step records and replays as a CPU graph. Otherwise (a prefill, CUDA)
+the experts' tokens are grouped as for full-precision experts
+(`grouped_moe.grouped_experts`: one product pair per active expert, a host read of the
+counts, eager), each product `fp8_kernels.fp8_linear` on the expert's fp8 bytes and
+scales (the C GEMV for a few rows, dequantised tiles for more on the CPU; the Triton fp8
+GEMM on CUDA). No CUDA graph captures these layers (`supports_cuda_graphs`).
+Activations stay in the model's dtype (the checkpoint's dynamic fp8 activations are not
+applied, as for the dense fp8 layers). Called by `FusedMoE.forward` on every rank with
+this rank's experts.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +50,7 @@ from torch import nn
 from models.layers.fused_moe.grouped_moe import grouped_experts
 from models.layers.fused_moe.moe_method import FusedMoEMethodBase, expert_parameter
 from models.layers.quantization.fp8 import FP8_DTYPE
-from models.layers.quantization.fp8_kernels import fp8_linear
+from models.layers.quantization.fp8_kernels import fp8_linear, load
 
 
 def _per_tensor_as_rows(rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -56,6 +61,24 @@ def _per_tensor_as_rows(rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
             raise ValueError(f"a per-tensor scale must be one value, the checkpoint has shape {tuple(scale.shape)}")
         return scale.reshape(1, 1).expand(rows, 1)
     return expand
+
+
+#: Up to this many tokens (a decode step's batch) the experts run in one C call (fp8_moe.c,
+#: each product the fp8 GEMV), which a CPU graph records; a prefill's larger batches are
+#: grouped in torch (dequantised tiles for the larger groups).
+MAX_KERNEL_TOKENS = 64
+_X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # fp8_moe.c's x_dtype
+
+
+@functools.cache
+def _bind(lib: Any) -> Any:
+    """fp8_moe.c's entry point in the fp8 library, its types set (once per library)."""
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    moe = lib.fp8_moe
+    moe.restype = i32
+    stack = [p, i64, p, i64, i64, i64, i64]
+    moe.argtypes = [*stack, *stack, i64, i64, p, i32, i64, i64, p, p, i64, p, i64, i64, p, i32]
+    return moe
 
 
 class Fp8MoEMethod(FusedMoEMethodBase):
@@ -112,12 +135,42 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         expert_parameter(layer, f"w2_{self.scale_name}", shapes[1], torch.float32, self.scale_name, blocks[1],
                          transforms[1])
 
+    def _one_call(self, layer: Any, kernel: Any, x: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, blocks: tuple[tuple[int, int], tuple[int, int]]) -> torch.Tensor:
+        """The step's experts in one C call (fp8_moe.c): [T, H] float32 for x [T, H] (float32
+        or bfloat16, unit stride along H), float32 `topk_weights` and int64 `topk_ids` [T, k]
+        (contiguous). ValueError for an expert id outside the model's; MemoryError without
+        scratch."""
+        moe = _bind(kernel.lib)
+        args: list[Any] = []
+        for prefix, (bn, bk) in zip(("w13", "w2"), blocks):
+            w, s = getattr(layer, f"{prefix}_weight"), getattr(layer, f"{prefix}_{self.scale_name}")
+            args += [w.data_ptr(), w[0].numel(), s.data_ptr(), s[0].numel(), s.shape[2], bn, bk]
+        tokens, hidden = x.shape
+        y = torch.empty(tokens, hidden, dtype=torch.float32)
+        expert_map, local = layer.expert_map, layer.w13_weight.shape[0]
+        status = moe(*args, hidden, layer.w2_weight.shape[2], x.data_ptr(), _X_DTYPES[x.dtype], x.stride(0), tokens,
+                     topk_ids.data_ptr(), topk_weights.data_ptr(), topk_ids.shape[1],
+                     None if expert_map is None else expert_map.data_ptr(), layer.num_experts, local, y.data_ptr(),
+                     torch.get_num_threads())
+        if status == -1:
+            raise ValueError(f"fp8 experts: an expert id outside the model's {layer.num_experts} experts, or one the "
+                             f"expert map sends past this rank's {local}")
+        if status:
+            raise MemoryError("fp8 experts: no memory for the pairs' scratch")
+        return y
+
     def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         w13, w2 = layer.w13_weight, layer.w2_weight
         s13, s2 = getattr(layer, f"w13_{self.scale_name}"), getattr(layer, f"w2_{self.scale_name}")
         (bn13, bk13), (bn2, bk2) = ((self.block, self.block) if self.block is not None
                                     else ((1, w13.shape[2]), (1, w2.shape[2])))
+        if (x.device.type == "cpu" and 0 < x.shape[0] <= MAX_KERNEL_TOKENS and x.dtype in _X_DTYPES
+                and x.stride(1) == 1 and (kernel := load()) is not None):
+            y = self._one_call(layer, kernel, x, topk_weights.float().contiguous(),
+                               topk_ids.to(torch.int64).contiguous(), ((bn13, bk13), (bn2, bk2)))
+            return y.to(x.dtype)
         return grouped_experts(x, topk_weights, topk_ids, layer.expert_map, w13.shape[0], w2.shape[2],
                                lambda e, rows: fp8_linear(rows, w13[e], s13[e], bn13, bk13),
                                lambda e, act: fp8_linear(act, w2[e], s2[e], bn2, bk2))
