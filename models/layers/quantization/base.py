@@ -87,8 +87,8 @@ class QuantizationConfig(ABC):
         """Why this config cannot serve a mixture-of-experts checkpoint's experts, or None
         where `get_moe_method` serves them. The engine asks once, at resolution, and
         refuses such a checkpoint with this reason before any worker starts."""
-        return ("FusedMoE holds experts in full precision or in fp8 (quant_method 'fp8' with weight_block_size, "
-                "or compressed-tensors FP8 per channel or in blocks) only")
+        return ("FusedMoE holds experts in full precision, fp8 (native or compressed-tensors), int4/int8 "
+                "weight-only (GPTQ, AWQ, compressed-tensors) or GGUF blocks only; this format has no experts' method")
 
     #: Whether the experts' method depends on the layer's name (GGUF: types per layer): the
     #: model loader then asks `get_moe_method` again with each FusedMoE's name before loading.

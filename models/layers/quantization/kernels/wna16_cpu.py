@@ -56,7 +56,7 @@ LINK_LIBS = ("-lm",)
 # 1-4 tokens, 5.5 ms for 16, 8.1 ms for 24, tiles 4.4-7.6 ms; the float32 GEMV 1.5 ms for
 # 1 token, 5.2 ms for 8). Keyed by the tiles' dtype (`tile_dtype`): float32 tiles run
 # float32's slower GEMM, so the float32 GEMV is kept longer where the tiles would be
-# float32 (float32 tokens, and bfloat16 ones where bfloat16 tiles have no fast GEMM). On
+# float32 (float32 tokens, and bfloat16 ones where bfloat16 tiles have no fast GEMM).
 # AVX2 builds (no AVX-512F) have their own GEMV tile (wna16_cpu.c), 2.0-2.3x the portable
 # loop they had at 1-2 tokens: on the Zen 3 VM, 2026-12-06, with bfloat16 tokens of int4
 # weights in groups of 128 (1536x1024, 1024x768, 4096x1024, 1024x4096), it takes 0.80-1.03x
