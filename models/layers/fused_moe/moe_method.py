@@ -25,6 +25,8 @@ sleep mode and memory accounting see them).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +51,60 @@ def expert_parameter(layer: nn.Module, name: str, shape: tuple[int, ...], dtype:
     param.expert_transform = transform
     layer.register_parameter(name, param)
     return param
+
+
+#: Up to this many tokens (a decode step's batch) the quantised formats' experts run in one C
+#: call (fp8_moe.c, kernels/wna16_moe.c, gguf_moe.c), which a CPU graph records; a
+#: prefill's larger batches are grouped in torch.
+MAX_KERNEL_TOKENS = 64
+
+
+def one_call_applies(x: torch.Tensor, x_dtypes: Any, max_tokens: int = MAX_KERNEL_TOKENS) -> bool:
+    """Whether a step of `x` [T, H] goes to a one-call experts kernel: CPU, 1 to
+    `max_tokens` tokens, a dtype of `x_dtypes`, unit stride along H."""
+    return x.device.type == "cpu" and 0 < x.shape[0] <= max_tokens and x.dtype in x_dtypes and x.stride(1) == 1
+
+
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+#: The routing arguments every one-call experts kernel ends with (`one_call_experts`).
+_ROUTING_ARGTYPES = (_P, _I32, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _P, _I32)
+
+
+@functools.cache
+def bind_one_call(lib: Any, name: str, weight_argtypes: tuple[Any, ...]) -> Any:
+    """Library `lib`'s one-call experts entry point `name`, its types set once: int status,
+    `weight_argtypes` (a format's weights, then H and I), then the shared routing tail."""
+    entry = getattr(lib, name)
+    entry.restype = _I32
+    entry.argtypes = [*weight_argtypes, *_ROUTING_ARGTYPES]
+    return entry
+
+
+def one_call_experts(entry: Any, weight_args: list[Any], x: torch.Tensor, x_dtype_code: int,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
+                     num_experts: int, num_local: int, what: str) -> torch.Tensor | None:
+    """A step's experts in one C call `entry(*weight_args, x, x_dtype_code, ldx, T,
+    topk_ids, topk_weights, top_k, expert_map, num_experts, num_local, y, threads)`,
+    the routing tail the one-call kernels share (fused_moe/expert_pairs.h): [T, H]
+    float32, or None where the build lacks the kernel's products (status -2).
+    ValueError (-1) for an expert id outside the model's or past this rank's; MemoryError
+    (-3) without scratch. `what` names the experts in errors."""
+    tokens, hidden = x.shape
+    weights, ids = topk_weights.float().contiguous(), topk_ids.to(torch.int64).contiguous()
+    y = torch.empty(tokens, hidden, dtype=torch.float32)
+    status = entry(*weight_args, x.data_ptr(), x_dtype_code, x.stride(0), tokens, ids.data_ptr(),
+                   weights.data_ptr(), ids.shape[1], None if expert_map is None else expert_map.data_ptr(),
+                   num_experts, num_local, y.data_ptr(), torch.get_num_threads())
+    if status == -1:
+        raise ValueError(f"{what}: an expert id outside the model's {num_experts} experts, or one the expert map "
+                         f"sends past this rank's {num_local}")
+    if status == -3:
+        raise MemoryError(f"{what}: no memory for the pairs' scratch")
+    if status == -2:
+        return None
+    if status:
+        raise RuntimeError(f"{what}: the experts kernel returned {status}")
+    return y
 
 
 class FusedMoEMethodBase(ABC):

@@ -40,7 +40,6 @@ this rank's experts.
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +47,14 @@ import torch
 from torch import nn
 
 from models.layers.fused_moe.grouped_moe import grouped_experts
-from models.layers.fused_moe.moe_method import FusedMoEMethodBase, expert_parameter
+from models.layers.fused_moe.moe_method import (
+    MAX_KERNEL_TOKENS,
+    FusedMoEMethodBase,
+    bind_one_call,
+    expert_parameter,
+    one_call_applies,
+    one_call_experts,
+)
 from models.layers.quantization.fp8 import FP8_DTYPE
 from models.layers.quantization.fp8_kernels import fp8_linear, load
 
@@ -63,22 +69,13 @@ def _per_tensor_as_rows(rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return expand
 
 
-#: Up to this many tokens (a decode step's batch) the experts run in one C call (fp8_moe.c,
-#: each product the fp8 GEMV), which a CPU graph records; a prefill's larger batches are
-#: grouped in torch (dequantised tiles for the larger groups).
-MAX_KERNEL_TOKENS = 64
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # fp8_moe.c's x_dtype
 
 
-@functools.cache
-def _bind(lib: Any) -> Any:
-    """fp8_moe.c's entry point in the fp8 library, its types set (once per library)."""
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    moe = lib.fp8_moe
-    moe.restype = i32
-    stack = [p, i64, p, i64, i64, i64, i64]
-    moe.argtypes = [*stack, *stack, i64, i64, p, i32, i64, i64, p, p, i64, p, i64, i64, p, i32]
-    return moe
+_STACK = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+          ctypes.c_int64)
+#: fp8_moe.c's weight arguments: each stack's bytes and scales (with strides and blocks), H, I
+_WEIGHT_ARGTYPES = (*_STACK, *_STACK, ctypes.c_int64, ctypes.c_int64)
 
 
 class Fp8MoEMethod(FusedMoEMethodBase):
@@ -135,30 +132,14 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         expert_parameter(layer, f"w2_{self.scale_name}", shapes[1], torch.float32, self.scale_name, blocks[1],
                          transforms[1])
 
-    def _one_call(self, layer: Any, kernel: Any, x: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, blocks: tuple[tuple[int, int], tuple[int, int]]) -> torch.Tensor:
-        """The step's experts in one C call (fp8_moe.c): [T, H] float32 for x [T, H] (float32
-        or bfloat16, unit stride along H), float32 `topk_weights` and int64 `topk_ids` [T, k]
-        (contiguous). ValueError for an expert id outside the model's; MemoryError without
-        scratch."""
-        moe = _bind(kernel.lib)
+    def _weight_args(self, layer: Any, blocks: tuple[tuple[int, int], tuple[int, int]]) -> list[Any]:
+        """fp8_moe.c's weight arguments: each stack's bytes and scales with their strides and
+        blocks, then H and I."""
         args: list[Any] = []
         for prefix, (bn, bk) in zip(("w13", "w2"), blocks):
             w, s = getattr(layer, f"{prefix}_weight"), getattr(layer, f"{prefix}_{self.scale_name}")
             args += [w.data_ptr(), w[0].numel(), s.data_ptr(), s[0].numel(), s.shape[2], bn, bk]
-        tokens, hidden = x.shape
-        y = torch.empty(tokens, hidden, dtype=torch.float32)
-        expert_map, local = layer.expert_map, layer.w13_weight.shape[0]
-        status = moe(*args, hidden, layer.w2_weight.shape[2], x.data_ptr(), _X_DTYPES[x.dtype], x.stride(0), tokens,
-                     topk_ids.data_ptr(), topk_weights.data_ptr(), topk_ids.shape[1],
-                     None if expert_map is None else expert_map.data_ptr(), layer.num_experts, local, y.data_ptr(),
-                     torch.get_num_threads())
-        if status == -1:
-            raise ValueError(f"fp8 experts: an expert id outside the model's {layer.num_experts} experts, or one the "
-                             f"expert map sends past this rank's {local}")
-        if status:
-            raise MemoryError("fp8 experts: no memory for the pairs' scratch")
-        return y
+        return [*args, layer.w2_weight.shape[1], layer.w2_weight.shape[2]]
 
     def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
@@ -166,11 +147,13 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         s13, s2 = getattr(layer, f"w13_{self.scale_name}"), getattr(layer, f"w2_{self.scale_name}")
         (bn13, bk13), (bn2, bk2) = ((self.block, self.block) if self.block is not None
                                     else ((1, w13.shape[2]), (1, w2.shape[2])))
-        if (x.device.type == "cpu" and 0 < x.shape[0] <= MAX_KERNEL_TOKENS and x.dtype in _X_DTYPES
-                and x.stride(1) == 1 and (kernel := load()) is not None):
-            y = self._one_call(layer, kernel, x, topk_weights.float().contiguous(),
-                               topk_ids.to(torch.int64).contiguous(), ((bn13, bk13), (bn2, bk2)))
-            return y.to(x.dtype)
+        if one_call_applies(x, _X_DTYPES, MAX_KERNEL_TOKENS) and (kernel := load()) is not None:
+            entry = bind_one_call(kernel.lib, "fp8_moe", _WEIGHT_ARGTYPES)
+            y = one_call_experts(entry, self._weight_args(layer, ((bn13, bk13), (bn2, bk2))), x, _X_DTYPES[x.dtype],
+                                 topk_weights, topk_ids, layer.expert_map, layer.num_experts, w13.shape[0],
+                                 "fp8 experts")
+            if y is not None:
+                return y.to(x.dtype)
         return grouped_experts(x, topk_weights, topk_ids, layer.expert_map, w13.shape[0], w2.shape[2],
                                lambda e, rows: fp8_linear(rows, w13[e], s13[e], bn13, bk13),
                                lambda e, act: fp8_linear(act, w2[e], s2[e], bn2, bk2))

@@ -195,7 +195,7 @@ class GGUFKernels:
         status = self._shards(len(plan.qtypes), plan.qtypes, plan.pointers, plan.rows_per_shard, plan.row_bytes, k,
                               x.data_ptr(), _X_DTYPES[x.dtype], x.stride(0), x.shape[0], out.data_ptr(),
                               _X_DTYPES[out.dtype], out.stride(0), torch.get_num_threads())
-        return succeeded(status, plan.names, "the quantised activations")
+        return _succeeded(status, plan.names, "the quantised activations")
 
     def gemm_shards_bf16(self, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
         """out [m, plan.rows] (as gemm_shards') = x [m, k] (bfloat16, rows contiguous)
@@ -207,7 +207,7 @@ class GGUFKernels:
         status = self._bf16(len(plan.qtypes), plan.qtypes, plan.pointers, plan.rows_per_shard, plan.row_bytes, k,
                             x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), _X_DTYPES[out.dtype],
                             out.stride(0), torch.get_num_threads())
-        return succeeded(status, plan.names, "a dequantised tile")
+        return _succeeded(status, plan.names, "a dequantised tile")
 
     def gemm_shards_int8_tiles(self, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
         """out [m, plan.rows] (as gemm_shards') = x [m, k] (bfloat16 or float16, rows
@@ -221,7 +221,7 @@ class GGUFKernels:
         if status == -1:
             raise ValueError(f"GGUF int8 tiles take {sorted(self.int8_tile_types)} rows and 16-bit activations, "
                              f"not {plan.names} and {x.dtype}")
-        return succeeded(status, plan.names, "the quantised activations or a tile")
+        return _succeeded(status, plan.names, "the quantised activations or a tile")
 
     def dequantize_rows_bf16(self, qtype: str, blocks: torch.Tensor, k: int, out: torch.Tensor) -> bool:
         """out [n, k] bfloat16 (rows contiguous) = every row of `blocks`, rounded once to
@@ -229,7 +229,7 @@ class GGUFKernels:
         written, where this build has no AVX-512 BF16."""
         status = self._rows_bf16(GGUF_FORMATS[qtype].type_id, blocks.data_ptr(), blocks.stride(0), k, blocks.shape[0],
                                  out.data_ptr(), out.stride(0), torch.get_num_threads())
-        return succeeded(status, [qtype], "")
+        return _succeeded(status, [qtype], "")
 
     def dequantize_rows(self, qtype: str, blocks: torch.Tensor, k: int, ids: torch.Tensor | None,
                         out: torch.Tensor) -> None:
@@ -242,7 +242,7 @@ class GGUFKernels:
             raise ValueError(f"GGUF kernel: unknown type {qtype}")
 
 
-def succeeded(status: int, names: list[str], scratch: str) -> bool:
+def _succeeded(status: int, names: list[str], scratch: str) -> bool:
     """A C entry point's status: True (0), False (-2: this build lacks the instructions),
     or the error: MemoryError (-3: no memory for `scratch`), ValueError (-1: a type among
     `names` that the library does not know)."""

@@ -36,7 +36,6 @@ built once). No CUDA graph captures these layers (`supports_cuda_graphs`). Calle
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +43,14 @@ import torch
 from torch import nn
 
 from models.layers.fused_moe.grouped_moe import grouped_experts
-from models.layers.fused_moe.moe_method import FusedMoEMethodBase, expert_parameter
+from models.layers.fused_moe.moe_method import (
+    MAX_KERNEL_TOKENS,
+    FusedMoEMethodBase,
+    bind_one_call,
+    expert_parameter,
+    one_call_applies,
+    one_call_experts,
+)
 from models.layers.quantization.gguf_dequant import GGUF_FORMATS, dequantize
 from models.layers.quantization.gguf_kernels import (
     INT8_ACTIVATION_DTYPES,
@@ -52,25 +58,15 @@ from models.layers.quantization.gguf_kernels import (
     gguf_linear,
     gguf_linear_shards,
     load,
-    succeeded,
 )
 
-#: Up to this many tokens (a decode step's batch) of 16-bit activations the experts run in one
-#: C call (gguf_moe.c), which a CPU graph records; a prefill's larger batches, and float32
-#: activations (float products, as the dense GGUF layers give them), are grouped in torch.
-MAX_KERNEL_TOKENS = 64
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _X_DTYPES = {torch.bfloat16: 1, torch.float16: 2}  # gguf_moe.c's x_dtype (0, float32, takes the grouped path)
 
 
-@functools.cache
-def _bind(lib: Any) -> Any:
-    """gguf_moe.c's entry point in the GGUF library, its types set (once per library)."""
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    moe = lib.gguf_moe_q8
-    moe.restype = i32
-    moe.argtypes = [i32, p, i64, i64, i32, p, i64, i64, i64, i64, p, i32, i64, i64, p, p, i64, p, i64, i64, p, i32]
-    return moe
+_STACK = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+#: gguf_moe.c's weight arguments: each stack's type, bytes, expert and row strides, H, I
+_WEIGHT_ARGTYPES = (*_STACK, *_STACK, ctypes.c_int64, ctypes.c_int64)
 
 
 def _in_blocks(block_bytes: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -137,34 +133,20 @@ class GGUFMoEMethod(FusedMoEMethodBase):
             gguf_linear(qtype, blocks.view(rows, -1), k, x, out)
         return out.to(x.dtype)
 
-    def _one_call(self, kernel: Any, w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
-                  num_experts: int) -> torch.Tensor | None:
-        """The step's experts in one C call (gguf_moe.c): [T, H] float32 for 16-bit x [T, H]
-        (unit stride along H), float32 `topk_weights` and int64 `topk_ids` [T, k]
-        (contiguous); None, with nothing computed, where the build has no int8 products.
-        ValueError for an expert id outside the model's; MemoryError without scratch."""
-        moe = _bind(kernel.lib)
-        tokens, hidden = x.shape
-        y = torch.empty(tokens, hidden, dtype=torch.float32)
-        status = moe(GGUF_FORMATS[self.gate_up_type].type_id, w13.data_ptr(), w13[0].numel(),
-                     w13[0].numel() // w13.shape[1], GGUF_FORMATS[self.down_type].type_id, w2.data_ptr(),
-                     w2[0].numel(), w2[0].numel() // hidden, hidden, w13.shape[1] // 2, x.data_ptr(),
-                     _X_DTYPES[x.dtype], x.stride(0), tokens, topk_ids.data_ptr(), topk_weights.data_ptr(),
-                     topk_ids.shape[1], None if expert_map is None else expert_map.data_ptr(), num_experts,
-                     w13.shape[0], y.data_ptr(), torch.get_num_threads())
-        if status == -1:
-            raise ValueError(f"GGUF experts: an expert id outside the model's {num_experts} experts, or one the "
-                             f"expert map sends past this rank's {w13.shape[0]}")
-        return y if succeeded(status, [self.gate_up_type, self.down_type], "the experts' pairs") else None
+    def _weight_args(self, w13: torch.Tensor, w2: torch.Tensor) -> list[Any]:
+        """gguf_moe.c's weight arguments: each stack's type, bytes, expert and row strides,
+        then H and I."""
+        return [GGUF_FORMATS[self.gate_up_type].type_id, w13.data_ptr(), w13[0].numel(), w13[0].numel() // w13.shape[1],
+                GGUF_FORMATS[self.down_type].type_id, w2.data_ptr(), w2[0].numel(), w2[0].numel() // w2.shape[1],
+                w2.shape[1], w13.shape[1] // 2]
 
     def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         w13, w2 = layer.w13_qweight, layer.w2_qweight
-        if (x.device.type == "cpu" and 0 < x.shape[0] <= MAX_KERNEL_TOKENS and x.dtype in INT8_ACTIVATION_DTYPES
-                and x.stride(1) == 1 and (kernel := load()) is not None):
-            y = self._one_call(kernel, w13, w2, x, topk_weights.float().contiguous(),
-                               topk_ids.to(torch.int64).contiguous(), layer.expert_map, layer.num_experts)
+        if one_call_applies(x, INT8_ACTIVATION_DTYPES, MAX_KERNEL_TOKENS) and (kernel := load()) is not None:
+            entry = bind_one_call(kernel.lib, "gguf_moe_q8", _WEIGHT_ARGTYPES)
+            y = one_call_experts(entry, self._weight_args(w13, w2), x, _X_DTYPES[x.dtype], topk_weights, topk_ids,
+                                 layer.expert_map, layer.num_experts, w13.shape[0], "GGUF experts")
             if y is not None:
                 return y.to(x.dtype)
         p13, p2 = self._plans(layer) if x.device.type == "cpu" else ([None] * w13.shape[0], [None] * w2.shape[0])

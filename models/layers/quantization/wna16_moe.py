@@ -52,7 +52,6 @@ divide an expert or a rank's slice of one.
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +59,14 @@ import torch
 from torch import nn
 
 from models.layers.fused_moe.grouped_moe import grouped_experts
-from models.layers.fused_moe.moe_method import FusedMoEMethodBase, expert_parameter
+from models.layers.fused_moe.moe_method import (
+    MAX_KERNEL_TOKENS,
+    FusedMoEMethodBase,
+    bind_one_call,
+    expert_parameter,
+    one_call_applies,
+    one_call_experts,
+)
 from models.layers.quantization.kernels import wna16_cpu
 from models.layers.quantization.kernels.wna16_apply import wna16_linear
 from models.layers.quantization.kernels.wna16_cpu import SCALE_DTYPES
@@ -68,22 +74,14 @@ from models.layers.quantization.kernels.wna16_layout import WNA16Layout, WNA16Te
 from models.layers.quantization.wna16 import AWQ_PACK_ORDER, input_groups, unpack_int32
 
 _LAYOUT = ("qweight", "scales", "zeros", "block_group", "input_perm")  # WNA16Tensors' tensors, as buffers
-#: Up to this many tokens (a decode step's batch) the experts run in one C call
-#: (kernels/wna16_moe.c, each product the GEMV), which a CPU graph records; a prefill's
-#: larger batches are grouped in torch (tiles for the larger groups).
-MAX_KERNEL_TOKENS = 64
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # wna16_moe.c's x_dtype
 
 
-@functools.cache
-def _bind(lib: Any) -> Any:
-    """wna16_moe.c's entry point in the WNA16 library, its types set (once per library)."""
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    moe = lib.wna16_moe
-    moe.restype = i32
-    stack = [p, i64, p, i64, i32, p, i64, p, i64]
-    moe.argtypes = [i32, *stack, *stack, i64, i64, p, i32, i64, i64, p, p, i64, p, i64, i64, p, i32]
-    return moe
+_STACK = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+          ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
+#: kernels/wna16_moe.c's weight arguments: the bits, each stack's codes, scales, zero points and
+#: block groups (with strides), H, I
+_WEIGHT_ARGTYPES = (ctypes.c_int, *_STACK, *_STACK, ctypes.c_int64, ctypes.c_int64)
 
 
 def _transpose(tensor: torch.Tensor) -> torch.Tensor:
@@ -225,41 +223,27 @@ class WNA16MoEMethod(FusedMoEMethodBase):
         layer.__dict__["_wna16_expert_layouts"] = (current, layouts)
         return layouts
 
-    def _one_call(self, layer: nn.Module, kernel: Any, x: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-        """The step's experts in one C call (kernels/wna16_moe.c): [T, H] float32 for x [T,
-        H] (float32, bfloat16 or float16; unit stride along H), float32 `topk_weights` and
-        int64 `topk_ids` [T, k] (contiguous). ValueError for an expert id outside the
-        model's; MemoryError without scratch."""
-        moe = _bind(kernel.lib)
-        stacks = [[getattr(layer, f"{prefix}_wna16_{name}") for name in ("qweight", "scales", "zeros", "block_group")]
-                  for prefix in ("w13", "w2")]
-        args: list[Any] = []
-        for q, s, z, bg in stacks:
+    def _weight_args(self, layer: nn.Module) -> list[Any]:
+        """kernels/wna16_moe.c's weight arguments: the bits, each stack's codes, scales, zero
+        points and block groups with their strides, then H and I."""
+        args: list[Any] = [self.bits]
+        for prefix in ("w13", "w2"):
+            q, s, z, bg = (getattr(layer, f"{prefix}_wna16_{name}") for name in ("qweight", "scales", "zeros",
+                                                                                   "block_group"))
             args += [q.data_ptr(), q[0].numel(), s.data_ptr(), s[0].numel() * s.element_size(), SCALE_DTYPES[s.dtype],
                      z.data_ptr(), z[0].numel(), bg.data_ptr(), s.shape[2]]
-        tokens, hidden = x.shape
-        y = torch.empty(tokens, hidden, dtype=torch.float32)
-        expert_map = layer.expert_map
-        status = moe(self.bits, *args, hidden, stacks[1][0].shape[2] * 8 // self.bits, x.data_ptr(),
-                     _X_DTYPES[x.dtype], x.stride(0), tokens, topk_ids.data_ptr(), topk_weights.data_ptr(),
-                     topk_ids.shape[1], None if expert_map is None else expert_map.data_ptr(), layer.num_experts,
-                     stacks[0][0].shape[0], y.data_ptr(), torch.get_num_threads())
-        if status == -1:
-            raise ValueError(f"int4/int8 experts: an expert id outside the model's {layer.num_experts} experts, or "
-                             f"one the expert map sends past this rank's {stacks[0][0].shape[0]}")
-        if status:
-            raise MemoryError("int4/int8 experts: no memory for the pairs' scratch")
-        return y
+        return [*args, layer.w2_wna16_qweight.shape[1], layer.w2_wna16_in_features]
 
     def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        if (x.device.type == "cpu" and 0 < x.shape[0] <= MAX_KERNEL_TOKENS and x.dtype in _X_DTYPES
-                and x.stride(1) == 1 and layer.w13_wna16_input_perm is None and layer.w2_wna16_input_perm is None
-                and (kernel := wna16_cpu.load()) is not None):
-            y = self._one_call(layer, kernel, x, topk_weights.float().contiguous(),
-                               topk_ids.to(torch.int64).contiguous())
-            return y.to(x.dtype)
+        if (one_call_applies(x, _X_DTYPES, MAX_KERNEL_TOKENS) and layer.w13_wna16_input_perm is None
+                and layer.w2_wna16_input_perm is None and (kernel := wna16_cpu.load()) is not None):
+            entry = bind_one_call(kernel.lib, "wna16_moe", _WEIGHT_ARGTYPES)
+            y = one_call_experts(entry, self._weight_args(layer), x, _X_DTYPES[x.dtype], topk_weights, topk_ids,
+                                 layer.expert_map, layer.num_experts, layer.w13_wna16_qweight.shape[0],
+                                 "int4/int8 experts")
+            if y is not None:
+                return y.to(x.dtype)
         w13, w2 = self.layouts(layer)
         return grouped_experts(x, topk_weights, topk_ids, layer.expert_map, len(w13), w2[0].in_features,
                                lambda e, rows: wna16_linear(rows, w13[e]), lambda e, act: wna16_linear(act, w2[e]))
