@@ -69,12 +69,51 @@ static inline int expert_scratch(expert_scratch_t *s, const int64_t *topk_ids, i
     return 0;
 }
 
-/* act[i, j] = silu(gu[i, j]) * gu[i, inter + j] for n rows of gate then up products, float32. */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* e^x for 8 floats, our own (glibc's expf is scalar: a decode step's activation, 4 ns an
+ * element, took 0.2 ms a layer of 64 pairs on the Zen 3 VM): x = n ln2 + r with |r| <=
+ * ln2 / 2 (ln2 in two parts, so r is exact), e^r by Cephes' degree-7 polynomial (its
+ * public coefficients), times 2^n built in the exponent bits. Within 1 ulp of expf over
+ * [-87.3, 88.3] (every 1000th float checked); x is clamped to that range first, so
+ * beyond it e^-87.3 or e^88.3 (and NaN gives e^-87.3): a silu's g / (1 + e^-g) stays
+ * within a float's resolution of the true value, and NaN where g is. */
+static inline __m256 expert_exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+#endif
+
+/* act[i, j] = silu(gu[i, j]) * gu[i, inter + j] for n rows of gate then up products,
+ * float32: g / (1 + e^-g) * u, e^-g by expert_exp8 where the build has AVX2 and FMA
+ * (within a few ulp of expf's), else expf. */
 static inline void silu_and_mul(const float *gu, int64_t n, int64_t inter, float *act) {
     for (int64_t i = 0; i < n; ++i) {
         const float *g = gu + i * 2 * inter, *u = g + inter;
         float *a = act + i * inter;
-        for (int64_t j = 0; j < inter; ++j) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        for (; j + 8 <= inter; j += 8) {
+            const __m256 gj = _mm256_loadu_ps(g + j);
+            const __m256 e = expert_exp8(_mm256_xor_ps(gj, sign));
+            _mm256_storeu_ps(a + j, _mm256_mul_ps(_mm256_div_ps(gj, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
+        }
+#endif
+        for (; j < inter; ++j) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
     }
 }
 

@@ -89,16 +89,60 @@ static inline __m256i pick16(__m256i e, int a, int b) {
     return _mm256_shuffle_epi8(e, idx);
 }
 
-/* One K-quant row (Q4_K, Q5_K, Q6_K) times nt tokens of per-256 int8 x, into column col
- * of y's rows t0 .. t0 + nt - 1. Each super-block's eight 32-value weight vectors are
- * unpacked once and serve every token. Inlined per constant qtype and nt. */
-static inline __attribute__((always_inline)) void row_k_n(int qtype, const int per32, const uint8_t *row, int64_t k,
-                                                          const ax_t *ax, const int nt, const out_t *y, int64_t t0,
-                                                          int64_t col) {
-    const int bb = block_bytes(qtype), q6 = qtype == T_Q6_K;
-    /* Per 32, a token's eight group products would be one chain of dependent fused
-     * multiply-adds: U running sums per token break it where few tokens interleave. */
-    const int U = per32 ? (nt == 1 ? 4 : nt < 4 ? 2 : 1) : 1;
+/* A K-quant super-block's scales: the 16-bit multipliers of vector v (values [32v, 32v +
+ * 32)) are pick16(e[v / 4], a, b) with (a, b) = k_pick(qtype, v); off16 the offsets of its
+ * 16 groups of 16 values (Q6_K: 32 d scale) or 8 of 32 (Q4_K/Q5_K: dmin min), returned d. */
+static inline __attribute__((always_inline)) float k_scales(int qtype, const uint8_t *b, __m256i e[2],
+                                                             __m256 off16[2]) {
+    if (qtype == T_Q6_K) { /* per 128 values: 8 int8 scales of 16 values each */
+        const __m128i s16 = _mm_loadu_si128((const __m128i *)(b + 192));
+        const float d = load_fp16(b + 208);
+        for (int n = 0; n < 2; ++n) /* this half's 8 scales as 16 bits, in both lanes */
+            e[n] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(n ? _mm_srli_si128(s16, 8) : s16));
+        const __m256 off = _mm256_set1_ps(32.f * d);
+        off16[0] = _mm256_mul_ps(off, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s16)));
+        off16[1] = _mm256_mul_ps(off, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s16, 8))));
+        return d;
+    }
+    /* the eight 6-bit (scale, min) pairs (scale_min_k4's rule) */
+    uint32_t u0, u1, u2;
+    memcpy(&u0, b + 4, 4);
+    memcpy(&u1, b + 8, 4);
+    memcpy(&u2, b + 12, 4);
+    const uint32_t six = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, two = 0x03030303u;
+    const uint64_t scs = (uint64_t)(u0 & six) | (uint64_t)((u2 & lo4) | (((u0 >> 6) & two) << 4)) << 32;
+    const uint64_t mns = (uint64_t)(u1 & six) | (uint64_t)(((u2 >> 4) & lo4) | (((u1 >> 6) & two) << 4)) << 32;
+    off16[0] = _mm256_mul_ps(_mm256_set1_ps(load_fp16(b + 2)),
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mns))));
+    e[0] = e[1] = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)scs)));
+    return load_fp16(b);
+}
+
+/* Vector v's multipliers from k_scales' e: Q6_K's two scales of 16 values, else one of 32. */
+static inline __attribute__((always_inline)) __m256i k_multipliers(int qtype, const __m256i e[2], int v) {
+    return qtype == T_Q6_K ? pick16(e[v / 4], 2 * (v % 4), 2 * (v % 4) + 1) : pick16(e[0], v, v);
+}
+
+/* The corrections of one token's super-block s: its group sums times the offsets. */
+static inline __attribute__((always_inline)) __m256 k_correction(int qtype, const __m256 off16[2], const ax_t *a,
+                                                                 int64_t s, __m256 corr) {
+    if (qtype == T_Q6_K) {
+        corr = _mm256_fmadd_ps(off16[0], _mm256_loadu_ps(a->xs16 + 16 * s), corr);
+        return _mm256_fmadd_ps(off16[1], _mm256_loadu_ps(a->xs16 + 16 * s + 8), corr);
+    }
+    return _mm256_fmadd_ps(off16[0], _mm256_loadu_ps(a->xs32 + 8 * s), corr);
+}
+
+/* One K-quant row (Q4_K, Q5_K, Q6_K) times nt tokens of per-32 int8 x (from
+ * KQ_PER32_TOKENS tokens), into column col of y's rows t0 .. t0 + nt - 1: each 32-group's
+ * sum in float, times its own d * dx. Each super-block's eight 32-value weight vectors
+ * are unpacked once and serve every token. Inlined per constant qtype and nt. */
+static inline __attribute__((always_inline)) void row_k32_n(int qtype, const uint8_t *row, int64_t k, const ax_t *ax,
+                                                            const int nt, const out_t *y, int64_t t0, int64_t col) {
+    const int bb = block_bytes(qtype);
+    /* A token's eight group products would be one chain of dependent fused multiply-adds:
+     * U running sums per token break it where few tokens interleave. */
+    const int U = nt == 1 ? 4 : nt < 4 ? 2 : 1;
     __m256 acc[4][MAX_TOKENS], corr[MAX_TOKENS];
     for (int t = 0; t < nt; ++t) {
         corr[t] = _mm256_setzero_ps();
@@ -107,64 +151,91 @@ static inline __attribute__((always_inline)) void row_k_n(int qtype, const int p
     for (int64_t s = 0; s < k / 256; ++s) {
         const uint8_t *b = row + s * bb;
         for (int off = 0; off < bb; off += 64) _mm_prefetch((const char *)b + PREFETCH_BYTES + off, _MM_HINT_T0);
-        __m256i w[8], sc[8]; /* weight vector v holds values [32v, 32v + 32); sc its multipliers */
+        __m256i w[8], e[2]; /* weight vector v holds values [32v, 32v + 32) */
+        __m256 off16[2];
         k_codes_avx2(qtype, b, w);
-        __m256 off16[2];     /* the offsets of the 16 groups of 16 values (Q6_K) or 8 of 32 */
-        float d;
-        if (q6) { /* per 128 values: ql's 64 bytes (low nibbles, then high), qh's 32 (top bits) */
-            const int8_t *scales = (const int8_t *)(b + 192);
-            const __m128i s16 = _mm_loadu_si128((const __m128i *)scales);
-            d = load_fp16(b + 208);
-            for (int n = 0; n < 2; ++n) { /* this half's 8 scales as 16 bits, in both lanes */
-                const __m256i e = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(n ? _mm_srli_si128(s16, 8) : s16));
-                for (int i = 0; i < 4; ++i) sc[4 * n + i] = pick16(e, 2 * i, 2 * i + 1);
-            }
-            const __m256 off = _mm256_set1_ps(32.f * d);
-            off16[0] = _mm256_mul_ps(off, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s16)));
-            off16[1] = _mm256_mul_ps(off, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s16, 8))));
-        } else { /* the eight 6-bit (scale, min) pairs (scale_min_k4's rule) */
-            uint32_t u0, u1, u2;
-            memcpy(&u0, b + 4, 4);
-            memcpy(&u1, b + 8, 4);
-            memcpy(&u2, b + 12, 4);
-            const uint32_t six = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, two = 0x03030303u;
-            const uint64_t scs = (uint64_t)(u0 & six) | (uint64_t)((u2 & lo4) | (((u0 >> 6) & two) << 4)) << 32;
-            const uint64_t mns = (uint64_t)(u1 & six) | (uint64_t)(((u2 >> 4) & lo4) | (((u1 >> 6) & two) << 4)) << 32;
-            d = load_fp16(b);
-            off16[0] = _mm256_mul_ps(_mm256_set1_ps(load_fp16(b + 2)),
-                                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mns))));
-            const __m256i e = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)scs)));
-            for (int v = 0; v < 8; ++v) sc[v] = pick16(e, v, v);
-        }
+        const float d = k_scales(qtype, b, e, off16);
         for (int t = 0; t < nt; ++t) {
             const int8_t *xq = ax[t].xq + 256 * s;
-            if (per32) { /* each 32-group's sum in float, times its own d * dx */
-                for (int v = 0; v < 8; ++v) {
-                    const __m256i dot = _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(w[v], load256((const uint8_t *)xq + 32 * v)), sc[v]);
-                    acc[v % U][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * ax[t].dx[8 * s + v]),
-                                                    acc[v % U][t]);
-                }
-            } else {
-                __m256i isum = _mm256_setzero_si256();
-                for (int v = 0; v < 8; ++v)
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(
-                                                      _mm256_maddubs_epi16(w[v], load256((const uint8_t *)xq + 32 * v)),
-                                                      sc[v]));
-                acc[0][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * ax[t].dx[s]), acc[0][t]);
+            for (int v = 0; v < 8; ++v) {
+                const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w[v], load256((const uint8_t *)xq + 32 * v)),
+                                                      k_multipliers(qtype, e, v));
+                acc[v % U][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * ax[t].dx[8 * s + v]),
+                                                acc[v % U][t]);
             }
-            if (q6) {
-                corr[t] = _mm256_fmadd_ps(off16[0], _mm256_loadu_ps(ax[t].xs16 + 16 * s), corr[t]);
-                corr[t] = _mm256_fmadd_ps(off16[1], _mm256_loadu_ps(ax[t].xs16 + 16 * s + 8), corr[t]);
-            } else {
-                corr[t] = _mm256_fmadd_ps(off16[0], _mm256_loadu_ps(ax[t].xs32 + 8 * s), corr[t]);
-            }
+            corr[t] = k_correction(qtype, off16, &ax[t], s, corr[t]);
         }
     }
     for (int t = 0; t < nt; ++t) {
         for (int u = 1; u < U; ++u) acc[0][t] = _mm256_add_ps(acc[0][t], acc[u][t]);
         out_store(y, t0 + t, col, hsum8(_mm256_sub_ps(acc[0][t], corr[t])));
     }
+}
+
+/* Weight vector v (values [32v, 32v + 32)) of a K-quant super-block, straight from its
+ * bytes (k_codes_from_raw's layout, one vector: the loads hit L1 after the first). */
+static inline __attribute__((always_inline)) __m256i k_code(int qtype, const uint8_t *b, int v) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    if (qtype == T_Q6_K) {
+        static const int ql[8] = {0, 32, 0, 32, 64, 96, 64, 96};
+        const int i = v % 4, n = v / 4;
+        const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(load256(b + ql[v]), 4 * (i / 2)), m4);
+        const __m256i top = _mm256_and_si256(_mm256_srli_epi16(load256(b + 128 + 32 * n), 2 * i), _mm256_set1_epi8(3));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(top, 4));
+    }
+    const int q5 = qtype == T_Q5_K;
+    __m256i w = _mm256_and_si256(_mm256_srli_epi16(load256(b + 16 + 32 * q5 + 32 * (v / 2)), 4 * (v % 2)), m4);
+    if (q5)
+        w = _mm256_or_si256(w, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(load256(b + 16), v),
+                                                                  _mm256_set1_epi8(1)), 4));
+    return w;
+}
+
+/* One K-quant row times nt < KQ_PER32_TOKENS tokens of per-256 int8 x (a decode's few
+ * tokens, an expert's share of a batch): each super-block's integer sum per token, times
+ * d * dx once. Vector after vector, each unpacked as it is needed and met by every
+ * token: few values live at once, where unpacking all eight first kept GCC spilling them
+ * and the partial sums (1.2-1.25x slower at 4 tokens, 2026-12-06, the Zen 3 VM). */
+static inline __attribute__((always_inline)) void row_k256_n(int qtype, const uint8_t *row, int64_t k, const ax_t *ax,
+                                                             const int nt, const out_t *y, int64_t t0, int64_t col) {
+    const int bb = block_bytes(qtype);
+    __m256 acc[MAX_TOKENS], corr[MAX_TOKENS];
+    for (int t = 0; t < nt; ++t) acc[t] = corr[t] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < k / 256; ++s) {
+        const uint8_t *b = row + s * bb;
+        for (int off = 0; off < bb; off += 64) _mm_prefetch((const char *)b + PREFETCH_BYTES + off, _MM_HINT_T0);
+        __m256i e[2], isum[MAX_TOKENS];
+        __m256 off16[2];
+        const float d = k_scales(qtype, b, e, off16);
+        for (int t = 0; t < nt; ++t) isum[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8 /* constant shifts and shuffle controls per vector */
+        for (int v = 0; v < 8; ++v) {
+            const __m256i w = k_code(qtype, b, v), sc = k_multipliers(qtype, e, v);
+            for (int t = 0; t < nt; ++t) {
+                isum[t] = _mm256_add_epi32(
+                    isum[t], _mm256_madd_epi16(
+                                 _mm256_maddubs_epi16(w, load256((const uint8_t *)ax[t].xq + 256 * s + 32 * v)), sc));
+                /* added here, in this order: GCC would otherwise reassociate the sums and hold
+                 * all 8 nt products (spilling them) until the super-block's end */
+                __asm__("" : "+x"(isum[t]));
+            }
+        }
+        for (int t = 0; t < nt; ++t) {
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_set1_ps(d * ax[t].dx[s]), acc[t]);
+            corr[t] = k_correction(qtype, off16, &ax[t], s, corr[t]);
+        }
+    }
+    for (int t = 0; t < nt; ++t) out_store(y, t0 + t, col, hsum8(_mm256_sub_ps(acc[t], corr[t])));
+}
+
+/* Either of the above, as x was quantised. */
+static inline __attribute__((always_inline)) void row_k_n(int qtype, const int per32, const uint8_t *row, int64_t k,
+                                                          const ax_t *ax, const int nt, const out_t *y, int64_t t0,
+                                                          int64_t col) {
+    if (per32)
+        row_k32_n(qtype, row, k, ax, nt, y, t0, col);
+    else
+        row_k256_n(qtype, row, k, ax, nt, y, t0, col);
 }
 
 /* One Q4_0 or Q8_0 row times nt tokens of per-32 int8 x: per block, the integer dot
@@ -175,7 +246,7 @@ static inline __attribute__((always_inline)) void row_legacy_n(int qtype, const 
     (void)per32; /* always per 32 */
     const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const int bb = qtype == T_Q4_0 ? 18 : 34;
-    const int U = nt == 1 ? 4 : nt < 4 ? 2 : 1; /* running sums per token: see row_k_n */
+    const int U = nt == 1 ? 4 : nt < 4 ? 2 : 1; /* running sums per token: see row_k32_n */
     __m256 acc[4][MAX_TOKENS];
     float corr[MAX_TOKENS];
     for (int t = 0; t < nt; ++t) {
