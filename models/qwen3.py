@@ -34,10 +34,7 @@ class Qwen3Attention(LlamaAttention):
     ) -> torch.Tensor:
         """This rank's partial sum of the attention output (the next norm all-reduces it)."""
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # One row per head (a copy of the strided q/k views), normalised over head_dim.
-        q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-        k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb.forward_after_qk_norm(positions, q, k, self.q_norm, self.k_norm, self.head_dim)
         return self.o_proj(self.attn(q, k, v, attn_metadata))
 
 

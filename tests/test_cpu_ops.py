@@ -1,5 +1,6 @@
 """The CPU fused-op kernels (models/layers/cpu_ops.py, .c): residual add + RMSNorm, the
-neox rotary embedding, and the row-wise argmax of greedy sampling.
+neox rotary embedding (alone and after Qwen3's q/k norm), and the row-wise argmax of
+greedy sampling.
 
 The rotary must equal the layer's torch ops bit for bit (it rounds where they round), the
 norm to a few units in the last place (its sum of squares adds up in another order); the
@@ -92,6 +93,65 @@ def test_rotary_equals_the_torch_ops_bit_for_bit_on_views_of_the_qkv_projection(
             results.append(qkv)
     for fused, plain in zip(results[:3], results[3:]):
         assert torch.equal(fused, plain)  # v untouched too
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size,heads,kv_heads", [(64, 16, 4), (128, 2, 1), (64, 1, 1)])
+def test_qk_norm_rope_equals_the_separate_calls_bit_for_bit(request, monkeypatch, dtype, head_size, heads,
+                                                             kv_heads):
+    """Qwen3's q/k norm and rotary in one call, in place on the strided q/k views of the
+    qkv projection: each head's values exactly those of the separate norm and rotary
+    calls on a copy of one row per head (v untouched), and within the norm's few units in
+    the last place of the torch ops."""
+    rotary = RotaryEmbedding(head_size, 300, 1000000.0)
+    q_norm, k_norm = _norm(head_size, dtype), _norm(head_size, dtype)
+    k_norm.weight.data = k_norm.weight.data.flip(0)  # a different weight from q's
+    sizes = [heads * head_size, kv_heads * head_size, kv_heads * head_size]
+
+    def separate(positions, q, k):
+        q = q_norm(q.reshape(-1, head_size)).view(q.shape)
+        k = k_norm(k.reshape(-1, head_size)).view(k.shape)
+        return rotary(positions, q, k)
+
+    calls = []
+    real = cpu_ops.CpuOpsKernel.qk_norm_rope
+    monkeypatch.setattr(cpu_ops.CpuOpsKernel, "qk_norm_rope", lambda *a: calls.append(1) or real(*a))
+    for tokens in (1, 16, 300):
+        gen = torch.Generator().manual_seed(tokens)
+        qkv = (torch.randn(tokens, sum(sizes), generator=gen) * 3).to(dtype)
+        positions = torch.randint(0, 300, (tokens,), generator=gen)
+        fused_qkv, expected_qkv = qkv.clone(), qkv.clone()
+        q, k, _ = fused_qkv.split(sizes, dim=-1)
+        got = rotary.forward_after_qk_norm(positions, q, k, q_norm, k_norm, head_size)
+        assert got[0].data_ptr() == q.data_ptr() and got[1].data_ptr() == k.data_ptr()  # in place
+        want = separate(positions, *expected_qkv.split(sizes, dim=-1)[:2])
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), tokens
+        assert torch.equal(fused_qkv[:, -sizes[2]:], qkv[:, -sizes[2]:])  # v untouched
+    assert len(calls) == 3  # the kernel took every call
+    request.getfixturevalue("torch_ops")
+    plain = separate(positions, *qkv.clone().split(sizes, dim=-1)[:2])
+    ulp = torch.finfo(dtype).eps
+    for a, b in zip(got, plain):
+        torch.testing.assert_close(a.float(), b.float(), rtol=8 * ulp, atol=8 * ulp)
+
+
+@needs_kernel
+def test_qk_norm_rope_position_past_the_table_and_what_it_does_not_take():
+    rotary = RotaryEmbedding(8, 10, 10000.0)
+    q_norm, k_norm = _norm(8, torch.float32), _norm(8, torch.float32)
+    q, k = torch.randn(3, 16), torch.randn(3, 8)
+    before = (q.clone(), k.clone())
+    with pytest.raises(IndexError, match="10 positions"):
+        rotary.forward_after_qk_norm(torch.tensor([1, 10, 2]), q, k, q_norm, k_norm, 8)
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])
+    # a weight of another dtype: the kernel declines, the separate path runs
+    assert not KERNEL.qk_norm_rope(q, k, 8, q_norm.weight.bfloat16(), k_norm.weight, 1e-5, torch.tensor([0, 1, 2]),
+                                   rotary.cos_cached, rotary.sin_cached)
+    assert torch.equal(q, before[0])
+    k_norm.weight.data = k_norm.weight.data.bfloat16()
+    got = rotary.forward_after_qk_norm(torch.tensor([0, 1, 2]), q.clone(), k.clone(), q_norm, k_norm, 8)
+    assert got[1].dtype == torch.float32  # the torch norm's promotion (float32 x, bfloat16 weight)
 
 
 @needs_kernel

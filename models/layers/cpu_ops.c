@@ -1,5 +1,5 @@
-/* Fused CPU kernels for the small layers: residual add + RMSNorm, and neox rotary
- * embedding of q and k. Each replaces a chain of torch ops (five for a bf16 RMSNorm,
+/* Fused CPU kernels for the small layers: residual add + RMSNorm, neox rotary embedding
+ * of q and k, Qwen3's per-head q/k norm with the rotary, and the rows' argmax. Each replaces a chain of torch ops (five for a bf16 RMSNorm,
  * seven per tensor for the rotary), each a dispatch and a pass over memory, by one pass.
  *
  * The contract (shapes, strides, dtypes, who calls) is in cpu_ops.py, which compiles
@@ -153,6 +153,51 @@ int cpu_rotary_neox(int dtype, void *q, int64_t q_stride, int64_t q_heads, void 
         rotate_row(bf16, (char *)k + t * k_stride * esize, k_heads, head_size, c, s);
     }
     return 0;
+}
+
+/* Qwen3's q/k norm and rotary in one pass (vLLM's fused_qk_norm_rope): per token, each of
+ * q's heads normalised with q_weight (RMSNorm over head_size, in place: norm_row reads its
+ * row before it writes) and rotated, then k's with k_weight, each head exactly as the
+ * separate calls compute it. q, k: [tokens, heads * head_size] at row strides q_stride,
+ * k_stride (elements); the weights [head_size] of the dtype; positions, cos, sin as
+ * cpu_rotary_neox's. Returns 0; 2 (before anything is written) for a position outside the
+ * tables; 1 when a thread's scratch row could not be allocated (bf16; some rows were not
+ * computed). */
+int cpu_qk_norm_rope(int dtype, void *q, int64_t q_stride, int64_t q_heads, void *k, int64_t k_stride,
+                     int64_t k_heads, int64_t head_size, const void *q_weight, const void *k_weight, float eps,
+                     const int64_t *positions, const float *cos, const float *sin, int64_t table_stride,
+                     int64_t num_positions, int64_t tokens, int num_threads) {
+    const int bf16 = dtype == 1;
+    const int64_t esize = bf16 ? 2 : 4;
+    for (int64_t t = 0; t < tokens; ++t)
+        if (positions[t] < 0 || positions[t] >= num_positions) return 2;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (tokens * (q_heads + k_heads) * head_size >= (1 << 13))
+    {
+        float *scratch = bf16 ? malloc(sizeof(float) * head_size) : NULL;
+        if (bf16 && !scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; ++t) {
+            if (bf16 && !scratch) continue;
+            const float *c = cos + positions[t] * table_stride, *s = sin + positions[t] * table_stride;
+            char *qt = (char *)q + t * q_stride * esize, *kt = (char *)k + t * k_stride * esize;
+            for (int64_t h = 0; h < q_heads; ++h) {
+                char *head = qt + h * head_size * esize;
+                norm_row(bf16, head, NULL, (const char *)q_weight, head, head_size, eps, scratch);
+            }
+            for (int64_t h = 0; h < k_heads; ++h) {
+                char *head = kt + h * head_size * esize;
+                norm_row(bf16, head, NULL, (const char *)k_weight, head, head_size, eps, scratch);
+            }
+            rotate_row(bf16, qt, q_heads, head_size, c, s);
+            rotate_row(bf16, kt, k_heads, head_size, c, s);
+        }
+        free(scratch);
+    }
+    return failed;
 }
 
 /* GCC vector types of LANES lanes: a lane-wise maximum is a loop-carried select that the

@@ -1,5 +1,6 @@
 """Fused CPU kernels for the small layers (`cpu_ops.c`): residual add + RMSNorm, the neox
-rotary embedding of q and k, and the row-wise argmax of greedy sampling.
+rotary embedding of q and k (alone, or after Qwen3's per-head q/k norm), and the row-wise
+argmax of greedy sampling.
 
 torch runs a bfloat16 RMSNorm with a residual as five ops (add, upcast, norm, downcast,
 scale) and the rotary as seven per tensor, each a dispatch and a pass over memory; at
@@ -49,10 +50,12 @@ class CpuOpsKernel:
         self.path = path
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         self._norm, self._rotary, self._argmax = lib.cpu_rms_norm, lib.cpu_rotary_neox, lib.cpu_argmax_rows
-        self._norm.restype = self._rotary.restype = self._argmax.restype = ctypes.c_int
+        self._qk_norm_rope = lib.cpu_qk_norm_rope
+        self._norm.restype = self._rotary.restype = self._argmax.restype = self._qk_norm_rope.restype = ctypes.c_int
         self._argmax.argtypes = [i32, p, i64, i64, i64, p, p, i32]
         self._norm.argtypes = [i32, p, i64, p, i64, p, p, i64, i64, i64, f32, i32]
         self._rotary.argtypes = [i32, p, i64, i64, p, i64, i64, i64, p, p, p, i64, i64, i64, i32]
+        self._qk_norm_rope.argtypes = [i32, p, i64, i64, p, i64, i64, i64, p, p, f32, p, p, p, i64, i64, i64, i32]
         # For the communicator's fused all-reduce + norm, which calls it from its own kernel.
         self.norm_address: int = ctypes.cast(lib.cpu_rms_norm.fn, ctypes.c_void_p).value
 
@@ -75,18 +78,24 @@ class CpuOpsKernel:
             raise MemoryError("RMSNorm kernel could not allocate its scratch row")
         return out
 
+    @staticmethod
+    def _rotary_takes(q: torch.Tensor, k: torch.Tensor, head_size: int, positions: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> bool:
+        """Whether the rotary kernels take these tensors (`rotary_neox`'s contract)."""
+        return (_rows(q) and _rows(k) and q.dtype == k.dtype and q.shape[0] == k.shape[0] and head_size % 2 == 0
+                and q.shape[1] % head_size == 0 and k.shape[1] % head_size == 0
+                and positions.dtype == torch.int64 and positions.is_contiguous() and positions.numel() == q.shape[0]
+                and cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape
+                and cos.stride(1) == sin.stride(1) == 1 and cos.stride(0) == sin.stride(0)
+                and cos.shape[1] >= head_size // 2)
+
     def rotary_neox(self, q: torch.Tensor, k: torch.Tensor, head_size: int, positions: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """Rotate q [T, Hq * head_size] and k [T, Hk * head_size] in place at positions [T]
         (int64) with the float32 tables cos, sin [P, >= head_size / 2] (row-contiguous).
         False, with nothing touched, for tensors the kernel does not take. Raises
         IndexError for a position outside the tables, before anything is written."""
-        if not (_rows(q) and _rows(k) and q.dtype == k.dtype and q.shape[0] == k.shape[0] and head_size % 2 == 0
-                and q.shape[1] % head_size == 0 and k.shape[1] % head_size == 0
-                and positions.dtype == torch.int64 and positions.is_contiguous() and positions.numel() == q.shape[0]
-                and cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape
-                and cos.stride(1) == sin.stride(1) == 1 and cos.stride(0) == sin.stride(0)
-                and cos.shape[1] >= head_size // 2):
+        if not self._rotary_takes(q, k, head_size, positions, cos, sin):
             return False
         status = self._rotary(_DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.shape[1] // head_size, k.data_ptr(),
                               k.stride(0), k.shape[1] // head_size, head_size, positions.data_ptr(), cos.data_ptr(),
@@ -94,6 +103,30 @@ class CpuOpsKernel:
         if status:
             raise IndexError(f"rotary embedding: a position is outside the table of {cos.shape[0]} positions "
                              "(max_model_len)")
+        return True
+
+    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, head_size: int, q_weight: torch.Tensor,
+                     k_weight: torch.Tensor, eps: float, positions: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> bool:
+        """Qwen3's per-head RMSNorm of q and k (weights [head_size] of their dtype) and then
+        `rotary_neox`'s rotation, in place, each head exactly as the two calls compute it
+        (vLLM's fused_qk_norm_rope). False, with nothing touched, for tensors the kernel
+        does not take. IndexError for a position outside the tables, before anything is
+        written; MemoryError (bf16) if a thread's scratch row cannot be allocated."""
+        if not (q.dtype == q_weight.dtype == k_weight.dtype and q_weight.is_contiguous() and k_weight.is_contiguous()
+                and q_weight.numel() == k_weight.numel() == head_size and self._rotary_takes(q, k, head_size, positions,
+                                                                                              cos, sin)):
+            return False
+        status = self._qk_norm_rope(_DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.shape[1] // head_size,
+                                    k.data_ptr(), k.stride(0), k.shape[1] // head_size, head_size,
+                                    q_weight.data_ptr(), k_weight.data_ptr(), eps, positions.data_ptr(),
+                                    cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.shape[0], q.shape[0],
+                                    torch.get_num_threads())
+        if status == 2:
+            raise IndexError(f"rotary embedding: a position is outside the table of {cos.shape[0]} positions "
+                             "(max_model_len)")
+        if status:
+            raise MemoryError("q/k norm kernel could not allocate its scratch row")
         return True
 
     def argmax_rows(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:

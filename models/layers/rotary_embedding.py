@@ -3,7 +3,8 @@ llama3 frequency scaling, or with LongRoPE (Phi-3); over the whole head or, with
 `rotary_dim` features.
 
 On the CPU one C call rotates q and k (`cpu_ops.py`) where it can (full-head rotary);
-elsewhere, and as its fallback, torch ops with the same roundings.
+elsewhere, and as its fallback, torch ops with the same roundings. `forward_after_qk_norm`
+takes Qwen3's per-head q/k norms into the same call.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from config.utils import ConfigError
 from models.layers import cpu_ops
+from models.layers.layernorm import RMSNorm
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
@@ -165,6 +167,24 @@ class RotaryEmbedding(nn.Module):
             x2.mul_(cos).add_(x1 * sin)
             x1.copy_(first)
         return q, k
+
+
+    def forward_after_qk_norm(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm,
+                              k_norm: RMSNorm, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's attention inputs: each head of q [T, Hq * head_size] normalised by
+        `q_norm` and each of k's by `k_norm` (over head_size), then rotated as `forward`
+        rotates. On the CPU one C call does it in place (vLLM's fused_qk_norm_rope: no copy
+        of the strided q/k views, three calls fewer a layer), each head's values exactly
+        the unfused path's; otherwise the norms on a copy of one row per head, then
+        `forward`. Raises IndexError for a position past the table (max_model_len)."""
+        kernel = (cpu_ops.load() if q.device.type == "cpu" and self.rotary_dim == self.head_size == head_size
+                  and q_norm.eps == k_norm.eps else None)
+        if kernel is not None and kernel.qk_norm_rope(q, k, head_size, q_norm.weight, k_norm.weight, q_norm.eps,
+                                                      positions, self.cos_cached, self.sin_cached):
+            return q, k
+        q = q_norm(q.reshape(-1, head_size)).view(q.shape)
+        k = k_norm(k.reshape(-1, head_size)).view(k.shape)
+        return self.forward(positions, q, k)
 
 
 def get_rope(hf_config: SimpleNamespace, head_size: int, max_position: int) -> RotaryEmbedding:
