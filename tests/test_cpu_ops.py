@@ -50,7 +50,7 @@ def _norm_outputs(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> lis
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,hidden", [(1, 8), (3, 768), (32, 768), (300, 1000), (2048, 64)])
 def test_rms_norm_equals_the_torch_ops(request, dtype, rows, hidden):
     gen = torch.Generator().manual_seed(rows * hidden)
@@ -68,7 +68,7 @@ def test_rms_norm_equals_the_torch_ops(request, dtype, rows, hidden):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_size,heads,kv_heads,scaling", [
     (64, 12, 4, None),
     (128, 2, 1, None),
@@ -96,7 +96,7 @@ def test_rotary_equals_the_torch_ops_bit_for_bit_on_views_of_the_qkv_projection(
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_size,heads,kv_heads", [(64, 16, 4), (128, 2, 1), (64, 1, 1)])
 def test_qk_norm_rope_equals_the_separate_calls_bit_for_bit(request, monkeypatch, dtype, head_size, heads,
                                                              kv_heads):
@@ -179,9 +179,9 @@ def test_results_do_not_depend_on_the_thread_count():
 
 @needs_kernel
 def test_tensors_the_kernels_do_not_take_are_left_to_torch():
-    norm = _norm(16, torch.float16)
-    x = torch.randn(4, 16).half()
-    assert KERNEL.rms_norm(x, None, norm.weight, 1e-5) is None  # float16: not a kernel dtype
+    norm = _norm(16, torch.float64)
+    x = torch.randn(4, 16).double()
+    assert KERNEL.rms_norm(x, None, norm.weight, 1e-5) is None  # float64: not a kernel dtype
     wide = torch.randn(4, 32)
     assert KERNEL.rms_norm(wide[:, ::2], None, _norm(16, torch.float32).weight, 1e-5) is None  # strided last dim
     assert KERNEL.rms_norm(torch.randn(4, 16), None, norm.weight, 1e-5) is None  # weight of another dtype
@@ -191,8 +191,7 @@ def test_tensors_the_kernels_do_not_take_are_left_to_torch():
                                   rotary.sin_cached)
     assert torch.equal(wide, before)
     # The layers still give their results through the torch ops.
-    torch.testing.assert_close(norm(x).float(), (norm.weight * torch.nn.functional.rms_norm(
-        x.float(), (16,), eps=1e-5).half()).float())
+    torch.testing.assert_close(norm(x), norm.weight * torch.nn.functional.rms_norm(x.float(), (16,), eps=1e-5).double())
 
 
 def _torch_first_max(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,7 +199,7 @@ def _torch_first_max(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,width,n", [(1, 1, 1), (1, 15, 15), (3, 17, 17), (32, 16000, 16000), (32, 32064, 32000),
                                          (5, 1000, 333), (64, 4099, 4099)])
 def test_argmax_rows_gives_torchs_values_and_first_indices(dtype, rows, width, n):
@@ -215,7 +214,7 @@ def test_argmax_rows_gives_torchs_values_and_first_indices(dtype, rows, width, n
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_argmax_rows_on_ties_nans_infinities_signed_zeros_and_strided_rows(dtype):
     n = 100
     x = torch.zeros(8, 128)
@@ -242,7 +241,7 @@ def test_argmax_rows_on_ties_nans_infinities_signed_zeros_and_strided_rows(dtype
 
 @needs_kernel
 def test_argmax_rows_refuses_what_it_does_not_take():
-    assert KERNEL.argmax_rows(torch.randn(4, 16).half(), 16) is None
+    assert KERNEL.argmax_rows(torch.randn(4, 16).double(), 16) is None  # not a kernel dtype
     assert KERNEL.argmax_rows(torch.randn(4, 32)[:, ::2], 16) is None  # strided last dim
     assert KERNEL.argmax_rows(torch.randn(2, 3, 4), 4) is None  # not 2-D
     assert KERNEL.argmax_rows(torch.randn(4, 16), 0) is None

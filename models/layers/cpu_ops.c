@@ -1,9 +1,11 @@
 /* Fused CPU kernels for the small layers: residual add + RMSNorm, neox rotary embedding
- * of q and k, Qwen3's per-head q/k norm with the rotary, and the rows' argmax. Each replaces a chain of torch ops (five for a bf16 RMSNorm,
- * seven per tensor for the rotary), each a dispatch and a pass over memory, by one pass.
+ * of q and k, Qwen3's per-head q/k norm with the rotary, and the rows' argmax. Each
+ * replaces a chain of torch ops (five for a bf16 RMSNorm, seven per tensor for the
+ * rotary), each a dispatch and a pass over memory, by one pass.
  *
  * The contract (shapes, strides, dtypes, who calls) is in cpu_ops.py, which compiles
- * this file and is its only caller. dtype 0 is float32, 1 bfloat16. Rows are spread
+ * this file and is its only caller. dtype 0 is float32, 1 bfloat16, 2 float16 (the 16-bit
+ * ones computed in float32 and rounded where torch's ops round, in their own format). Rows are spread
  * over the caller's OpenMP threads (torch's libgomp) when a call is large enough to pay
  * for it; every row's arithmetic is sequential and does not depend on the schedule, so
  * results do not depend on the thread count.
@@ -20,14 +22,26 @@
 #include <string.h>
 
 #include "../../distributed/bf16_convert.h"
+#include "../../distributed/fp16_convert.h"
 
 #define INLINE static inline __attribute__((always_inline))
 #define LANES 16 /* independent partial sums: the compiler vectorises them without reassociating */
 
 typedef uint16_t bf16_t;
+typedef uint16_t half_t; /* a bfloat16 (dtype 1) or float16 (dtype 2) value's bits */
 
-/* x rounded to bfloat16 and back: the value a bf16 op stores. */
-INLINE float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+INLINE float half_to_float(int dtype, half_t h) { return dtype == 2 ? fp16_to_float(h) : bf16_to_float(h); }
+INLINE half_t float_to_half(int dtype, float x) { return dtype == 2 ? float_to_fp16(x) : float_to_bf16(x); }
+/* x rounded to the 16-bit dtype and back: the value an op of that dtype stores. */
+INLINE float round_half(int dtype, float x) { return half_to_float(dtype, float_to_half(dtype, x)); }
+
+/* `call` with `dt` the constant dtype (0, 1 or 2), so each inlined loop is compiled per format. */
+#define BY_DTYPE(dtype, call) \
+    do { \
+        if ((dtype) == 1) { const int dt = 1; call; } \
+        else if ((dtype) == 2) { const int dt = 2; call; } \
+        else { const int dt = 0; call; } \
+    } while (0)
 
 /* The sum of squares of v[0..n) in LANES running sums (lane l takes every LANES-th
  * element from l), added up in lane order: a fixed order the compiler vectorises. */
@@ -43,20 +57,20 @@ INLINE float sum_squares(const float *v, int64_t n) {
 }
 
 /* One row: x (+= res), then out = w * x / sqrt(mean(x^2) + eps). `scratch` holds n floats. */
-INLINE void norm_row(int bf16, char *x, const char *res, const char *w, char *out, int64_t n, float eps,
+INLINE void norm_row(int dtype, char *x, const char *res, const char *w, char *out, int64_t n, float eps,
                      float *scratch) {
     const float *v;
-    if (bf16) {
-        bf16_t *xb = (bf16_t *)x;
-        const bf16_t *rb = (const bf16_t *)res;
+    if (dtype) {
+        half_t *xb = (half_t *)x;
+        const half_t *rb = (const half_t *)res;
         if (rb) {
             for (int64_t i = 0; i < n; ++i) {
-                const bf16_t sum = float_to_bf16(bf16_to_float(xb[i]) + bf16_to_float(rb[i]));
+                const half_t sum = float_to_half(dtype, half_to_float(dtype, xb[i]) + half_to_float(dtype, rb[i]));
                 xb[i] = sum;
-                scratch[i] = bf16_to_float(sum);
+                scratch[i] = half_to_float(dtype, sum);
             }
         } else {
-            for (int64_t i = 0; i < n; ++i) scratch[i] = bf16_to_float(xb[i]);
+            for (int64_t i = 0; i < n; ++i) scratch[i] = half_to_float(dtype, xb[i]);
         }
         v = scratch;
     } else {
@@ -67,11 +81,12 @@ INLINE void norm_row(int bf16, char *x, const char *res, const char *w, char *ou
         v = xf;
     }
     const float inv = 1.f / sqrtf(sum_squares(v, n) / (float)n + eps);
-    if (bf16) {
-        /* As the HF reference: normalise in float32, round to bf16, then the bf16 scale. */
-        const bf16_t *wb = (const bf16_t *)w;
-        bf16_t *ob = (bf16_t *)out;
-        for (int64_t i = 0; i < n; ++i) ob[i] = float_to_bf16(bf16_to_float(wb[i]) * round_bf16(v[i] * inv));
+    if (dtype) {
+        /* As the HF reference: normalise in float32, round to the dtype, then its scale. */
+        const half_t *wb = (const half_t *)w;
+        half_t *ob = (half_t *)out;
+        for (int64_t i = 0; i < n; ++i)
+            ob[i] = float_to_half(dtype, half_to_float(dtype, wb[i]) * round_half(dtype, v[i] * inv));
     } else {
         const float *wf = (const float *)w;
         float *of = (float *)out;
@@ -84,22 +99,21 @@ INLINE void norm_row(int bf16, char *x, const char *res, const char *w, char *ou
  * row could not be allocated (then some rows were not computed). */
 int cpu_rms_norm(int dtype, void *x, int64_t x_stride, const void *res, int64_t res_stride, const void *w,
                  void *out, int64_t out_stride, int64_t rows, int64_t n, float eps, int num_threads) {
-    const int bf16 = dtype == 1;
-    const int64_t esize = bf16 ? 2 : 4;
+    const int64_t esize = dtype ? 2 : 4;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (rows * n >= (1 << 16))
     {
-        float *scratch = bf16 ? malloc(sizeof(float) * n) : NULL;
-        if (bf16 && !scratch) {
+        float *scratch = dtype ? malloc(sizeof(float) * n) : NULL;
+        if (dtype && !scratch) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r)
-            if (!bf16 || scratch)
-                norm_row(bf16, (char *)x + r * x_stride * esize,
-                         res ? (const char *)res + r * res_stride * esize : NULL, (const char *)w,
-                         (char *)out + r * out_stride * esize, n, eps, scratch);
+            if (!dtype || scratch)
+                BY_DTYPE(dtype, norm_row(dt, (char *)x + r * x_stride * esize,
+                                         res ? (const char *)res + r * res_stride * esize : NULL, (const char *)w,
+                                         (char *)out + r * out_stride * esize, n, eps, scratch));
         free(scratch);
     }
     return failed;
@@ -107,19 +121,20 @@ int cpu_rms_norm(int dtype, void *x, int64_t x_stride, const void *res, int64_t 
 
 /* Neox rotary of `heads` heads of `head_size` in one token's row x, in place: per head,
  * halves x1, x2 become (x1 cos - x2 sin, x2 cos + x1 sin), each product and sum rounded
- * as torch rounds them (bf16: cos and sin rounded to bf16 first, as `.to(dtype)`). */
-INLINE void rotate_row(int bf16, char *x, int64_t heads, int64_t head_size, const float *cos, const float *sin) {
+ * as torch rounds them (16-bit dtypes: cos and sin rounded to the dtype first, as
+ * `.to(dtype)`). */
+INLINE void rotate_row(int dtype, char *x, int64_t heads, int64_t head_size, const float *cos, const float *sin) {
     const int64_t half = head_size / 2;
     for (int64_t h = 0; h < heads; ++h) {
-        if (bf16) {
-            bf16_t *x1 = (bf16_t *)x + h * head_size, *x2 = x1 + half;
+        if (dtype) {
+            half_t *x1 = (half_t *)x + h * head_size, *x2 = x1 + half;
             for (int64_t i = 0; i < half; ++i) {
-                const float c = round_bf16(cos[i]), s = round_bf16(sin[i]);
-                const float a = bf16_to_float(x1[i]), b = bf16_to_float(x2[i]);
-                const float first = round_bf16(round_bf16(a * c) - round_bf16(b * s));
-                const float second = round_bf16(round_bf16(b * c) + round_bf16(a * s));
-                x1[i] = float_to_bf16(first);
-                x2[i] = float_to_bf16(second);
+                const float c = round_half(dtype, cos[i]), s = round_half(dtype, sin[i]);
+                const float a = half_to_float(dtype, x1[i]), b = half_to_float(dtype, x2[i]);
+                const float first = round_half(dtype, round_half(dtype, a * c) - round_half(dtype, b * s));
+                const float second = round_half(dtype, round_half(dtype, b * c) + round_half(dtype, a * s));
+                x1[i] = float_to_half(dtype, first);
+                x2[i] = float_to_half(dtype, second);
             }
         } else {
             float *x1 = (float *)x + h * head_size, *x2 = x1 + half;
@@ -141,16 +156,15 @@ int cpu_rotary_neox(int dtype, void *q, int64_t q_stride, int64_t q_heads, void 
                     int64_t k_heads, int64_t head_size, const int64_t *positions, const float *cos,
                     const float *sin, int64_t table_stride, int64_t num_positions, int64_t tokens,
                     int num_threads) {
-    const int bf16 = dtype == 1;
-    const int64_t esize = bf16 ? 2 : 4;
+    const int64_t esize = dtype ? 2 : 4;
     for (int64_t t = 0; t < tokens; ++t)
         if (positions[t] < 0 || positions[t] >= num_positions) return 2;
 #pragma omp parallel for num_threads(num_threads) schedule(static) \
     if (tokens * (q_heads + k_heads) * head_size >= (1 << 16))
     for (int64_t t = 0; t < tokens; ++t) {
         const float *c = cos + positions[t] * table_stride, *s = sin + positions[t] * table_stride;
-        rotate_row(bf16, (char *)q + t * q_stride * esize, q_heads, head_size, c, s);
-        rotate_row(bf16, (char *)k + t * k_stride * esize, k_heads, head_size, c, s);
+        BY_DTYPE(dtype, rotate_row(dt, (char *)q + t * q_stride * esize, q_heads, head_size, c, s);
+                 rotate_row(dt, (char *)k + t * k_stride * esize, k_heads, head_size, c, s));
     }
     return 0;
 }
@@ -161,39 +175,40 @@ int cpu_rotary_neox(int dtype, void *q, int64_t q_stride, int64_t q_heads, void 
  * separate calls compute it. q, k: [tokens, heads * head_size] at row strides q_stride,
  * k_stride (elements); the weights [head_size] of the dtype; positions, cos, sin as
  * cpu_rotary_neox's. Returns 0; 2 (before anything is written) for a position outside the
- * tables; 1 when a thread's scratch row could not be allocated (bf16; some rows were not
- * computed). */
+ * tables; 1 when a thread's scratch row could not be allocated (16-bit dtypes; some rows
+ * were not computed). */
 int cpu_qk_norm_rope(int dtype, void *q, int64_t q_stride, int64_t q_heads, void *k, int64_t k_stride,
                      int64_t k_heads, int64_t head_size, const void *q_weight, const void *k_weight, float eps,
                      const int64_t *positions, const float *cos, const float *sin, int64_t table_stride,
                      int64_t num_positions, int64_t tokens, int num_threads) {
-    const int bf16 = dtype == 1;
-    const int64_t esize = bf16 ? 2 : 4;
+    const int64_t esize = dtype ? 2 : 4;
     for (int64_t t = 0; t < tokens; ++t)
         if (positions[t] < 0 || positions[t] >= num_positions) return 2;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (tokens * (q_heads + k_heads) * head_size >= (1 << 13))
     {
-        float *scratch = bf16 ? malloc(sizeof(float) * head_size) : NULL;
-        if (bf16 && !scratch) {
+        float *scratch = dtype ? malloc(sizeof(float) * head_size) : NULL;
+        if (dtype && !scratch) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tokens; ++t) {
-            if (bf16 && !scratch) continue;
+            if (dtype && !scratch) continue;
             const float *c = cos + positions[t] * table_stride, *s = sin + positions[t] * table_stride;
             char *qt = (char *)q + t * q_stride * esize, *kt = (char *)k + t * k_stride * esize;
-            for (int64_t h = 0; h < q_heads; ++h) {
-                char *head = qt + h * head_size * esize;
-                norm_row(bf16, head, NULL, (const char *)q_weight, head, head_size, eps, scratch);
-            }
-            for (int64_t h = 0; h < k_heads; ++h) {
-                char *head = kt + h * head_size * esize;
-                norm_row(bf16, head, NULL, (const char *)k_weight, head, head_size, eps, scratch);
-            }
-            rotate_row(bf16, qt, q_heads, head_size, c, s);
-            rotate_row(bf16, kt, k_heads, head_size, c, s);
+            BY_DTYPE(dtype, {
+                for (int64_t h = 0; h < q_heads; ++h) {
+                    char *head = qt + h * head_size * esize;
+                    norm_row(dt, head, NULL, (const char *)q_weight, head, head_size, eps, scratch);
+                }
+                for (int64_t h = 0; h < k_heads; ++h) {
+                    char *head = kt + h * head_size * esize;
+                    norm_row(dt, head, NULL, (const char *)k_weight, head, head_size, eps, scratch);
+                }
+                rotate_row(dt, qt, q_heads, head_size, c, s);
+                rotate_row(dt, kt, k_heads, head_size, c, s);
+            });
         }
         free(scratch);
     }
@@ -272,18 +287,25 @@ INLINE vfloat load_lanes_bf16(const bf16_t *p) {
         return best_at;                                                                        \
     }
 
+INLINE vfloat load_lanes_f16(const half_t *p) {
+    float f[LANES];
+    for (int l = 0; l < LANES; ++l) f[l] = fp16_to_float(p[l]); /* vcvtph2ps where the compiler has F16C */
+    return load_lanes_f32(f);
+}
+
 #define LOAD_F32(x) (x)
 ARGMAX_ROW(argmax_row_f32, float, load_lanes_f32, LOAD_F32)
 ARGMAX_ROW(argmax_row_bf16, bf16_t, load_lanes_bf16, bf16_to_float)
+ARGMAX_ROW(argmax_row_f16, half_t, load_lanes_f16, fp16_to_float)
 
 /* For each of `rows` rows of x (row stride x_stride elements), the first maximum of its
  * first n elements: its value (float32) in values[r] and its index in ids[r]. */
 int cpu_argmax_rows(int dtype, const void *x, int64_t x_stride, int64_t rows, int64_t n, float *values,
                     int64_t *ids, int num_threads) {
-    const int bf16 = dtype == 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n >= (1 << 18))
     for (int64_t r = 0; r < rows; ++r)
-        ids[r] = bf16 ? argmax_row_bf16((const bf16_t *)x + r * x_stride, n, values + r)
-                      : argmax_row_f32((const float *)x + r * x_stride, n, values + r);
+        ids[r] = dtype == 1   ? argmax_row_bf16((const bf16_t *)x + r * x_stride, n, values + r)
+                 : dtype == 2 ? argmax_row_f16((const half_t *)x + r * x_stride, n, values + r)
+                              : argmax_row_f32((const float *)x + r * x_stride, n, values + r);
     return 0;
 }

@@ -14,7 +14,7 @@ maximum 16 lanes at a time, then searches for its first occurrence.
 
 Built on first use like the other CPU kernels (distributed/native_build.py). Where it
 cannot be built, with `TP_CPU_FUSED_OPS=0`, or for tensors it does not take (not on the
-CPU, not float32/bfloat16, a last dimension that is not contiguous), the layers keep
+CPU, not float32/bfloat16/float16, a last dimension that is not contiguous), the layers keep
 their torch ops: the kernels are a speed-up, never a requirement. Called by the layers
 on every rank; the GIL is released during each call.
 """
@@ -35,7 +35,7 @@ SOURCES = (SOURCE, BF16_CONVERT_H)  # a change to the header rebuilds
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _rows(t: torch.Tensor) -> bool:
@@ -64,7 +64,7 @@ class CpuOpsKernel:
         """`weight * rms_norm(x + residual)` for x [T, n], after `x += residual` in place
         (rounded to x's dtype) when a residual is given; weight [n] of x's dtype. None,
         with nothing touched, for tensors the kernel does not take. Each thread holds one
-        float32 row of scratch (bfloat16); MemoryError if that fails."""
+        float32 row of scratch (16-bit dtypes); MemoryError if that fails."""
         if not (_rows(x) and weight.dtype == x.dtype and weight.is_contiguous() and weight.numel() == x.shape[1]
                 and (residual is None or (_rows(residual) and residual.dtype == x.dtype
                                           and residual.shape == x.shape))):
