@@ -112,7 +112,7 @@ class CpuOpsKernel:
         `rotary_neox`'s rotation, in place, each head exactly as the two calls compute it
         (vLLM's fused_qk_norm_rope). False, with nothing touched, for tensors the kernel
         does not take. IndexError for a position outside the tables, before anything is
-        written; MemoryError (bf16) if a thread's scratch row cannot be allocated."""
+        written; MemoryError (16-bit dtypes) if a thread's scratch row cannot be allocated."""
         if not (q.dtype == q_weight.dtype == k_weight.dtype and q_weight.is_contiguous() and k_weight.is_contiguous()
                 and q_weight.numel() == k_weight.numel() == head_size and self._rotary_takes(q, k, head_size, positions,
                                                                                               cos, sin)):

@@ -168,7 +168,6 @@ class RotaryEmbedding(nn.Module):
             x1.copy_(first)
         return q, k
 
-
     def forward_after_qk_norm(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm,
                               k_norm: RMSNorm, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen3's attention inputs: each head of q [T, Hq * head_size] normalised by

@@ -66,8 +66,9 @@ def load() -> TopkSoftmaxKernel | None:
 def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights [T, k] float32, topk_ids [T, k] int64) for `router_logits` [T, E].
 
-    Ties between equal probabilities go to the lower expert id (torch.topk's order), as
-    in transformers. Raises ValueError when k is not in [1, E]."""
+    Ties between equal probabilities go to the lower expert id on the CPU kernel's path
+    (torch.topk, like transformers, breaks them in no stated order). Raises ValueError
+    when k is not in [1, E]."""
     num_experts = router_logits.shape[-1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")

@@ -6,12 +6,13 @@
  * Per token: the logits (float32, bfloat16 or float16; widened exactly) minus their
  * maximum, expf of each, their sum in expert order, each times 1 / sum: the softmax over
  * every expert in float32, as torch.softmax(..., dtype=float32) computes it up to its
- * exp's last-place rounding. The k largest probabilities in descending order, ties to the
- * lower expert id and NaN above every number (torch.topk's order); with `renormalize`,
- * each divided by their sum (in the order kept). Rows are independent: the result does
- * not depend on the thread count.
+ * exp's last-place rounding. The k largest probabilities in descending order, NaN above
+ * every number (as torch.topk ranks it) and ties to the lower expert id (torch.topk breaks
+ * them in no stated order); with `renormalize`, each divided by their sum (in the order
+ * kept). Rows are independent: the result does not depend on the thread count.
  *
- * Returns 0; -1 (nothing written) for top_k outside [1, experts] or dtype unknown. */
+ * Returns 0; -1 (nothing written) for top_k outside [1, experts], more than MAX_EXPERTS
+ * experts or an unknown dtype. */
 
 #include <math.h>
 #include <omp.h>

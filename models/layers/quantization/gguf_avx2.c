@@ -89,9 +89,9 @@ static inline __m256i pick16(__m256i e, int a, int b) {
     return _mm256_shuffle_epi8(e, idx);
 }
 
-/* A K-quant super-block's scales: the 16-bit multipliers of vector v (values [32v, 32v +
- * 32)) are pick16(e[v / 4], a, b) with (a, b) = k_pick(qtype, v); off16 the offsets of its
- * 16 groups of 16 values (Q6_K: 32 d scale) or 8 of 32 (Q4_K/Q5_K: dmin min), returned d. */
+/* A K-quant super-block's scales: e, from which k_multipliers picks the 16-bit multipliers
+ * of each vector of 32 values; off16 the offsets of its 16 groups of 16 values (Q6_K: 32 d
+ * scale) or 8 of 32 (Q4_K/Q5_K: dmin min); returns d. */
 static inline __attribute__((always_inline)) float k_scales(int qtype, const uint8_t *b, __m256i e[2],
                                                              __m256 off16[2]) {
     if (qtype == T_Q6_K) { /* per 128 values: 8 int8 scales of 16 values each */
@@ -194,8 +194,10 @@ static inline __attribute__((always_inline)) __m256i k_code(int qtype, const uin
 /* One K-quant row times nt < KQ_PER32_TOKENS tokens of per-256 int8 x (a decode's few
  * tokens, an expert's share of a batch): each super-block's integer sum per token, times
  * d * dx once. Vector after vector, each unpacked as it is needed and met by every
- * token: few values live at once, where unpacking all eight first kept GCC spilling them
- * and the partial sums (1.2-1.25x slower at 4 tokens, 2026-12-06, the Zen 3 VM). */
+ * token, its products added in order: few values live at once. The loop it replaced
+ * (all eight vectors unpacked first, the sums left for GCC to reassociate, which spilled
+ * every product) took 1.06x as long at 1 token and 1.46x at 4 (Q4_K; Q6_K 1.16x and
+ * 1.37x; 2026-12-06, the Zen 3 VM), for the same outputs bit for bit. */
 static inline __attribute__((always_inline)) void row_k256_n(int qtype, const uint8_t *row, int64_t k, const ax_t *ax,
                                                              const int nt, const out_t *y, int64_t t0, int64_t col) {
     const int bb = block_bytes(qtype);
