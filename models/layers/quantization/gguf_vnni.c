@@ -121,9 +121,11 @@ static inline __attribute__((always_inline)) void row_k_n(int qtype, const uint8
         __m512 offsets; /* per group: 8 lanes (32-groups) or 16 (16-groups) */
         float d;
         if (q6) { /* per 128 values, ql's 64 bytes: [0, 64) low nibbles, [64, 128) high; qh's 32: their top bits */
-            const __m256i sc = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 192)));
-            s01 = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(q6_idx, sc));
-            s23 = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(_mm256_add_epi8(q6_idx, _mm256_set1_epi8(8)), sc));
+            /* the 16 scales in both 128-bit lanes, so that vpshufb (AVX2; vpermb would need
+             * AVX-512 VBMI, which Cascade Lake lacks) picks from all of them in either lane */
+            const __m256i sc = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + 192)));
+            s01 = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(sc, q6_idx));
+            s23 = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(sc, _mm256_add_epi8(q6_idx, _mm256_set1_epi8(8))));
             d = load_fp16(b + 208);
             offsets = _mm512_mul_ps(_mm512_set1_ps(32.f * d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                                                   _mm256_castsi256_si128(sc))));
@@ -142,9 +144,9 @@ static inline __attribute__((always_inline)) void row_k_n(int qtype, const uint8
             const uint32_t six = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, two = 0x03030303u;
             const uint64_t sc = (uint64_t)(u0 & six) | (uint64_t)((u2 & lo4) | (((u0 >> 6) & two) << 4)) << 32;
             const uint64_t mn = (uint64_t)(u1 & six) | (uint64_t)(((u2 >> 4) & lo4) | (((u1 >> 6) & two) << 4)) << 32;
-            const __m256i scb = _mm256_castsi128_si256(_mm_cvtsi64_si128((long long)sc));
-            s01 = _mm512_cvtepu8_epi16(_mm256_permutexvar_epi8(k4_idx, scb));
-            s23 = _mm512_cvtepu8_epi16(_mm256_permutexvar_epi8(_mm256_add_epi8(k4_idx, _mm256_set1_epi8(4)), scb));
+            const __m256i scb = _mm256_broadcastsi128_si256(_mm_cvtsi64_si128((long long)sc)); /* as Q6_K's */
+            s01 = _mm512_cvtepu8_epi16(_mm256_shuffle_epi8(scb, k4_idx));
+            s23 = _mm512_cvtepu8_epi16(_mm256_shuffle_epi8(scb, _mm256_add_epi8(k4_idx, _mm256_set1_epi8(4))));
             d = load_fp16(b);
             offsets = _mm512_mul_ps(_mm512_set1_ps(load_fp16(b + 2)),
                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
