@@ -12,6 +12,7 @@ checks are the compiler's at every level).
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -57,15 +58,22 @@ def _compile(source: Path, flags: tuple[str, ...], target: str, out: Path) -> su
                           timeout=120)
 
 
-@pytest.mark.parametrize("library", list(LIBRARIES))
-def test_library_compiles_for_every_target(library: str, tmp_path: Path) -> None:
-    sources, flags, targets = LIBRARIES[library]
+@functools.cache
+def _compiler_knows(target: str) -> bool:
+    return subprocess.run([COMPILER, f"-march={target}", "-x", "c", "-E", "-o", os.devnull, os.devnull],
+                          capture_output=True, timeout=60).returncode == 0
+
+
+@pytest.mark.parametrize("library,target", [(lib, t) for lib, (_, _, targets) in LIBRARIES.items() for t in targets])
+def test_library_compiles_for_the_target(library: str, target: str, tmp_path: Path) -> None:
+    if not _compiler_knows(target):
+        pytest.skip(f"{COMPILER} does not know -march={target}")
+    sources, flags, _ = LIBRARIES[library]
     c_files = [Path(s) for s in sources if str(s).endswith(".c")]
     assert c_files, library
     failures = []
-    for target in targets:
-        for source in c_files:
-            proc = _compile(source, flags, target, tmp_path / f"{source.stem}-{target}.o")
-            if proc.returncode:
-                failures.append(f"{source.name} for -march={target}:\n{proc.stderr[-2000:]}")
+    for source in c_files:
+        proc = _compile(source, flags, target, tmp_path / f"{source.stem}.o")
+        if proc.returncode:
+            failures.append(f"{source.name} for -march={target}:\n{proc.stderr[-2000:]}")
     assert not failures, "\n".join(failures)
