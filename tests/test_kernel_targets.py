@@ -46,8 +46,7 @@ LIBRARIES = {
     "int8_gemm": (int8_gemm.SOURCES, int8_gemm.COMPILE_FLAGS, TARGETS),
     "cpu_sgemm": (cpu_sgemm.SOURCES, cpu_sgemm.COMPILE_FLAGS, TARGETS),
     "paged_decode": (paged_decode.SOURCES, paged_decode.COMPILE_FLAGS, TARGETS),
-    "shm_allreduce": ((shm_allreduce.KERNEL_SOURCE,), ("-O3", "-march=native", "-ffp-contract=off", "-fPIC"),
-                      TARGETS),
+    "shm_allreduce": ((shm_allreduce.KERNEL_SOURCE,), shm_allreduce.KERNEL_COMPILE_FLAGS, TARGETS),
     "cpu_bf16_gemm": (cpu_bf16_gemm.SOURCES, cpu_bf16_gemm.COMPILE_FLAGS, ["sapphirerapids"]),
 }
 

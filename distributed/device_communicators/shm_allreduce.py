@@ -75,6 +75,7 @@ _YIELDS = 20000
 _SLEEP_S = 50e-6
 _LIVENESS_SLEEPS = 1000  # liveness is checked every this many sleeps (>= 50 ms)
 KERNEL_SOURCE = Path(__file__).with_name("shm_allreduce.c")
+KERNEL_COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC")
 _KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # The kernel's own spin (a pause each) before it hands the wait back to _backoff, and
 # its spin on each later call.
@@ -383,8 +384,7 @@ class AllReduceKernel(NamedTuple):
 
 
 def load_all_reduce_kernel() -> AllReduceKernel | None:
-    """The C rounds, built or loaded for this CPU; None where they cannot be (logged), or
-    with TP_CPU_SHM_ALLREDUCE_KERNEL=0."""
+    """The C rounds, built or loaded for this CPU; None where not (logged) or TP_CPU_SHM_ALLREDUCE_KERNEL=0."""
 
     def wrap(lib: NativeLibrary, path: Path) -> AllReduceKernel:
         i64, i32, p, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
@@ -395,6 +395,6 @@ def load_all_reduce_kernel() -> AllReduceKernel | None:
         round_fn.restype = norm_fn.restype = gather_fn.restype = i32
         return AllReduceKernel(round_fn, norm_fn, gather_fn)
 
-    return load_kernel((KERNEL_SOURCE, BF16_CONVERT_H), ("-O3", "-march=native", "-ffp-contract=off", "-fPIC"), ("-shared",), (),
-                       wrap, "the shared-memory all-reduce kernel is unavailable (%s); its torch-op path runs instead",
+    return load_kernel((KERNEL_SOURCE, BF16_CONVERT_H), KERNEL_COMPILE_FLAGS, ("-shared",), (), wrap,
+                       "the shared-memory all-reduce kernel is unavailable (%s); its torch-op path runs instead",
                        switch="TP_CPU_SHM_ALLREDUCE_KERNEL")
