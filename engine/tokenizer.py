@@ -94,9 +94,9 @@ class Tokenizer:
         tokens (type 3) become special tokens, user-defined ones (type 4) added tokens;
         BOS is prepended by the post-processor when ``tokenizer.ggml.add_bos_token`` is true.
         """
-        from gguf import GGUFReader  # lazily: only GGUF models need it
+        from model_loader.gguf_utils import open_gguf  # lazily: only GGUF models need it
 
-        reader = GGUFReader(os.fspath(path), "r")
+        reader = open_gguf(path, "r")
 
         def get(key: str, default: Any = None) -> Any:
             field = reader.fields.get(key)

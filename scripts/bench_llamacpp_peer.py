@@ -6,8 +6,8 @@
 `serve`: llama-server in this process (xllamacpp's `Server`), then bench_held's
 protocol: the workload on stdin, `measure_decode` through llama.cpp's native
 `/completion` route with token-id prompts (greedy: temperature 0 and top_k 1; EOS
-ignored; no prompt cache, so every request is prefilled as ours is), the RESULT line,
-held until released. Concurrent requests are one HTTP request per thread, all at once,
+ignored; no prompt cache, so every request is prefilled as ours is), the RESULT line
+(with `ready_s`: from the `Server` call until /health answers 200), held until released. Concurrent requests are one HTTP request per thread, all at once,
 into `--parallel` slots with continuous batching. `--threads` is both its decode and
 batch thread count; the process inherits the parent's CPU affinity.
 
@@ -28,6 +28,8 @@ import json
 import struct
 import sys
 import threading
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -89,6 +91,22 @@ def start_server(args: argparse.Namespace):
     return xlc.Server(params)
 
 
+def wait_until_healthy(base_url: str, timeout: float = 600.0) -> None:
+    """Until llama-server's /health answers 200 (503 while it loads); RuntimeError after
+    `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=10) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError):
+            pass  # not listening yet, or 503 while loading
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"llama-server at {base_url} not healthy after {timeout:.0f} s")
+        time.sleep(0.01)
+
+
 def completion_client(base_url: str):
     """`generate(prompts, max_tokens)` over llama.cpp's native /completion, one request
     per prompt, all in flight at once."""
@@ -126,12 +144,16 @@ def main() -> None:
     if args.mode == "quantize":
         quantize_stream()
         return
+    start = time.perf_counter()
     server = start_server(args)
     base_url = server.listening_address.rstrip("/")
     if not base_url.startswith("http"):
         base_url = "http://" + base_url
+    wait_until_healthy(base_url)
+    ready_s = time.perf_counter() - start
     generate = completion_client(base_url)
-    serve_held(lambda workload, hold: hold(measure_decode(generate, workload)))  # the server lives on: held
+    # the server lives on: held
+    serve_held(lambda workload, hold: hold({**measure_decode(generate, workload), "ready_s": ready_s}))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@ same workload (bench_held.measure_decode): batch-1 decode of a 128-token prompt 
 128 new tokens, greedy, EOS ignored, and 16 such requests at once; then, still holding
 the model and its KV cache, its resident memory is read from /proc (VmRSS, RssAnon,
 RssFile; ours: the process of every rank, the engine's own at TP=1; llama.cpp: its
-process, whose RssFile counts the mmapped file).
+process, whose RssFile counts the mmapped file). Time to ready: from each side's
+constructor call (our EngineCore, its KV cache committed; llama.cpp's server) until it
+would take a request (llama.cpp: /health answers 200, its warm-up run done), its
+package's import left out.
 
 Ours: `EngineCore(model=<file.gguf>, device="cpu", dtype=--dtype)` (load_format gguf
 from the suffix), prefix caching off, a KV cache of llama.cpp's size. llama.cpp: its
@@ -43,6 +46,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -84,15 +88,17 @@ def child_ours(model: str, dtype: str, kv_bytes: int, concurrency: int, workload
     from engine import SamplingParams
     from engine.core import EngineCore
 
+    start = time.perf_counter()
     with EngineCore(model=model, device="cpu", dtype=dtype, kv_cache_memory_bytes=kv_bytes, max_num_seqs=concurrency,
                     enable_prefix_caching=False, use_tqdm_on_load=False) as core:
         core.collective_rpc("wait_kv_cache_committed")  # committed in the background; settle it before the clock
+        ready_s = time.perf_counter() - start
 
         def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
             params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
             return [list(o.outputs[0].token_ids) for o in core.generate(prompts, params)]
 
-        result = measure_decode(generate, workload)
+        result = {**measure_decode(generate, workload), "ready_s": ready_s}
         # The ranks' processes (mp), or this one (uni at TP=1): where the weights live.
         processes = getattr(core.model_executor, "processes", None)
         result["rank_pids"] = [p.pid for p in processes] if processes else [os.getpid()]
@@ -159,17 +165,19 @@ def report(cells: dict, sides: list[str], concurrency: int) -> None:
     """The table with ratios, then each target met or not (issue 37's)."""
     both = "llama.cpp" in sides
     print(f"\n| file | size GiB | batch-1 decode tok/s, llama.cpp / ours | ours / roofline | {concurrency} concurrent "
-          "tok/s, llama.cpp / ours | resident GiB (anon), llama.cpp / ours | ours / file |")
-    print("|---|---|---|---|---|---|---|")
+          "tok/s, llama.cpp / ours | resident GiB (anon), llama.cpp / ours | ours / file | time to ready s, "
+          "llama.cpp / ours |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, c in cells.items():
         best, mem = c["best"], c["memory"]
         rates = {key: side_pair({s: f"{best[s][key]:.1f}" for s in sides},
                                 best["ours"][key] / best["llama.cpp"][key] if both else None)
                  for key in ("batch1_decode_tok_s", "concurrent_tok_s")}
         resident = side_pair({s: f"{fmt_gib(mem[s]['rss'])} ({fmt_gib(mem[s]['anon'])})" for s in sides}, None)
+        ready = side_pair({s: f"{c['ready_s'][s]:.2f}" for s in sides}, None)
         print(f"| {name} | {fmt_gib(c['file_bytes'])} | {rates['batch1_decode_tok_s']} | "
               f"{best['ours']['batch1_decode_tok_s'] / c['roofline_tok_s']:.0%} of {c['roofline_tok_s']:.1f} | "
-              f"{rates['concurrent_tok_s']} | {resident} | {mem['ours']['rss'] / c['file_bytes']:.2f}x |")
+              f"{rates['concurrent_tok_s']} | {resident} | {mem['ours']['rss'] / c['file_bytes']:.2f}x | {ready} |")
     print("\nTargets (issue 37):")
     for name, c in cells.items():
         ours = c["best"]["ours"]
@@ -230,7 +238,7 @@ def main() -> None:
         mean_context = prompt_len + max_tokens / 2
         step_bytes = bytes_read_per_token(path) + mean_context * spec.kv_bytes_per_position()
         cell = cells[name] = {"file_bytes": path.stat().st_size, "roofline_tok_s": gb_s * 1e9 / step_bytes,
-                              "best": {}, "memory": {}, "tokens": {}}
+                              "best": {}, "memory": {}, "tokens": {}, "ready_s": {}}
         print(f"{name}: {path.stat().st_size / GiB:.2f} GiB; streaming read {gb_s:.1f} GB/s; "
               f"{step_bytes / 1e9:.3f} GB a decode step -> roofline {cell['roofline_tok_s']:.1f} tok/s", flush=True)
         for rep in range(args.repeats):
@@ -239,10 +247,12 @@ def main() -> None:
                 print(f"  run {rep + 1}: {side:9s} batch-1 decode {result['batch1_decode_tok_s']:7.1f} tok/s "
                       f"(prefill {result['prefill_s'] * 1e3:.0f} ms), {args.concurrency} concurrent "
                       f"{result['concurrent_tok_s']:7.1f} tok/s; resident {fmt_gib(memory['rss'])} GiB "
-                      f"(anon {fmt_gib(memory['anon'])}, file {fmt_gib(memory['file'])})", flush=True)
+                      f"(anon {fmt_gib(memory['anon'])}, file {fmt_gib(memory['file'])}); "
+                      f"ready in {result['ready_s']:.2f} s", flush=True)
                 best = cell["best"].setdefault(side, {"batch1_decode_tok_s": 0.0, "concurrent_tok_s": 0.0})
                 for key in best:
                     best[key] = max(best[key], result[key])
+                cell["ready_s"][side] = min(cell["ready_s"].get(side, float("inf")), result["ready_s"])
                 cell["memory"][side] = memory  # the last run's: it differs little between runs
                 cell["tokens"][side] = result["batch1_tokens"]
         if len(sides) > 1:

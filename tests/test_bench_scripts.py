@@ -140,6 +140,7 @@ def test_our_side_runs_held_and_reports_its_memory(tmp_path: Path) -> None:
     workload = make_workload(spec.vocab_size, 16, 4, 2)
     result, memory = run_side("ours", args, path, 2048 * spec.kv_bytes_per_position(), 256, workload)
     assert len(result["batch1_tokens"]) == 4 and result["concurrent_tok_s"] > 0
+    assert 0 < result["ready_s"] < 600
     # The engine (uni at TP=1) was still up when its memory was read: torch and the model.
     assert memory["anon"] > 100 << 20 and memory["rss"] >= memory["anon"]
 

@@ -31,13 +31,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.arg_utils import create_engine_config
-from model_loader import UnsupportedArchitectureError, get_model
+from model_loader import UnsupportedArchitectureError, WeightLoadError, get_model
 from model_loader.gguf_utils import (
     GGUFError,
     dequantize_q4_0,
     dequantize_q8_0,
     find_gguf_file,
     gguf_hf_config,
+    open_gguf,
 )
 from tests.conftest import run_tp, tiny_llama_with_tokenizer
 from tests.gguf_kquants import quantize as quantize_blocks
@@ -475,6 +476,34 @@ def test_tokenizer_from_gguf_matches_tokenizer_json(gguf_with_tokenizer, llama_w
     for model in (gguf_with_tokenizer, gguf_with_tokenizer.parent):
         fallback = load_tokenizer(model, "gguf")
         assert fallback is not None and fallback.encode(TOKENIZER_TEXTS[0]) == ref.encode(TOKENIZER_TEXTS[0]).ids
+
+
+def test_open_gguf_reads_what_gguf_py_reads(gguf_with_tokenizer):
+    """open_gguf's reader (gguf-py's, over a plain view of its mapping) parses every field
+    and tensor as gguf-py's own reader does; its tensors are views of the file's mapping,
+    writable only copy-on-write, and outlive the reader."""
+    ref = gguf.GGUFReader(gguf_with_tokenizer, "r")
+    reader = open_gguf(gguf_with_tokenizer, "r")
+    assert type(reader.data) is np.ndarray and isinstance(reader.data.base, np.memmap)
+    assert list(reader.fields) == list(ref.fields)
+    assert len(ref.fields["tokenizer.ggml.tokens"].data) > 100
+    for name, field in ref.fields.items():
+        mine = reader.fields[name]
+        assert (mine.types, mine.offset, mine.data) == (field.types, field.offset, field.data), name
+        assert [bytes(part) for part in mine.parts] == [bytes(part) for part in field.parts], name
+    assert [(t.name, t.tensor_type, t.data_offset) for t in reader.tensors] == \
+        [(t.name, t.tensor_type, t.data_offset) for t in ref.tensors]
+    for mine, theirs in zip(reader.tensors, ref.tensors):
+        assert np.array_equal(mine.data, theirs.data), mine.name
+    assert not reader.tensors[0].data.flags.writeable
+    cow = open_gguf(gguf_with_tokenizer)  # copy-on-write: writable, and the file unchanged
+    data = cow.tensors[0].data
+    expected = np.array(data)
+    del cow, reader
+    data[...] = 0
+    assert np.array_equal(gguf.GGUFReader(gguf_with_tokenizer, "r").tensors[0].data, expected)
+    with pytest.raises(WeightLoadError, match="is not a readable GGUF file"):
+        open_gguf(gguf_with_tokenizer.parent / "missing.gguf")
 
 
 def test_tokenizer_from_gguf_absent_or_unsupported(gguf_files, llama_with_tokenizer, tmp_path, caplog):
