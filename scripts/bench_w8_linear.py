@@ -6,7 +6,8 @@ layers are) are cycled through, so every call streams its weight from memory, as
 decode step does. Variants run interleaved and each keeps its best round, which damps
 (but does not remove) noise from other processes on the machine: run it alone.
 
-  int8_linear   W8A8 int8: per-token activation quantisation + torch._int_mm + scales
+  int8_linear   W8A8 int8: per-token activation quantisation + the int8 GEMM (int8_gemm.py:
+                torch._int_mm, or ours for few tokens on VNNI and on AVX2 CPUs) + scales
   fp8 channel   fp8 weights, per-channel scales (fp8_kernels.fp8_linear)
   fp8 block     fp8 weights, 128x128 block scales
   bf16          F.linear on a bfloat16 weight of the same shape

@@ -190,19 +190,36 @@ def test_cpu_int8_passes_give_the_torch_expressions_bits(dtype, out_dtype):
 
 
 
-def test_avx2_int8_gemm_sums_exactly(monkeypatch):
-    """int8_cpu.c's AVX2 GEMM, the CPU GEMM where torch._int_mm has no int8 kernel (no
-    VNNI or AMX): exact int32 sums at the codes' extremes, with k tails, rows and tokens
-    past the register blocks, and token counts that take several chunks (16 tokens a
-    chunk at k = 4096)."""
+def _int8_gemm_build(isa: str, tmp_path, monkeypatch):
+    """int8_cpu.c as this machine builds it ("native") or for Haswell ("avx2": the AVX2
+    GEMM, which AVX-512 builds leave out); skips where that GEMM cannot run here."""
+    from distributed.native_build import cpu_flags, load_kernel
     from models.layers.quantization import int8_gemm
 
-    kernel = int8_gemm.load()
-    if kernel is None or not kernel.has_gemm:
-        pytest.skip("no AVX2: int8_cpu.c has no GEMM in this build")
+    if isa == "native":
+        kernel = int8_gemm.load()
+        if kernel is None or not kernel.has_gemm:
+            pytest.skip("no AVX2: int8_cpu.c has no GEMM in this build")
+        return kernel
+    if "avx2" not in cpu_flags().split():
+        pytest.skip("no AVX2 on this CPU")
+    monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
+    flags = tuple("-march=haswell" if f == "-march=native" else f for f in int8_gemm.COMPILE_FLAGS)
+    kernel = load_kernel(int8_gemm.SOURCES, flags, int8_gemm.LINK_FLAGS, ("-lm",), int8_gemm.Int8Kernel, "%s")
+    assert kernel is not None and kernel.has_gemm and not kernel.gemm_vnni
+    return kernel
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_int8_gemm_sums_exactly(isa, tmp_path, monkeypatch):
+    """int8_cpu.c's GEMM (AVX-512 VNNI where the CPU has it, else AVX2; and the AVX2 one
+    built for Haswell): exact int32 sums at the codes' extremes, with k tails, rows and
+    tokens past the register tiles, and token counts that take several chunks (AVX2: 16
+    tokens a chunk at k = 4096)."""
+    kernel = _int8_gemm_build(isa, tmp_path, monkeypatch)
     gen = torch.Generator().manual_seed(13)
     for m, n, k in [(0, 3, 16), (2, 3, 0), (1, 1, 1), (2, 4, 16), (3, 5, 17), (7, 9, 130), (37, 6, 4096),
-                    (40, 13, 1000)]:
+                    (40, 13, 1000), (5, 8, 64), (6, 11, 191)]:
         x = torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8)
         w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
         if m and k:
@@ -217,20 +234,38 @@ def test_avx2_int8_gemm_sums_exactly(monkeypatch):
             want = (wide_x.long() @ wide_w.long().t()).to(torch.int32)
             assert not wide_w.is_contiguous() and torch.equal(kernel.gemm(wide_x, wide_w), want), (m, n, k)
 
-    # int8_linear takes it exactly where torch._int_mm has no int8 kernel
+
+def test_int8_linear_chooses_its_gemm(monkeypatch):
+    """int8_linear takes int8_cpu.c's GEMM where torch._int_mm has no int8 kernel, and on
+    AVX-512 VNNI builds for VNNI_GEMM_TOKENS tokens (where oneDNN's slows down); else
+    torch._int_mm. Either way the same values."""
+    from distributed.native_build import cpu_flags
+    from models.layers.quantization import int8_gemm
+
+    kernel = int8_gemm.load()
+    if kernel is None or not kernel.has_gemm:
+        pytest.skip("no AVX2: int8_cpu.c has no GEMM in this build")
+    gen = torch.Generator().manual_seed(14)
+    w, w_scale = torch.randint(-128, 128, (8, 64), generator=gen, dtype=torch.int8), torch.rand(8, 1) + 0.1
+    real_int_mm = torch._int_mm
+
     def refuse(*args):
         raise AssertionError("torch._int_mm called")
 
-    xq, x_scale = quantize_per_token(torch.randn(5, 64, generator=gen))
-    w, w_scale = torch.randint(-128, 128, (8, 64), generator=gen, dtype=torch.int8), torch.rand(8, 1) + 0.1
-    want = gemm_reference(xq, x_scale, w, w_scale, None)
-    monkeypatch.setattr(torch, "_int_mm", refuse)
-    monkeypatch.setattr(int8_gemm, "torch_int_mm_has_int8_kernel", lambda: False)
-    torch.testing.assert_close(int8_linear(xq, x_scale, w, w_scale, None, torch.float32).double(), want,
-                               atol=1e-5 * float(want.abs().max()), rtol=1e-6)
-    monkeypatch.setattr(int8_gemm, "torch_int_mm_has_int8_kernel", lambda: True)
-    with pytest.raises(AssertionError, match="torch._int_mm called"):
-        int8_linear(xq, x_scale, w, w_scale, None, torch.float32)
+    for m in (1, 2, 5, 32, 33):
+        xq, x_scale = quantize_per_token(torch.randn(m, 64, generator=gen))
+        want = gemm_reference(xq, x_scale, w, w_scale, None)
+        for has_int8_kernel in (False, True):
+            ours = not has_int8_kernel or (kernel.gemm_vnni and m in int8_gemm.VNNI_GEMM_TOKENS)
+            monkeypatch.setattr(int8_gemm, "torch_int_mm_has_int8_kernel", lambda v=has_int8_kernel: v)
+            monkeypatch.setattr(torch, "_int_mm", refuse if ours else real_int_mm)
+            got = int8_linear(xq, x_scale, w, w_scale, None, torch.float32).double()
+            torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-6)
+            if not ours:
+                monkeypatch.setattr(torch, "_int_mm", refuse)
+                with pytest.raises(AssertionError, match="torch._int_mm called"):
+                    int8_linear(xq, x_scale, w, w_scale, None, torch.float32)
+    assert kernel.gemm_vnni == ("avx512_vnni" in cpu_flags().split())
 
 
 def test_portable_int8_passes_give_the_same_bits(tmp_path, monkeypatch):

@@ -4,11 +4,16 @@
 per call, nothing stored). `int8_linear(xq, x_scale, weight, weight_scale, bias,
 out_dtype)` computes `(xq @ weight.T) * x_scale * weight_scale (+ bias)` with exact
 int32 sums through `torch._int_mm`, which on x86 CPUs with VNNI or AMX is oneDNN's int8
-GEMM and on CUDA cuBLASLt's. A C kernel of our own with VNNI `vpdpbusd` (4x4 register
-tiles) was measured against it on a Zen 5 CPU and lost (batch 1 from a 4096x4096 weight
-streamed from memory: 1.0 ms against 0.8 ms on one thread), so there is none for VNNI.
-Without VNNI or AMX, torch._int_mm is a reference loop (0.6 GOP/s); there the GEMM is
-int8_cpu.c's AVX2 one (16-bit products in vpmaddwd, the same exact sums).
+GEMM and on CUDA cuBLASLt's, or through int8_cpu.c's own GEMM (the same exact sums):
+- on AVX-512 VNNI CPUs for 2-32 tokens (`VNNI_GEMM_TOKENS`), where oneDNN's, reading the
+  checkpoint's [N, K] weight as the transposed operand, slows down: a 8192x1024 weight
+  (in cache, 2 threads, 2026-12-06, the Zen 4 VM) took 67 us at 1 token and 367 at 2,
+  and a 1024x4096 one 42 and 729 us; int8_cpu.c's (vpdpbusd on 4x4 register tiles)
+  takes 84 and 50 us at 2 tokens, 2-15x less up to 24 tokens, and ties at 32 except
+  where K is large (0.43x the time at K = 4096). At 1 token oneDNN's GEMV and ours tie
+  (0.83-1.12x), and past 32 tokens its blocked GEMM gains;
+- without VNNI or AMX, where torch._int_mm is a reference loop (0.6 GOP/s): int8_cpu.c's
+  AVX2 GEMM (16-bit products in vpmaddwd).
 
 The steps around it are one C pass each on the CPU (`kernels/int8_cpu.c`), for float32
 and bfloat16 activations: the torch expressions took six and four passes, and their
@@ -35,6 +40,8 @@ from distributed.native_calls import NativeLibrary
 INT8_MAX = 127.0
 _MIN_SCALE = 1e-12  # an all-zero row gets this scale: its values stay exactly 0
 _CUDA_INT_MM_MIN_ROWS = 16  # cuBLASLt's int8 GEMM wants more rows than this
+#: Token counts whose products take int8_cpu.c's VNNI GEMM over oneDNN's (module docstring).
+VNNI_GEMM_TOKENS = range(2, 33)
 
 SOURCE = Path(__file__).with_name("kernels") / "int8_cpu.c"
 SOURCES = (SOURCE, BF16_CONVERT_H)  # a change to the header rebuilds
@@ -56,13 +63,15 @@ class Int8Kernel:
         self._gemm = lib.int8_gemm_s32
         self._gemm.restype = i32
         self._gemm.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, i32]
-        # Whether the build has the AVX2 int8 GEMM (`gemm`)
-        self.has_gemm = bool(lib.int8_has_gemm())
+        # Whether the build has the int8 GEMM (`gemm`), and whether it is the AVX-512 VNNI one
+        isa = lib.int8_has_gemm()
+        self.has_gemm = isa > 0
+        self.gemm_vnni = isa == 2
 
     def gemm(self, xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """xq [M, K] @ weight [N, K]^T as int32 [M, N], exact; both int8 with unit stride
-        along K (rows at any stride: a shard's view). MemoryError if its scratch (a chunk
-        of xq widened to 16 bits) cannot be allocated."""
+        along K (rows at any stride: a shard's view). MemoryError if its scratch (AVX2: a
+        chunk of xq widened to 16 bits; VNNI: xq's row sums) cannot be allocated."""
         m, k = xq.shape
         acc = torch.empty(m, weight.shape[0], dtype=torch.int32)
         if self._gemm(xq.data_ptr(), xq.stride(0), m, weight.data_ptr(), weight.stride(0), weight.shape[0], k,
@@ -130,8 +139,8 @@ def int8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w
     `out_dtype`, the integer sums exact and the scaling in float32."""
     m = xq.shape[0]
     kernel = _c_kernel(xq, weight)
-    if (kernel is not None and kernel.has_gemm and not torch_int_mm_has_int8_kernel() and xq.stride(-1) == 1
-            and weight.stride(-1) == 1):
+    if (kernel is not None and kernel.has_gemm and xq.stride(-1) == 1 and weight.stride(-1) == 1
+            and ((kernel.gemm_vnni and m in VNNI_GEMM_TOKENS) or not torch_int_mm_has_int8_kernel())):
         acc = kernel.gemm(xq, weight)
     else:
         if xq.is_cuda and m <= _CUDA_INT_MM_MIN_ROWS:  # decode batches: pad with zero rows

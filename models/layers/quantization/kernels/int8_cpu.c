@@ -1,9 +1,10 @@
 /* W8A8's per-token steps around the int8 GEMM, each one pass over its rows: the
  * activations' dynamic per-token quantisation, and the int32 sums scaled into the
- * output; and, on AVX2 CPUs, the GEMM itself (int8_gemm_s32, exact int32 sums) for
- * where torch's has no int8 kernel. The contract (dtypes, strides, who calls) is in
- * int8_gemm.py, which compiles this file and is its only caller. Both compute what the torch expressions there
- * compute, operation for operation (a division, not a multiplication by the inverse;
+ * output; and the GEMM itself (int8_gemm_s32, exact int32 sums) on AVX2 CPUs, where
+ * torch's has no int8 kernel, and on AVX-512 VNNI ones for the few-token products. The
+ * contract (dtypes, strides, who calls) is in int8_gemm.py, which compiles this file and
+ * is its only caller. The two passes compute what the torch expressions there compute,
+ * operation for operation (a division, not a multiplication by the inverse;
  * products in the same order, never fused: -ffp-contract=off), so the results are the
  * same bits; the rounding is nearbyintf's under the default mode (half to even, as
  * torch.round), and bfloat16 outputs round to nearest even, as torch converts. */
@@ -151,13 +152,104 @@ static inline __attribute__((always_inline)) void gemm_block(const int rb, const
         }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define INT8_GEMM_VNNI 1
+#define VNNI_ROWS 4   /* weight rows per register tile */
+#define VNNI_TOKENS 4 /* tokens per register tile: 16 accumulators and 8 operands */
+
+static inline __m512 as_ps(__m512i v) { return _mm512_castsi512_ps(v); }
+static inline __m512i add_ps_bits(__m512 a, __m512 b) {
+    return _mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b));
+}
+
+/* The 16 int32 totals of a[r][t] (r, t < 4) in one vector, lane 4t + r: four rounds of
+ * shuffle-and-add, each halving the registers (the shuffles move bits: float casts). */
+static inline __m512i sum_tile(__m512i a[VNNI_ROWS][VNNI_TOKENS]) {
+    __m512 b[8], c[4], d[2];
+    for (int j = 0; j < 8; j++) { /* 256-bit halves: tile 2j's in the low, 2j + 1's in the high */
+        const __m512 lo = as_ps(a[(2 * j) / 4][(2 * j) % 4]), hi = as_ps(a[(2 * j + 1) / 4][(2 * j + 1) % 4]);
+        b[j] = as_ps(add_ps_bits(_mm512_shuffle_f32x4(lo, hi, 0x44), _mm512_shuffle_f32x4(lo, hi, 0xEE)));
+    }
+    for (int j = 0; j < 4; j++) /* 128-bit lane q: tile 4j + q */
+        c[j] = as_ps(add_ps_bits(_mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0x88),
+                                 _mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0xDD)));
+    for (int j = 0; j < 2; j++)
+        d[j] = as_ps(add_ps_bits(_mm512_shuffle_ps(c[2 * j], c[2 * j + 1], 0x44),
+                                 _mm512_shuffle_ps(c[2 * j], c[2 * j + 1], 0xEE)));
+    return add_ps_bits(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+
+/* acc for rows j0 .. j0 + rb - 1 and tokens t0 .. t0 + tb - 1 (rb, tb <= 4): 64 values of
+ * k a step, each weight vector made unsigned for vpdpbusd (w + 128: its sign bits
+ * flipped) and met by every token's int8 vector, then 128 * sum(x) (xsum) taken off. The
+ * k % 64 tail is read through a mask (zeros on both sides). Inlined with constant rb and
+ * tb, so that the sums are registers. */
+static inline __attribute__((always_inline)) void vnni_block(const int rb, const int tb, const int8_t *x, int64_t ldx,
+                                                              const int32_t *xsum, const int8_t *w, int64_t ldw,
+                                                              int64_t k, int64_t j0, int64_t t0, int32_t *acc,
+                                                              int64_t lda) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i a[VNNI_ROWS][VNNI_TOKENS];
+    for (int r = 0; r < VNNI_ROWS; ++r)
+        for (int t = 0; t < VNNI_TOKENS; ++t) a[r][t] = _mm512_setzero_si512();
+    for (int64_t kk = 0; kk < k; kk += 64) {
+        const __mmask64 mask = k - kk >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (k - kk)) - 1);
+        __m512i xv[VNNI_TOKENS], wv[VNNI_ROWS];
+        for (int t = 0; t < tb; ++t) xv[t] = _mm512_maskz_loadu_epi8(mask, x + (t0 + t) * ldx + kk);
+        for (int r = 0; r < rb; ++r)
+            wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + (j0 + r) * ldw + kk), flip);
+        for (int r = 0; r < rb; ++r)
+            for (int t = 0; t < tb; ++t) a[r][t] = _mm512_dpbusd_epi32(a[r][t], wv[r], xv[t]);
+    }
+    int32_t out[VNNI_ROWS * VNNI_TOKENS];
+    _mm512_storeu_si512(out, sum_tile(a));
+    for (int t = 0; t < tb; ++t)
+        for (int r = 0; r < rb; ++r) acc[(t0 + t) * lda + j0 + r] = out[4 * t + r] - 128 * xsum[t0 + t];
+}
+
+/* int8_gemm_s32 with AVX-512 VNNI: each thread a contiguous range of 4-row tiles, each
+ * met by every 4-token group while its rows are in L1; the weight streamed once. Returns
+ * 0, or 1 when the token sums cannot be allocated. */
+static int gemm_s32_vnni(const int8_t *x, int64_t ldx, int64_t m, const int8_t *w, int64_t ldw, int64_t n, int64_t k,
+                         int32_t *acc, int64_t lda, int num_threads) {
+    int32_t *xsum = malloc((size_t)m * sizeof(int32_t));
+    if (!xsum) return 1;
+    for (int64_t t = 0; t < m; ++t) {
+        int32_t s = 0;
+        for (int64_t kk = 0; kk < k; ++kk) s += x[t * ldx + kk];
+        xsum[t] = s;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t j0 = 0; j0 < n; j0 += VNNI_ROWS) {
+        const int rb = n - j0 < VNNI_ROWS ? (int)(n - j0) : VNNI_ROWS;
+        for (int64_t t0 = 0; t0 < m; t0 += VNNI_TOKENS) {
+            const int tb = m - t0 < VNNI_TOKENS ? (int)(m - t0) : VNNI_TOKENS;
+            if (rb < VNNI_ROWS) /* the last tile */
+                vnni_block(rb, tb, x, ldx, xsum, w, ldw, k, j0, t0, acc, lda);
+            else if (tb == 4)
+                vnni_block(VNNI_ROWS, 4, x, ldx, xsum, w, ldw, k, j0, t0, acc, lda);
+            else if (tb == 3)
+                vnni_block(VNNI_ROWS, 3, x, ldx, xsum, w, ldw, k, j0, t0, acc, lda);
+            else if (tb == 2)
+                vnni_block(VNNI_ROWS, 2, x, ldx, xsum, w, ldw, k, j0, t0, acc, lda);
+            else
+                vnni_block(VNNI_ROWS, 1, x, ldx, xsum, w, ldw, k, j0, t0, acc, lda);
+        }
+    }
+    free(xsum);
+    return 0;
+}
+#endif
+
 /* acc [m, n] int32 (row stride lda) = x [m, k] (rows ldx apart) times w [n, k]^T (rows ldw
  * apart; both unit stride along k: a shard's view is read in place), exact (|sum| <= k *
  * 128 * 128 < 2^31 for k < 2^17): int8_gemm.py's GEMM on CPUs whose
- * torch._int_mm has no int8 kernel (AVX2 without VNNI, where it ran at 0.6 GOP/s). The
- * activations are widened to 16 bits once, a chunk of tokens at a time (GEMM_CHUNK_BYTES,
- * so that a chunk stays in L2 while every weight row passes it); the weight is read as
- * stored. Returns 0, or 1 when the widened chunk could not be allocated. */
+ * torch._int_mm has no int8 kernel (AVX2 without VNNI, where it ran at 0.6 GOP/s), and
+ * on AVX-512 VNNI CPUs for the few-token products where oneDNN's slows down (there
+ * gemm_s32_vnni computes it). On AVX2, the activations are widened to 16 bits once, a
+ * chunk of tokens at a time (GEMM_CHUNK_BYTES, so that a chunk stays in L2 while every
+ * weight row passes it); the weight is read as stored. Returns 0, or 1 when the scratch
+ * could not be allocated. */
 int int8_gemm_s32(const int8_t *x, int64_t ldx, int64_t m, const int8_t *w, int64_t ldw, int64_t n, int64_t k,
                   int32_t *acc, int64_t lda, int num_threads) {
     if (m <= 0 || n <= 0) return 0;
@@ -165,6 +257,9 @@ int int8_gemm_s32(const int8_t *x, int64_t ldx, int64_t m, const int8_t *w, int6
         for (int64_t t = 0; t < m; ++t) memset(acc + t * lda, 0, (size_t)n * sizeof(int32_t));
         return 0;
     }
+#ifdef INT8_GEMM_VNNI
+    return gemm_s32_vnni(x, ldx, m, w, ldw, n, k, acc, lda, num_threads);
+#endif
     const int64_t kp = (k + 15) & ~(int64_t)15;
     int64_t chunk = GEMM_CHUNK_BYTES / (2 * kp);
     chunk = chunk < GEMM_TOKENS ? GEMM_TOKENS : chunk - chunk % GEMM_TOKENS;
@@ -203,8 +298,12 @@ int int8_gemm_s32(const int8_t *x, int64_t ldx, int64_t m, const int8_t *w, int6
     return 0;
 }
 
-/* Whether this build has int8_gemm_s32: 1 or 0. */
+/* Whether this build has int8_gemm_s32: 2 with AVX-512 VNNI, 1 with AVX2 alone, or 0. */
+#ifdef INT8_GEMM_VNNI
+int int8_has_gemm(void) { return 2; }
+#else
 int int8_has_gemm(void) { return 1; }
+#endif
 #else
 int int8_gemm_s32(const int8_t *x, int64_t ldx, int64_t m, const int8_t *w, int64_t ldw, int64_t n, int64_t k,
                   int32_t *acc, int64_t lda, int num_threads) {
