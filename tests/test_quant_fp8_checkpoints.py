@@ -28,7 +28,7 @@ import torch
 
 from config import ConfigError
 from engine.arg_utils import create_engine_config
-from models.layers import cpu_sgemm
+from models.layers import cpu_bf16_gemm, cpu_sgemm
 from models.layers.cpu_gemm import widens_half_dtype
 from models.layers.quantization.fp8_kernels import dequant_rows_torch, fp8_linear
 from models.layers.quantization.fp8_kernels import load as load_fp8_kernel
@@ -228,21 +228,24 @@ def test_fp8_linear_matches_float64(shape, block, rows, monkeypatch):
 
 @pytest.mark.parametrize("switch", ["1", "0"], ids=["kernel-on", "TP_CPU_BF16_GEMM=0"])
 def test_fp8_tiles_in_16_bits_take_the_product_a_dense_layer_takes(monkeypatch, switch):
-    """bf16 tiles (batches past the GEMV) go through our AVX2 kernel where a bf16 dense
-    layer does (a CPU whose oneDNN has no bf16 GEMM: torch's product converts each tile on
-    every call there), one call per tile; F.linear elsewhere, and wherever
-    `TP_CPU_BF16_GEMM=0` turns the dense layers' kernel off. The products as above."""
+    """bf16 tiles (batches past the GEMV) go through our kernel where a bf16 dense layer
+    does, one call per tile: the AVX2 one on a CPU whose oneDNN has no bf16 GEMM (torch's
+    product converts each tile on every call there), cpu_bf16_gemm on AVX-512 BF16 CPUs
+    (oneDNN's reorders each tile); F.linear elsewhere, and wherever `TP_CPU_BF16_GEMM=0`
+    turns the dense layers' kernel off. The products as above."""
     monkeypatch.setenv("TP_CPU_BF16_GEMM", switch)
     gen = torch.Generator().manual_seed(4)
     q, scale = quantize_fp8_blocks(torch.randn(1000, 600, generator=gen), 128, 96)
     x = torch.randn(40, 600, generator=gen)
-    calls = []
-    real_half = cpu_sgemm.linear_half
+    calls, bf16_calls = [], []
+    real_half, real_bf16 = cpu_sgemm.linear_half, cpu_bf16_gemm.linear
     monkeypatch.setattr(cpu_sgemm, "linear_half", lambda a, w, *r: calls.append(w.shape[0]) or real_half(a, w, *r))
+    monkeypatch.setattr(cpu_bf16_gemm, "linear", lambda a, w, *r: bf16_calls.append(w.shape[0]) or real_bf16(a, w, *r))
     got = fp8_linear(x.bfloat16(), q, scale, 128, 96)
     assert sum(calls) == (1000 if widens_half_dtype(torch.bfloat16) else 0)
+    assert sum(bf16_calls) == (1000 if switch == "1" and cpu_bf16_gemm.load() is not None else 0)
     if switch == "0":
-        assert not calls
+        assert not calls and not bf16_calls
     ref = x.double() @ dequantize_fp8_blocks(q, scale, 128, 96).double().t()
     assert got.dtype == torch.bfloat16 and ((got.double() - ref).norm() / ref.norm()).item() < 1e-2
 

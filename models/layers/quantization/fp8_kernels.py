@@ -4,12 +4,14 @@
 where dequant(weight)[r, c] = weight[r, c] * scale[r // block_n, c // block_k]
 (per-channel scales: block_n = 1, block_k = in; 128x128 blocks: 128, 128). It never
 dequantises the whole weight. Up to `GEMV_MAX_ROWS` rows of x (decode; a MoE step's
-tokens per expert), the C kernel reads the fp8 bytes straight into its float32 dot
-products (x in float32, one pass over the weight). Larger batches dequantise rows a tile at a time (about
+tokens per expert; `GEMV_MAX_BF16_TILE_ROWS` for bfloat16 x on AVX-512 BF16 CPUs), the
+C kernel reads the fp8 bytes straight into its float32 dot products (x in float32, one
+pass over the weight). Larger batches dequantise rows a tile at a time (about
 `TILE_ELEMENTS` values) into a scratch buffer in x's dtype and write each tile's
-F.linear product into its columns of the output (on AVX2 CPUs, 16-bit tiles through
-`cpu_sgemm.linear_half`, as the dense layers there): each value rounded once, to x's
-dtype, so float32 activations see the exact products q * s.
+F.linear product into its columns of the output (16-bit tiles through our kernels where
+they beat oneDNN's: `cpu_sgemm.linear_half` on AVX2 CPUs, `cpu_bf16_gemm.linear` for
+bfloat16 on AVX-512 BF16 ones, as the dense layers there): each value rounded once, to
+x's dtype, so float32 activations see the exact products q * s.
 
 The GEMV and the tile dequantiser are fp8_kernels.c (compiled for this CPU on first use
 by distributed/native_build.py); where it cannot be built (or `TP_CPU_FP8_DEQUANT=0`),
@@ -26,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 
 from distributed.native_build import BF16_CONVERT_H, load_kernel
 from distributed.native_calls import NativeLibrary
-from models.layers import cpu_sgemm
+from models.layers import cpu_bf16_gemm, cpu_sgemm
 from models.layers.cpu_gemm import widens_half_dtype
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,10 @@ logger = logging.getLogger(__name__)
 # layer measured 9.9 ms at batch 32, 16 of 2^20 6.2 ms, the whole weight 5.9 ms).
 TILE_ELEMENTS = 1 << 20
 GEMV_MAX_ROWS = 16  # up to this many rows (decode batches, an expert's tokens) the C kernel reads the fp8 bytes
+#: ... but 8 for bfloat16 rows on AVX-512 BF16 CPUs, whose tiles go through cpu_bf16_gemm (`_tile_product`):
+#: a 4096x4096 weight in 128x128 blocks from memory, 2 threads (2026-12-06, the Zen 4 VM): 8 rows 3.8 ms
+#: in the GEMV and 3.6 in tiles, 16 rows 7.0 and 4.9.
+GEMV_MAX_BF16_TILE_ROWS = 8
 SOURCE = Path(__file__).with_name("fp8_kernels.c")
 # with a mixture of experts' decode step (fp8_moe.c, fp8_moe.py's); a change to a header rebuilds
 SOURCES = (SOURCE, SOURCE.with_name("fp8_moe.c"), SOURCE.parent.parent / "fused_moe" / "expert_pairs.h", BF16_CONVERT_H)
@@ -120,12 +127,24 @@ def dequant_rows_torch(weight: torch.Tensor, r0: int, r1: int, scale: torch.Tens
     return (weight[r0:r1].to(torch.float32) * s).to(dtype)
 
 
+def _bf16_tiles(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether bfloat16 tiles go through `cpu_bf16_gemm.linear`: an AVX-512 BF16 CPU where
+    it loads, and `TP_CPU_BF16_GEMM` not "0" (as for the dense layers)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and os.environ.get(cpu_bf16_gemm.SWITCH, "1") != "0"
+            and cpu_bf16_gemm.load() is not None)
+
+
 def _tile_product(dtype: torch.dtype, device: torch.device) -> Callable[..., torch.Tensor]:
     """F.linear, but for 16-bit tiles on a CPU whose oneDNN has no GEMM for their dtype
     (AVX2 CPUs) our AVX2 kernel that widens the tile as it reads it (`cpu_sgemm.
     linear_half`, the dense layers' product there): torch's converts the tile on every
     call. 32-512 tokens of a 2048x2048 or 5632x2048 fp8 weight in bf16, whole calls
-    (2026-12-06, the Zen 3 VM, 2 threads): 15-21 GFLOP/s with torch's, 47-156 with ours."""
+    (2026-12-06, the Zen 3 VM, 2 threads): 15-21 GFLOP/s with torch's, 47-156 with ours.
+    On AVX-512 BF16 CPUs, bf16 tiles go through `cpu_bf16_gemm.linear` (up to its
+    MAX_ROWS rows), which reads a tile as it is where oneDNN's GEMM reorders it on every
+    call: 4096x4096 in tiles, 16 rows 5.0 -> 4.9 ms, 32 rows 6.2 -> 5.6 (the Zen 4 VM)."""
+    if _bf16_tiles(dtype, device):
+        return cpu_bf16_gemm.linear
     return cpu_sgemm.linear_half if device.type == "cpu" and widens_half_dtype(dtype) else F.linear
 
 
@@ -144,7 +163,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         return out.reshape(*x.shape[:-1], out_features)
     kernel = load() if (weight.device.type == "cpu" and dtype in _OUT_DTYPES and weight.stride(1) == 1
                         and scale.is_contiguous() and scale.dtype == torch.float32) else None
-    if kernel is not None and x2.shape[0] <= GEMV_MAX_ROWS:
+    gemv_rows = GEMV_MAX_BF16_TILE_ROWS if _bf16_tiles(dtype, x.device) else GEMV_MAX_ROWS
+    if kernel is not None and x2.shape[0] <= gemv_rows:
         x32 = x2.to(torch.float32)
         out = kernel.gemv(x32 if x32.stride(1) == 1 else x32.contiguous(), weight, scale, block_n, block_k, dtype)
         if bias is not None:
