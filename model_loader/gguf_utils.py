@@ -102,9 +102,8 @@ def find_gguf_file(model: str | Path) -> Path:
 
 def open_gguf(path: str | os.PathLike[str], mode: str = "c") -> Any:
     """A GGUFReader over a memory mapping of `path`: copy-on-write by default (writable
-    views, nothing copied unless written), or read-only (`mode="r"`).
-
-    Raises `WeightLoadError` without the `gguf` package or for a file it cannot parse."""
+    views, nothing copied unless written), or read-only (`mode="r"`). Raises
+    `WeightLoadError` without the `gguf` package or for a file it cannot parse."""
     try:
         reader_class = _reader_class()
     except ImportError:
