@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "../../distributed/bf16_convert.h"
+#include "tile_sum.h"
 
 #define BF16_TILE_ROWS 4
 #define BF16_TILE_TOKENS 4
@@ -26,22 +27,8 @@ static inline __m512 bf16_dot(__m512 acc, __m512i a, __m512i b) {
 }
 
 /* The 16 sums of acc[r][t] (r, t < 4), summed across: one register whose lane 4t + r is
- * acc[r][t]'s total, which is the tile's output laid out token by token. Four rounds of
- * shuffle-and-add, each halving the registers, in place of 16 separate reductions. */
-static inline __m512 bf16_reduce_tile(__m512 acc[BF16_TILE_ROWS][BF16_TILE_TOKENS]) {
-    __m512 b[8], c[4], d[2];
-    for (int j = 0; j < 8; j++) { /* halves: lanes 0-7 of acc 2j, 8-15 of acc 2j+1 */
-        __m512 lo = acc[(2 * j) / 4][(2 * j) % 4], hi = acc[(2 * j + 1) / 4][(2 * j + 1) % 4];
-        b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x44), _mm512_shuffle_f32x4(lo, hi, 0xEE));
-    }
-    for (int j = 0; j < 4; j++) /* quarters: 128-bit lane q holds acc 4j + q */
-        c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0xDD));
-    for (int j = 0; j < 2; j++) /* pairs within each 128-bit lane */
-        d[j] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * j], c[2 * j + 1], 0x44),
-                             _mm512_shuffle_ps(c[2 * j], c[2 * j + 1], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
-}
+ * acc[r][t]'s total, which is the tile's output laid out token by token (tile_sum.h). */
+static inline __m512 bf16_reduce_tile(__m512 acc[BF16_TILE_ROWS][BF16_TILE_TOKENS]) { return tile_sum16(acc, 0); }
 
 /* The R x T dot products of rows w[0..R) (stride ldw) with tokens x[0..T) (stride ldx),
  * lane 4t + r of the result (the other lanes 0). R and T are constants where it is

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from distributed.native_build import BF16_CONVERT_H, load_kernel
+from distributed.native_build import BF16_CONVERT_H, FP16_CONVERT_H, load_kernel
 from distributed.native_calls import NativeLibrary
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
-SOURCES = (SOURCE, BF16_CONVERT_H)  # a change to the header rebuilds
+SOURCES = (SOURCE, BF16_CONVERT_H, FP16_CONVERT_H)  # a change to a header rebuilds
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)

@@ -33,7 +33,7 @@ from models.layers.cpu_bf16_gemm import cpu_has_avx512_bf16
 from models.layers.cpu_sgemm import cpu_has_avx2
 
 SOURCES = (Path(__file__).with_name("cpu_moe.c"), Path(__file__).parent.parent / "bf16_tile.h",
-           Path(__file__).parent.parent / "half_dot.h", BF16_CONVERT_H)
+           Path(__file__).parent.parent / "tile_sum.h", Path(__file__).parent.parent / "half_dot.h", BF16_CONVERT_H)
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)

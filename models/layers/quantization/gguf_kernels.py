@@ -103,7 +103,7 @@ SOURCE = Path(__file__).with_name("gguf_kernels.c")
 SOURCES = (SOURCE, SOURCE.with_name("gguf_vnni.c"), SOURCE.with_name("gguf_avx2.c"),
            SOURCE.with_name("gguf_quantize_x.h"), SOURCE.parent.parent / "fused_moe" / "expert_pairs.h",
            SOURCE.with_name("gguf_vnni_tiles.c"), SOURCE.with_name("gguf_avx2_tiles.c"),
-           SOURCE.with_name("gguf_avx2_unpack.h"),
+           SOURCE.with_name("gguf_avx2_unpack.h"), SOURCE.parent.parent / "tile_sum.h",
            SOURCE.with_name("gguf_bf16.c"), SOURCE.with_name("gguf_moe.c"), SOURCE.with_name("gguf_blocks.h"),
            SOURCE.parent.parent / "bf16_tile.h", SOURCE.parent.parent / "avx2_transpose.h", BF16_CONVERT_H,
            FP16_CONVERT_H)

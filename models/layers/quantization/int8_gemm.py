@@ -44,7 +44,7 @@ _CUDA_INT_MM_MIN_ROWS = 16  # cuBLASLt's int8 GEMM wants more rows than this
 VNNI_GEMM_TOKENS = range(2, 33)
 
 SOURCE = Path(__file__).with_name("kernels") / "int8_cpu.c"
-SOURCES = (SOURCE, BF16_CONVERT_H)  # a change to the header rebuilds
+SOURCES = (SOURCE, SOURCE.parent.parent.parent / "tile_sum.h", BF16_CONVERT_H)  # a change to a header rebuilds
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 _C_DTYPES = (torch.float32, torch.bfloat16)  # what the C passes read and write

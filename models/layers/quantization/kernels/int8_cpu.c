@@ -154,29 +154,16 @@ static inline __attribute__((always_inline)) void gemm_block(const int rb, const
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define INT8_GEMM_VNNI 1
+#include "../../tile_sum.h"
 #define VNNI_ROWS 4   /* weight rows per register tile */
 #define VNNI_TOKENS 4 /* tokens per register tile: 16 accumulators and 8 operands */
 
-static inline __m512 as_ps(__m512i v) { return _mm512_castsi512_ps(v); }
-static inline __m512i add_ps_bits(__m512 a, __m512 b) {
-    return _mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b));
-}
-
-/* The 16 int32 totals of a[r][t] (r, t < 4) in one vector, lane 4t + r: four rounds of
- * shuffle-and-add, each halving the registers (the shuffles move bits: float casts). */
+/* The 16 int32 totals of a[r][t] (r, t < 4) in one vector, lane 4t + r (tile_sum.h). */
 static inline __m512i sum_tile(__m512i a[VNNI_ROWS][VNNI_TOKENS]) {
-    __m512 b[8], c[4], d[2];
-    for (int j = 0; j < 8; j++) { /* 256-bit halves: tile 2j's in the low, 2j + 1's in the high */
-        const __m512 lo = as_ps(a[(2 * j) / 4][(2 * j) % 4]), hi = as_ps(a[(2 * j + 1) / 4][(2 * j + 1) % 4]);
-        b[j] = as_ps(add_ps_bits(_mm512_shuffle_f32x4(lo, hi, 0x44), _mm512_shuffle_f32x4(lo, hi, 0xEE)));
-    }
-    for (int j = 0; j < 4; j++) /* 128-bit lane q: tile 4j + q */
-        c[j] = as_ps(add_ps_bits(_mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0x88),
-                                 _mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0xDD)));
-    for (int j = 0; j < 2; j++)
-        d[j] = as_ps(add_ps_bits(_mm512_shuffle_ps(c[2 * j], c[2 * j + 1], 0x44),
-                                 _mm512_shuffle_ps(c[2 * j], c[2 * j + 1], 0xEE)));
-    return add_ps_bits(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+    __m512 v[VNNI_ROWS][VNNI_TOKENS];
+    for (int r = 0; r < VNNI_ROWS; r++)
+        for (int t = 0; t < VNNI_TOKENS; t++) v[r][t] = _mm512_castsi512_ps(a[r][t]);
+    return _mm512_castps_si512(tile_sum16(v, 1));
 }
 
 /* acc for rows j0 .. j0 + rb - 1 and tokens t0 .. t0 + tb - 1 (rb, tb <= 4): 64 values of
@@ -259,7 +246,7 @@ int int8_gemm_s32(const int8_t *x, int64_t ldx, int64_t m, const int8_t *w, int6
     }
 #ifdef INT8_GEMM_VNNI
     return gemm_s32_vnni(x, ldx, m, w, ldw, n, k, acc, lda, num_threads);
-#endif
+#else
     const int64_t kp = (k + 15) & ~(int64_t)15;
     int64_t chunk = GEMM_CHUNK_BYTES / (2 * kp);
     chunk = chunk < GEMM_TOKENS ? GEMM_TOKENS : chunk - chunk % GEMM_TOKENS;
@@ -296,6 +283,7 @@ int int8_gemm_s32(const int8_t *x, int64_t ldx, int64_t m, const int8_t *w, int6
     }
     free(x16);
     return 0;
+#endif
 }
 
 /* Whether this build has int8_gemm_s32: 2 with AVX-512 VNNI, 1 with AVX2 alone, or 0. */
