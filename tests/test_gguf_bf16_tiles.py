@@ -1,8 +1,8 @@
 """GGUF products for 8 to 64 tokens of 16-bit activations: dequantised bfloat16 tiles
 (`gguf_kernels.gguf_gemm_bf16_shards`, a concurrent decode's batch sizes).
 
-Q4_0 and Q8_0 rows take them; K-quant rows take them, and the tiled prefill GEMM, where
-the build has no int8 tiles (tests/test_gguf_int8_tiles.py), which every test here
+Q8_0 rows below 16 tokens take them; every type takes them, and the tiled prefill GEMM,
+where the build has no int8 tiles (tests/test_gguf_int8_tiles.py), which every test here
 switches off (`no_int8_tiles`) so that each type's bf16 tiles are what it checks.
 
 Each 4-row tile is dequantised exactly (as gguf-py does), rounded once to bfloat16 and
@@ -38,6 +38,7 @@ def no_int8_tiles(monkeypatch):
     """The kernels as a build without the int8 tiles routes them (AVX-512 BF16, no VNNI)."""
     if kernel is not None:
         monkeypatch.setattr(kernel, "has_int8_tiles", False)
+        monkeypatch.setattr(kernel, "int8_tile_min_tokens", {})
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED_TYPES)

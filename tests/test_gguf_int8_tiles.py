@@ -1,14 +1,15 @@
-"""K-quant products for 8 or more tokens of 16-bit activations: the int8 tiles
-(`gguf_kernels.gguf_gemm_int8_tiles`: gguf_vnni_tiles.c, or gguf_avx2_tiles.c on AVX2
-builds), a concurrent decode's batches and every prefill.
+"""The int8 tiles (`gguf_kernels.gguf_gemm_int8_tiles`: gguf_vnni_tiles.c, or
+gguf_avx2_tiles.c on AVX2 builds): K-quant, Q8_0 and (VNNI) Q4_0 rows times 8 or more
+tokens of 16-bit activations (Q8_0 from 16 where the build has bf16 tiles), a concurrent
+decode's batches and every prefill.
 
 The activations are quantised per token and per 32 values to int8 (dx = max|x| / 127,
 rounded to nearest even); the result is the product of the weights with those rounded
 activations up to float32 rounding, so within sum |w| * dx / 2 of the product with the
-activations themselves. Checked for every K-quant, float16 and bfloat16 activations,
-float32 and 16-bit outputs, row counts that leave a partial 16-row tile, token counts
-around the 8-token register block, a shard's columns of a wider output, and where the
-kernel is chosen.
+activations themselves. Checked, through the tiles themselves, for every type the
+build's tiles take, float16 and bfloat16 activations, float32 and 16-bit outputs, row
+counts that leave a partial 16-row tile, token counts around the 8-token register block,
+a shard's columns of a wider output; and from how many tokens the layers take them.
 """
 
 from __future__ import annotations
@@ -27,9 +28,14 @@ kernel = gguf_kernels.load()
 pytestmark = pytest.mark.skipif(kernel is None or not kernel.has_int8_tiles,
                                 reason="no AVX-512 VNNI or AVX2 in this CPU or build (the int8 tiles)")
 
-KQUANTS = sorted(gguf_kernels.INT8_TILE_TYPES)
-#: The K-quants, and Q8_0 where the build's tiles take it (AVX2).
+KQUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+#: Every type the build's tiles take: the K-quants and Q8_0, and Q4_0 on VNNI.
 TILE_TYPES = sorted(kernel.int8_tile_types) if kernel is not None else KQUANTS
+
+
+def _tiles(qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor) -> None:
+    """out = x times `blocks` through the int8 tiles, at any token count."""
+    assert kernel.gemm_shards_int8_tiles(gguf_kernels.ShardPlan([(qtype, blocks)]), k, x, out)
 
 
 def _blocks(qtype: str, rows: int, k: int, seed: int) -> torch.Tensor:
@@ -51,7 +57,7 @@ def _rounded(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", TILE_TYPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens", [8, 9, 16, 17, 100])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 9, 16, 17, 100])
 def test_product_with_the_activations_rounded_per_32(qtype, dtype, tokens):
     rows, k = 37, 768  # 37: two whole 16-row tiles and a tile of 5
     blocks = _blocks(qtype, rows, k, tokens)
@@ -60,7 +66,7 @@ def test_product_with_the_activations_rounded_per_32(qtype, dtype, tokens):
     x[0, :32] = 0  # an all-zero 32 (dx 0)
     x[-1, 40] = 300  # an outlier widens only its own 32's step
     out = torch.full((tokens, rows + 5), float("nan"))
-    gguf_kernels.gguf_linear(qtype, blocks, k, x, out[:, 2:2 + rows])
+    _tiles(qtype, blocks, k, x, out[:, 2:2 + rows])
     assert out[:, :2].isnan().all() and out[:, 2 + rows:].isnan().all()
     got = out[:, 2:2 + rows].double()
     rounded = _rounded(x)
@@ -82,7 +88,7 @@ def test_many_tokens_and_super_blocks_past_the_kernels_blocks(qtype):
     weight = dequantize(qtype, blocks, k).double()
     x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(14)).bfloat16()
     out = torch.full((tokens, rows), float("nan"))
-    gguf_kernels.gguf_linear(qtype, blocks, k, x, out)
+    _tiles(qtype, blocks, k, x, out)
     rounded = _rounded(x)
     magnitude = rounded.abs() @ weight.abs().t()
     assert ((out.double() - rounded @ weight.t()).abs() <= 1e-6 * magnitude + 1e-6).all()
@@ -95,8 +101,8 @@ def test_16bit_output_is_the_float32_one_rounded_once(qtype, dtype):
     blocks = _blocks(qtype, 20, k, 1)
     x = (torch.randn(24, k, generator=torch.Generator().manual_seed(4)) * 2).to(dtype)
     exact, rounded = torch.empty(24, 20), torch.empty(24, 20, dtype=dtype)
-    gguf_kernels.gguf_linear(qtype, blocks, k, x, exact)
-    gguf_kernels.gguf_linear(qtype, blocks, k, x, rounded)
+    _tiles(qtype, blocks, k, x, exact)
+    _tiles(qtype, blocks, k, x, rounded)
     assert torch.equal(rounded, exact.to(dtype))
 
 
@@ -128,28 +134,31 @@ def test_largest_codes_times_largest_activations_do_not_overflow(qtype, code_byt
         x = torch.full((8, k), 1.5).to(dtype)
         x[1] = -1.5
         out = torch.empty(8, rows)
-        gguf_kernels.gguf_linear(qtype, blocks, k, x, out)
+        _tiles(qtype, blocks, k, x, out)
         rounded = _rounded(x)
         magnitude = rounded.abs() @ weight.abs().t()
         assert ((out.double() - rounded @ weight.t()).abs() <= 1e-6 * magnitude + 1e-6).all(), qtype
 
 
-@pytest.mark.skipif(kernel is None or "Q8_0" not in kernel.int8_tile_types, reason="this build's tiles take no Q8_0")
-@pytest.mark.parametrize("code", [-128, 127])
-def test_q8_0_extreme_codes_times_largest_activations(code):
+@pytest.mark.parametrize(("qtype", "code_byte"), [("Q8_0", 0x80), ("Q8_0", 0x7F), ("Q4_0", 0xFF), ("Q4_0", 0x00)],
+                         ids=["q8_0-minus128", "q8_0-127", "q4_0-7", "q4_0-minus8"])
+def test_legacy_extreme_codes_times_largest_activations(qtype, code_byte):
     """Q8_0's extreme codes (-128, which llama.cpp's quantiser never writes but a file may
-    hold, and 127) against activations that all quantise to +-127: still the product with
-    the rounded activations (the AVX2 tiles' 32-bit sums per block)."""
+    hold, and 127) and Q4_0's (7 and -8) against activations that all quantise to +-127:
+    still the product with the rounded activations (the AVX2 tiles' 32-bit sums per block;
+    the VNNI tiles' codes read unsigned, 0 and 255, their offsets taken off in integers)."""
+    if qtype not in kernel.int8_tile_types:
+        pytest.skip(f"this build's tiles take no {qtype} (AVX2 builds: Q4_0 rows take the int8 rows)")
     rows, k = 9, 512
-    blocks = _blocks("Q8_0", rows, k, 15)
-    per_block = blocks.view(-1, 34)
-    per_block[:, 2:] = torch.tensor(code, dtype=torch.int8).view(torch.uint8)
-    weight = dequantize("Q8_0", blocks, k).double()
+    blocks = _blocks(qtype, rows, k, 15)
+    per_block = blocks.view(-1, {"Q8_0": 34, "Q4_0": 18}[qtype])
+    per_block[:, 2:] = code_byte
+    weight = dequantize(qtype, blocks, k).double()
     for dtype in (torch.bfloat16, torch.float16):
         x = torch.full((8, k), 1.5).to(dtype)
         x[1] = -1.5
         out = torch.empty(8, rows)
-        gguf_kernels.gguf_linear("Q8_0", blocks, k, x, out)
+        _tiles(qtype, blocks, k, x, out)
         rounded = _rounded(x)
         magnitude = rounded.abs() @ weight.abs().t()
         assert ((out.double() - rounded @ weight.t()).abs() <= 1e-6 * magnitude + 1e-6).all()
@@ -176,7 +185,12 @@ def test_a_q4_k_m_layer_in_one_call():
 def test_where_the_tiles_are_taken():
     """From INT8_TILE_MIN_TOKENS tokens of 16-bit activations on, K-quant rows take the
     int8 tiles at every count (the prefill's too); fewer take the int8 rows (x per 256),
-    float32 activations the exact float path, and Q4_0/Q8_0 rows keep the bf16 tiles."""
+    float32 activations the exact float path. Q8_0 rows take them from 16 tokens where the
+    build has bf16 tiles (which take 8-15), from 8 elsewhere; Q4_0 rows from 8 where the
+    build's tiles take them (VNNI). The library says so (`int8_tile_min_tokens`), and the
+    layers follow it."""
+    assert all(kernel.int8_tile_min_tokens[q] == gguf_kernels.INT8_TILE_MIN_TOKENS for q in KQUANTS)
+    assert kernel.int8_tile_min_tokens["Q8_0"] == (16 if kernel.has_bf16 else gguf_kernels.INT8_TILE_MIN_TOKENS)
     k = 512
     blocks = _blocks("Q4_K", 16, k, 9)
     g = torch.Generator().manual_seed(10)
@@ -184,7 +198,7 @@ def test_where_the_tiles_are_taken():
         x = torch.randn(tokens, k, generator=g).bfloat16()
         got, tiles = torch.empty(tokens, 16), torch.empty(tokens, 16)
         gguf_kernels.gguf_linear("Q4_K", blocks, k, x, got)
-        assert kernel.gemm_shards_int8_tiles(gguf_kernels.ShardPlan([("Q4_K", blocks)]), k, x, tiles)
+        _tiles("Q4_K", blocks, k, x, tiles)
         assert torch.equal(got, tiles)
     few = torch.randn(gguf_kernels.INT8_TILE_MIN_TOKENS - 1, k, generator=g).bfloat16()
     got, rows = torch.empty(few.shape[0], 16), torch.empty(few.shape[0], 16)
@@ -196,17 +210,21 @@ def test_where_the_tiles_are_taken():
     gguf_kernels.gguf_linear("Q4_K", blocks, k, exact, got)
     assert kernel.gemm("Q4_K", blocks, k, exact, floats)
     assert torch.equal(got, floats)
-    legacy = _blocks("Q8_0", 16, k, 11)
-    x = torch.randn(gguf_kernels.INT8_TILE_MIN_TOKENS, k, generator=g).bfloat16()
-    got, other = torch.empty(x.shape[0], 16), torch.empty(x.shape[0], 16)
-    gguf_kernels.gguf_linear("Q8_0", legacy, k, x, got)
-    if "Q8_0" in kernel.int8_tile_types:  # AVX2: Q8_0 rows through the int8 tiles too
-        assert kernel.gemm_shards_int8_tiles(gguf_kernels.ShardPlan([("Q8_0", legacy)]), k, x, other)
-        assert torch.equal(got, other)
-    elif kernel.has_bf16:
-        assert kernel.gemm_shards_bf16(gguf_kernels.ShardPlan([("Q8_0", legacy)]), k, x, other)
-        assert torch.equal(got, other)
-    q4_0 = _blocks("Q4_0", 16, k, 12)
+    for qtype in ("Q8_0", "Q4_0"):
+        legacy = _blocks(qtype, 16, k, 11)
+        for tokens in (8, 15, 16, 65):
+            x = torch.randn(tokens, k, generator=g).bfloat16()
+            got, other = torch.empty(tokens, 16), torch.empty(tokens, 16)
+            gguf_kernels.gguf_linear(qtype, legacy, k, x, got)
+            if kernel.int8_tiles_take(qtype, tokens):
+                _tiles(qtype, legacy, k, x, other)
+            elif tokens <= gguf_kernels.BF16_TILE_MAX_TOKENS and kernel.has_bf16:
+                assert kernel.gemm_shards_bf16(gguf_kernels.ShardPlan([(qtype, legacy)]), k, x, other)
+            else:
+                continue  # the int8 rows (AVX2, up to 16 tokens) or the tiled GEMM: test_gguf_shards.py
+            assert torch.equal(got, other), (qtype, tokens)
+    assert kernel.int8_tiles_take("Q8_0", 16) and not kernel.int8_tiles_take("F16", 100)
     taken = re.escape(str(sorted(kernel.int8_tile_types)))
-    with pytest.raises(ValueError, match=taken + r" rows .* not \['Q4_0'\]"):
-        kernel.gemm_shards_int8_tiles(gguf_kernels.ShardPlan([("Q4_0", q4_0)]), k, x, torch.empty(x.shape[0], 16))
+    floats = torch.randn(16, k).half().view(torch.uint8)
+    with pytest.raises(ValueError, match=taken + r" rows .* not \['F16'\]"):
+        kernel.gemm_shards_int8_tiles(gguf_kernels.ShardPlan([("F16", floats)]), k, x, torch.empty(x.shape[0], 16))

@@ -2,11 +2,12 @@
 
 A Q4_K_M layer mixes types per shard (q and k in Q4_K, v in Q6_K; gate in Q4_K, up in
 Q6_K): the one call must give, bit for bit, what `gguf_linear` gives each shard, for
-every token count the int8 path, the int8 tiles (K-quants; Q8_0 too on AVX2) and the
-bf16 tiles (Q4_0, Q8_0) take and for both 16-bit activation dtypes. A layer mixing the
-int8 tiles' types with others is left to `gguf_linear` shard by shard where their paths
-differ (8 tokens and more). On an AVX2 build (int8 products and int8 tiles, no bf16
-tiles) Q4_0/Q8_0 layers take one call below 8 tokens, Q8_0-only ones at every count.
+every token count the int8 path, the int8 tiles (K-quants and Q8_0; Q4_0 too on VNNI;
+Q8_0 from 16 tokens where the build has bf16 tiles) and the bf16 tiles take, and for both
+16-bit activation dtypes. A layer whose shards' paths differ at its token count (the
+int8 tiles for some, not others) is left to `gguf_linear` shard by shard. On an AVX2
+build (int8 products and int8 tiles, no bf16 tiles) Q4_0 shards take one call up to 16
+tokens, with Q8_0 ones below 8.
 """
 
 from __future__ import annotations
@@ -45,13 +46,12 @@ def test_shards_in_one_call_equal_one_call_each(types, dtype, tokens):
     plan = gguf_kernels.shard_plan(shards)
     assert plan is not None and plan.rows == sum(rows for _, rows in types)
     out = torch.full((tokens, plan.rows), float("nan"))
-    # int8 products below 8 tokens; from 8, the int8 tiles' types in them (K-quants; on AVX2
-    # Q8_0 too), Q4_0/Q8_0 in bf16 tiles up to 64 tokens (AVX-512 BF16) or int8 products up
-    # to 16; a plan mixing tile types with others goes shard by shard
+    # the int8 tiles where they take every shard at this count (`int8_tiles_take`); where they
+    # take none, bf16 tiles up to 64 tokens (AVX-512 BF16) or int8 products up to 16 (every
+    # count below 8); where they take some, shard by shard
     legacy_max = gguf_kernels.BF16_TILE_MAX_TOKENS if kernel.has_bf16 else gguf_kernels.SMALL_BATCH_TOKENS
-    names = {qtype for qtype, _ in types}
-    one_call = tokens < gguf_kernels.INT8_TILE_MIN_TOKENS or names <= kernel.int8_tile_types or (
-        types == LEGACY and not names & kernel.int8_tile_types and tokens <= legacy_max)
+    takes = [kernel.int8_tiles_take(qtype, tokens) for qtype, _ in types]
+    one_call = all(takes) or (not any(takes) and tokens <= legacy_max)
     assert gguf_kernels.gguf_linear_shards(plan, k, x, out) == one_call
     if not one_call:
         assert out.isnan().all()  # declined: nothing written
@@ -67,9 +67,9 @@ def test_shards_in_one_call_equal_one_call_each(types, dtype, tokens):
 @needs_int8
 def test_shards_path_declines_what_it_does_not_take():
     """float32 activations (the exact float path), more Q4_0 tokens than the bf16 tiles
-    take (the tiled GEMM) and a shard held as floats each leave it to `gguf_linear`;
-    K-quant shards (and Q8_0 ones where the build's int8 tiles take them: AVX2) take any
-    number of tokens (the int8 tiles)."""
+    take where the int8 tiles do not take Q4_0 (AVX2: the tiled GEMM) and a shard held as
+    floats each leave it to `gguf_linear`; K-quant and Q8_0 shards (and Q4_0 ones on VNNI)
+    take any number of tokens past the bf16 tiles' (the int8 tiles)."""
     k = 256
     shards = [("Q4_K", _blocks("Q4_K", 8, k, 1))]
     plan = gguf_kernels.shard_plan(shards)
@@ -78,7 +78,8 @@ def test_shards_path_declines_what_it_does_not_take():
     assert not gguf_kernels.gguf_linear_shards(plan, k, torch.randn(1, k), out[:1])
     assert gguf_kernels.gguf_linear_shards(plan, k, torch.randn(many, k).bfloat16(), out) == kernel.has_int8_tiles
     legacy = gguf_kernels.shard_plan([("Q4_0", _blocks("Q4_0", 8, k, 2))])
-    assert not gguf_kernels.gguf_linear_shards(legacy, k, torch.randn(many, k).bfloat16(), out)
+    taken = gguf_kernels.gguf_linear_shards(legacy, k, torch.randn(many, k).bfloat16(), out)
+    assert taken == ("Q4_0" in kernel.int8_tile_types)
     q8 = gguf_kernels.shard_plan([("Q8_0", _blocks("Q8_0", 8, k, 3))])
     taken = gguf_kernels.gguf_linear_shards(q8, k, torch.randn(many, k).bfloat16(), out)
     assert taken == ("Q8_0" in kernel.int8_tile_types)

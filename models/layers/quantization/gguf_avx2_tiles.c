@@ -1,7 +1,7 @@
 /* K-quant rows (Q4_K, Q5_K, Q6_K) and Q8_0 rows times 8 or more tokens of 16-bit
  * activations, in integers, on AVX2 CPUs without AVX-512 VNNI: gguf_vnni_tiles.c's entry
  * point (gguf_gemm_int8_tiles) and contract, built instead of it there (GGUF_INT8_AVX2);
- * gguf_vnni_tiles.c's take the K-quants only (gguf_int8_tile_takes says which).
+ * gguf_vnni_tiles.c's take Q4_0 too (gguf_int8_tile_min_tokens says which, from how many tokens).
  *
  * The activations are quantised per token and per 32 values to int8 (dx = amax / 127,
  * rounded to nearest even), as gguf_vnni_tiles.c quantises them. Each tile of 16 rows is
@@ -314,8 +314,8 @@ static void tile_times_block(const int *qtypes, const uint8_t *const *w, const i
 
 static int tile_type(int qtype) { return qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K || qtype == T_Q8_0; }
 
-/* Whether gguf_gemm_int8_tiles takes rows of `qtype` (ggml's id): the K-quants and Q8_0. */
-int gguf_int8_tile_takes(int qtype) { return tile_type(qtype); }
+/* See gguf_vnni_tiles.c: the K-quants and Q8_0 from 8 tokens (no bf16 tiles here). */
+int gguf_int8_tile_min_tokens(int qtype) { return tile_type(qtype) ? 8 : 0; }
 
 /* See gguf_vnni_tiles.c: the same contract; -2 is never returned here. */
 int gguf_gemm_int8_tiles(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,

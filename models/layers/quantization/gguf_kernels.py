@@ -21,37 +21,35 @@ blocks of `qtype`. On the CPU, with the C kernels built:
     rows up to `SMALL_BATCH_TOKENS` tokens (Q8_0 ones below 8, where its int8 tiles take
     over). Where the build has neither, the float path;
   - float32 activations: each block dequantised into L1 (AVX-512, or portable C the
-    compiler vectorises) and multiplied in float32 (`gguf_gemm`): F.linear on the
-    dequantised weight up to float32 rounding (16 running sums per token, fused
-    multiply-adds).
+    compiler vectorises) and multiplied in float32 (`gguf_gemm`): F.linear on the dequantised
+    weight up to float32 rounding (16 running sums per token, fused multiply-adds).
 - from `INT8_TILE_MIN_TOKENS` tokens of 16-bit activations on, every count (a
-  concurrent decode's batches and every prefill), K-quant rows (`INT8_TILE_TYPES`) on a
-  VNNI or AVX2 build: the int8 tiles (`gguf_vnni_tiles.c`; on AVX2, `gguf_avx2_tiles.c`:
-  vpmaddubsw and vpmaddwd, 16-bit partial sums, group scales applied in integers, 128
-  tokens per pass over a tile): x quantised to int8 per 32 values (vLLM's GGUF
-  granularity), each 16-row tile of the weight unpacked once per call (per 128 tokens on
-  AVX2) to bytes with one row per 32-bit lane and multiplied by every token with vpdpbusd
-  (AVX2: vpmaddubsw). On the AVX2 Zen 3 VM (2026-12-06, 2 threads) a 5632x2048 Q4_K
-  weight runs at 240-270 GOP/s at 16 tokens (read from memory) and 300-360 at 128-2048,
-  Q6_K at 180 and 230-270. The AVX2 tiles take Q8_0 rows too (`GGUFKernels.
-  int8_tile_types`): its 8-bit weights sign-extended to 16 bits at unpacking and
-  multiplied by 16-bit activation pairs with vpmaddwd (8-bit codes against int8
-  activations could saturate vpmaddubsw's 16-bit pairs), 170-180 GOP/s at 16 tokens and
-  210-235 from 128 on, against 110-125 for the int8 rows and 135-170 for the float32
-  tiles they replace (2026-12-06, the same weight). Error:
-  at most sum_i |w_i| * dx_i / 2 per output, dx that of the value's 32. Against the bf16
-  tiles and the prefill GEMM below (2026-12-05, the Zen 5 VM, 2 threads): 1.4-1.55x at
-  8 tokens, 1.3-1.5x at 16, 1.3x at 2048 for Q4_K and Q6_K weights of the 853M Llama.
-  A fused layer's shards go in one call where the tiles take every one of them; a layer
-  mixing them with other types computes shard by shard from 8 tokens on;
+  concurrent decode's batches and every prefill), the rows the build's int8 tiles take
+  (`GGUFKernels.int8_tile_min_tokens`, the library's rule: the K-quants and Q8_0 on
+  every build, Q4_0 on VNNI; Q8_0 from 16 tokens where the build has bf16 tiles, which
+  are faster below): the int8 tiles (`gguf_vnni_tiles.c`; on AVX2, `gguf_avx2_tiles.c`:
+  vpmaddubsw and vpmaddwd, 16-bit partial sums, 128 tokens per pass over a tile; Q8_0's
+  weights sign-extended to 16 bits and multiplied by 16-bit activation pairs with
+  vpmaddwd, which 8-bit codes could saturate in vpmaddubsw): x quantised to int8 per 32
+  values (vLLM's GGUF granularity), each 16-row tile of the weight unpacked once per call
+  (per 128 tokens on AVX2) to bytes with one row per 32-bit lane and multiplied by every
+  token with vpdpbusd. Error: at most sum_i |w_i| * dx_i / 2 per output, dx that of the
+  value's 32. Against the bf16 tiles and the prefill GEMM below (2026-12-05, the Zen 5
+  VM, 2 threads): 1.4-1.55x at 8 tokens, 1.3-1.5x at 16, 1.3x at 2048 for Q4_K and Q6_K
+  weights of the 853M Llama; Q8_0 (2026-12-06, Zen 4) 1.1x at 16, 1.35x at 64, 1.5x at
+  512. On the AVX2 Zen 3 VM (2026-12-06) a 5632x2048 Q4_K weight runs at 240-270 GOP/s
+  at 16 tokens (from memory) and 300-360 at 128-2048, Q6_K at 180 and 230-270, Q8_0 at
+  170-180 and 210-235 (its int8 rows 110-125). A fused layer's shards go in one call
+  where the tiles take every one of them; a layer mixing them with other types computes
+  shard by shard;
 - from `BF16_TILE_MIN_TOKENS` to `BF16_TILE_MAX_TOKENS` tokens of 16-bit activations,
-  on a CPU with AVX-512 BF16, the rows the int8 tiles do not take (Q4_0, Q8_0; every
-  type where the build has no int8 tiles): each 4-row tile is dequantised to bfloat16 into a per-thread buffer and
-  multiplied by every token with our bf16 register tile (`gguf_gemm_bf16_shards`;
-  float16 activations are rounded to bfloat16 first). Its error is the weights' one
-  bfloat16 rounding, well below the int8 path's. Against the int8 path (2026-12-05, the
-  Zen 5 VM, a 5632x2048 weight on 2 threads, two runs): Q8_0 1.9-2.2x at 8 tokens, 2.7x
-  at 16, 2.6-2.9x at 32;
+  on a CPU with AVX-512 BF16, the rows the int8 tiles do not take (Q8_0 below 16 tokens;
+  every type where the build has no int8 tiles): each 4-row tile is dequantised to
+  bfloat16 into a per-thread buffer and multiplied by every token with our bf16 register
+  tile (`gguf_gemm_bf16_shards`; float16 activations are rounded to bfloat16 first). Its
+  error is the weights' one bfloat16 rounding, well below the int8 path's. Against the
+  int8 rows (2026-12-05, Zen 5, a 5632x2048 weight on 2 threads): Q8_0 1.9-2.2x at 8
+  tokens, 2.7x at 16, 2.6-2.9x at 32;
 - more tokens (prefill) of those rows: row tiles of `TILE_ROWS` rows are dequantised
   into one scratch tile (never the whole weight) and multiplied by torch's GEMM in the
   activations' dtype: for bf16 activations dequantised straight to bf16 (AVX-512 BF16
@@ -112,11 +110,12 @@ LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
 SMALL_BATCH_TOKENS = 16
 BF16_TILE_MIN_TOKENS, BF16_TILE_MAX_TOKENS = 8, 64
-#: K-quant rows (and, on AVX2, Q8_0 ones) times this many tokens or more of 16-bit
-#: activations: the int8 tiles, in place of the bf16 tiles and the prefill's GEMM.
+#: K-quant rows times this many tokens or more of 16-bit activations: the int8 tiles, in
+#: place of the int8 rows, bf16 tiles and the prefill's GEMM (every build; a build's rule
+#: per type, Q8_0 from 16 on AVX-512 BF16, is `GGUFKernels.int8_tile_min_tokens`).
 INT8_TILE_MIN_TOKENS = 8
 #: The types every int8 tile build takes; a build's own set is `GGUFKernels.int8_tile_types`.
-INT8_TILE_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+INT8_TILE_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0"})
 TILE_ROWS = 1024  # a float32 tile of 1024 x 5632 is 23 MiB: scratch, reused per layer call
 #: Activation dtypes whose small-batch products quantise x to int8, as
 #: llama.cpp does (where the CPU has AVX-512 VNNI or AVX2): their own rounding (bfloat16's 8
@@ -163,14 +162,19 @@ class GGUFKernels:
         self._shards.argtypes = [i32, p, p, p, p, i64, p, i32, i64, i64, p, i32, i64, i32]
         self._bf16.argtypes = [i32, p, p, p, p, i64, p, i64, i64, p, i32, i64, i32]
         self._rows.argtypes = [i32, p, i64, i64, p, i64, p, i64, i32]
-        # Whether this build has AVX-512 BF16 (the bf16 entry points answer -2 where not),
-        # and the int8 tiles (AVX-512 VNNI or AVX2; -2 where not; -1 here: float32 x is refused).
+        # Whether this build has AVX-512 BF16 (the bf16 entry points answer -2 where not).
         self.has_bf16 = self._rows_bf16(GGUF_FORMATS["Q8_0"].type_id, None, 0, 32, 0, None, 0, 1) != -2
-        self.has_int8_tiles = self._int8_tiles(0, None, None, None, None, 256, None, 0, 0, 0, None, 0, 0, 1) != -2
-        # The types the int8 tiles take: the K-quants (`INT8_TILE_TYPES`), and Q8_0 on AVX2.
-        takes = lib.gguf_int8_tile_takes
-        takes.restype, takes.argtypes = ctypes.c_int, [i32]
-        self.int8_tile_types = frozenset(name for name, fmt in GGUF_FORMATS.items() if takes(fmt.type_id))
+        # The types the int8 tiles take (none without AVX-512 VNNI or AVX2; `INT8_TILE_TYPES`, and
+        # Q4_0 on VNNI), from how many tokens: the library's rule, which its experts (gguf_moe.c) follow.
+        min_tokens = lib.gguf_int8_tile_min_tokens
+        min_tokens.restype, min_tokens.argtypes = ctypes.c_int, [i32]
+        self.int8_tile_min_tokens = {name: n for name, fmt in GGUF_FORMATS.items() if (n := min_tokens(fmt.type_id))}
+        self.int8_tile_types = frozenset(self.int8_tile_min_tokens)
+        self.has_int8_tiles = bool(self.int8_tile_types)
+
+    def int8_tiles_take(self, qtype: str, tokens: int) -> bool:
+        """Whether `tokens` tokens of 16-bit activations times `qtype` rows take the int8 tiles."""
+        return tokens >= self.int8_tile_min_tokens.get(qtype, tokens + 1)
 
     def gemm(self, qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
              int8_activations: bool = False) -> bool:
@@ -297,7 +301,7 @@ def gguf_linear(qtype: str, blocks: torch.Tensor, k: int, x: torch.Tensor, out: 
         return
     half = x.dtype in INT8_ACTIVATION_DTYPES
     m, rows = x.shape[0], blocks.shape[0]
-    if half and qtype in kernel.int8_tile_types and _int8_tiles(kernel, ShardPlan([(qtype, blocks)]), k, x, out):
+    if half and kernel.int8_tiles_take(qtype, m) and _int8_tiles(kernel, ShardPlan([(qtype, blocks)]), k, x, out):
         return
     if half and BF16_TILE_MIN_TOKENS <= m <= BF16_TILE_MAX_TOKENS and _bf16_tiles(
             kernel, ShardPlan([(qtype, blocks)]), k, x, out):
@@ -343,11 +347,9 @@ def shard_plan(shards: list[tuple[str, torch.Tensor]]) -> ShardPlan | None:
 def gguf_linear_shards(plan: ShardPlan | None, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
     """out [m, plan.rows] (float32 or x's dtype, rows contiguous) = x [m, k] times every
     shard of `plan` in one C call, for 16-bit activations (`INT8_ACTIVATION_DTYPES`): the
-    int8 tiles' (their types' shards, from `INT8_TILE_MIN_TOKENS` tokens), the int8 path's
-    (fewer tokens, at most `SMALL_BATCH_TOKENS`, a VNNI or AVX2 build) and the bf16 tiles' (up to
-    `BF16_TILE_MAX_TOKENS`). Same values as `gguf_linear` shard by shard. False, with
-    nothing written, where none applies or the shards' paths differ (the caller then
-    calls `gguf_linear` per shard)."""
+    int8 tiles' (where they take every shard), the bf16 tiles' (up to `BF16_TILE_MAX_TOKENS`)
+    and the int8 rows' (up to `SMALL_BATCH_TOKENS`); the same values as `gguf_linear` shard
+    by shard. False, with nothing written, where none applies or the shards' paths differ."""
     if plan is None or x.dtype not in INT8_ACTIVATION_DTYPES:
         return False
     kernel = load()
@@ -357,8 +359,8 @@ def gguf_linear_shards(plan: ShardPlan | None, k: int, x: torch.Tensor, out: tor
         raise ValueError("gguf_linear_shards: the output's rows must be contiguous")
     if _int8_tiles(kernel, plan, k, x, out):
         return True
-    if x.shape[0] > BF16_TILE_MAX_TOKENS or (  # tile types among others: int8 tiles shard by shard
-            kernel.has_int8_tiles and x.shape[0] >= INT8_TILE_MIN_TOKENS and kernel.int8_tile_types.intersection(plan.names)):
+    if x.shape[0] > BF16_TILE_MAX_TOKENS or any(  # tile types among others: int8 tiles shard by shard
+            kernel.int8_tiles_take(name, x.shape[0]) for name in plan.names):
         return False
     if _bf16_tiles(kernel, plan, k, x, out):
         return True
@@ -368,13 +370,11 @@ def gguf_linear_shards(plan: ShardPlan | None, k: int, x: torch.Tensor, out: tor
 
 
 def _int8_tiles(kernel: GGUFKernels, plan: ShardPlan, k: int, x: torch.Tensor, out: torch.Tensor) -> bool:
-    """The int8 tiles' product for `INT8_TILE_MIN_TOKENS` or more tokens of 16-bit x into
-    out (float32 or x's dtype, rows contiguous) where the tiles take every shard
-    (`GGUFKernels.int8_tile_types`); False, with nothing written, otherwise or where the
-    build has no int8 tiles."""
-    # (the tiles walk whole 256-value super-blocks: Q8_0 rows of other widths take the other paths)
-    if not (kernel.has_int8_tiles and x.shape[0] >= INT8_TILE_MIN_TOKENS and out.stride(1) == 1 and k % 256 == 0
-            and kernel.int8_tile_types.issuperset(plan.names)):
+    """The int8 tiles' product of 16-bit x into out (float32 or x's dtype, rows contiguous)
+    where they take every shard at x's token count (`GGUFKernels.int8_tiles_take`); False,
+    with nothing written, otherwise."""
+    # (the tiles walk whole 256-value runs: Q4_0/Q8_0 rows of other widths take the other paths)
+    if not (out.stride(1) == 1 and k % 256 == 0 and all(kernel.int8_tiles_take(n, x.shape[0]) for n in plan.names)):
         return False
     return kernel.gemm_shards_int8_tiles(plan, k, x if x.stride(1) == 1 else x.contiguous(), out)
 

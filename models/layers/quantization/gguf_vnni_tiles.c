@@ -1,30 +1,35 @@
-/* K-quant rows (Q4_K, Q5_K, Q6_K) times 8 or more tokens of 16-bit activations, in
- * integers (gguf_gemm_vnni_tiles): a concurrent decode's batches and every prefill. Its
- * contract and where it is taken are in gguf_kernels.py, which compiles it with
- * gguf_kernels.c (the block layouts) and is its only caller.
+/* K-quant (Q4_K, Q5_K, Q6_K), Q8_0 and Q4_0 rows times 8 or more tokens (Q8_0: 16, where
+ * the build has bf16 tiles: gguf_int8_tile_min_tokens), in integers
+ * (gguf_gemm_int8_tiles): a concurrent decode's batches and every prefill. Its contract
+ * and where it is taken are in gguf_kernels.py, which compiles it with gguf_kernels.c (the
+ * block layouts), and is its only caller.
  *
  * The activations are quantised per token and per 32 values to int8, dx = amax / 127,
- * rounded to nearest even: the granularity of vLLM's GGUF kernels (their Q8_1), finer
- * than llama.cpp's per 256 (Q8_K, gguf_vnni.c's for K-quant rows), which flipped a
- * greedy token of tests/test_gguf_quantised.py's tiny model where this does not. The
- * weights' integers stay integers: each tile of 16 rows is unpacked, once per call, into
- * a per-thread buffer of bytes laid out for vpdpbusd with one row per 32-bit lane (lane
- * r holds 4 consecutive values of row r), so a 64-byte load of the buffer and one
- * token's 4 activations broadcast give 64 products for 16 rows, and each token's sums
- * stay in the lanes of their rows: no horizontal sums. Per 32 values and token, the
- * integer sum is scaled in float by the token's dx and the 16 rows' d * scale (Q6_K:
- * two groups of 16, two scales); a Q4_K/Q5_K min, dmin * min * sum(x), is one fused
- * multiply-add from the sums of x taken while quantising; Q6_K's offset (its q - 32)
- * starts each group's integer sum at -32 * sum(xq). The unpacking (a 16 x 16 transpose of
- * 32-bit words per 64 values) costs about a fifth of a 16-token product and nothing next
- * to a prefill's.
+ * rounded to nearest even: the granularity of vLLM's GGUF kernels (their Q8_1) and of
+ * llama.cpp's Q4_0/Q8_0 products, finer than llama.cpp's
+ * per 256 for K-quants (Q8_K, gguf_vnni.c's for K-quant rows), which flipped a greedy
+ * token of tests/test_gguf_quantised.py's tiny model where this does not. The weights'
+ * integers stay integers: each tile of 16 rows is unpacked, once per call, into a
+ * per-thread buffer of bytes laid out for vpdpbusd with one row per 32-bit lane (lane r
+ * holds 4 consecutive values of row r), so a 64-byte load of the buffer and one token's 4
+ * activations broadcast give 64 products for 16 rows, and each token's sums stay in the
+ * lanes of their rows: no horizontal sums. Per 32 values and token, the integer sum is
+ * scaled in float by the token's dx and the 16 rows' d * scale (Q6_K: two groups of 16,
+ * two scales; Q4_0/Q8_0: each block's d); a Q4_K/Q5_K min, dmin * min * sum(x), is one
+ * fused multiply-add from the sums of x taken while quantising. vpdpbusd multiplies
+ * unsigned weight bytes: Q6_K's codes are q + 32, Q4_0's q + 8, Q8_0's q + 128 (their sign
+ * bits flipped at unpacking), so each group's integer sum starts at -offset * sum(xq).
+ * The unpacking (a 16 x 16 transpose of 32-bit words per 64 values) costs about a fifth
+ * of a 16-token K-quant product and nothing next to a prefill's; Q8_0's, 8 bits a value,
+ * is what keeps its tiles behind the bf16 tiles below 16 tokens.
  *
  * Error against float activations: at most sum_i |w_i| * dx_i / 2 per output (the
  * activations' rounding), plus float rounding of the scaled sums (each integer sum is
  * exact). Against the bf16 tiles and the prefill's bf16 GEMM on dequantised tiles, which
  * it replaces for these types (2026-12-05, the Zen 5 VM, 2 threads): a 5632 x 2048 Q4_K
  * weight 1.12 -> 0.73 ms at 8 tokens, 1.36 -> 0.92 at 16, 114 -> 84 at 2048; a 2048 x
- * 5632 Q6_K one 1.19 -> 0.77, 1.42 -> 0.97 and 110 -> 86 ms. */
+ * 5632 Q6_K one 1.19 -> 0.77, 1.42 -> 0.97 and 110 -> 86 ms. A 5632 x 2048 Q8_0 weight
+ * (2026-12-06, Zen 4): 4.2 -> 3.1 ms at 64 tokens, 8.0 -> 5.7 at 128, 31.4 -> 20.6 at 512. */
 
 #include "gguf_blocks.h"
 
@@ -45,7 +50,7 @@ typedef struct {
     int8_t *xq;     /* [m][k], natural order */
     float *dx;      /* [m][k / 32]: dx of each 32 */
     float *xs32;    /* [m][k / 32]: dx * sum(xq) per 32 (Q4_K/Q5_K mins) */
-    int32_t *is16;  /* [m][k / 16]: 32 * sum(xq) per 16 (Q6_K's offset) */
+    int32_t *is16;  /* [m][k / 16]: 32 * sum(xq) per 16 (the offsets: Q6_K per 16, Q4_0/Q8_0 per 32) */
 } qx_t;
 
 /* 16 activations of token row x (x_dtype 1: bfloat16, 2: float16) as float32. */
@@ -129,10 +134,22 @@ static inline void k4_scales(__m512i dd, __m512i u0, __m512i u1, __m512i u2, flo
     }
 }
 
-/* Values [64j, 64j + 64) of one block as unsigned bytes, natural order: Q4_K/Q5_K's q
- * (0-15, 0-31), Q6_K's q before its - 32 (0-63). */
+/* Values [64j, 64j + 64) of one 256-value run (a K-quant block, 8 Q4_0/Q8_0 blocks) as
+ * unsigned bytes, natural order: Q4_K/Q5_K's q (0-15, 0-31), Q6_K's q before its - 32
+ * (0-63), Q4_0's before its - 8 (0-15), Q8_0's plus 128 (0-255). */
 static inline __m512i unpack64(int qtype, const uint8_t *blk, int j) {
     const __m512i b4 = _mm512_set1_epi8(15), b1 = _mm512_set1_epi8(1), b2 = _mm512_set1_epi8(3);
+    if (qtype == T_Q8_0) { /* blocks 2j and 2j + 1 of the run: 32 codes each after the fp16 d, sign bits flipped */
+        const __m512i q = join256(_mm256_loadu_si256((const __m256i *)(blk + 68 * j + 2)),
+                                  _mm256_loadu_si256((const __m256i *)(blk + 68 * j + 36)));
+        return _mm512_xor_si512(q, _mm512_set1_epi8((char)0x80));
+    }
+    if (qtype == T_Q4_0) { /* blocks 2j and 2j + 1: 16 bytes each, low nibbles values 0-15, high 16-31 */
+        const __m256i q = _mm256_loadu2_m128i((const __m128i *)(blk + 36 * j + 20), (const __m128i *)(blk + 36 * j + 2));
+        const __m256i m = _mm256_set1_epi8(15), l = _mm256_and_si256(q, m), h = _mm256_and_si256(_mm256_srli_epi16(q, 4), m);
+        /* l: [low nibbles of 2j | of 2j + 1], h likewise -> values of block 2j, then of 2j + 1 */
+        return join256(_mm256_permute2x128_si256(l, h, 0x20), _mm256_permute2x128_si256(l, h, 0x31));
+    }
     if (qtype != T_Q6_K) { /* 32 bytes of nibbles: low nibbles group 2j, high 2j + 1 */
         const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (qtype == T_Q4_K ? 16 : 48) + 32 * j));
         __m512i v = _mm512_and_si512(join256(q, _mm256_srli_epi16(q, 4)), b4);
@@ -156,21 +173,28 @@ static inline __m512i unpack64(int qtype, const uint8_t *blk, int j) {
 }
 
 /* Rows [0, nr) of a tile (row r at w + r * row_bytes; rows nr..15 read as zeros), every
- * 256-block b: wq[(64 b + c) * 64 + 4 r + i] = value 4c + i of row r's block b; s1[g * 16 +
- * r] = d * scale of group g (per 32 values, Q6_K per 16), s2 = dmin * min (Q4_K/Q5_K). */
+ * 256-value run b: wq[(64 b + c) * 64 + 4 r + i] = value 4c + i of row r's run b; s1[g * 16
+ * + r] = d * scale of group g (per 32 values, Q6_K per 16; Q4_0/Q8_0: block g's d), s2 =
+ * dmin * min (Q4_K/Q5_K). */
 static void unpack_tile(int qtype, const uint8_t *w, int64_t row_bytes, int nr, int64_t nb, uint8_t *wq, float *s1,
                         float *s2) {
-    const int bb = block_bytes(qtype);
+    const int bb = block_bytes(qtype) * (256 / block_size(qtype)); /* a run of 256 values: Q4_0/Q8_0 take 8 blocks */
     const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32((int)row_bytes));
     const __mmask16 live = (__mmask16)((1u << nr) - 1u);
 #define GATHER(off) _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, (const void *)(wb + (off)), 1)
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *wb = w + b * bb;
-        for (int r = 0; r < nr; ++r) /* each row's stream PREFETCH_BLOCKS blocks ahead, into L2 */
-            for (int off = 0; off < bb; off += 64)
-                _mm_prefetch((const char *)wb + r * row_bytes + PREFETCH_BLOCKS * bb + off, _MM_HINT_T1);
-        if (qtype != T_Q6_K) { /* fp16 d, dmin, then the 12 bytes of (scale, min) pairs (scale_min_k4) */
+        /* each row's stream PREFETCH_BLOCKS runs ahead, into L2; past the row's end, the
+         * same row of the next tile (a thread's next, under the static schedule) */
+        const uint8_t *ahead = b + PREFETCH_BLOCKS < nb ? wb + PREFETCH_BLOCKS * bb
+                                                         : w + TILE_ROWS * row_bytes + (b + PREFETCH_BLOCKS - nb) * bb;
+        for (int r = 0; r < nr; ++r)
+            for (int off = 0; off < bb; off += 64) _mm_prefetch((const char *)ahead + r * row_bytes + off, _MM_HINT_T1);
+        if (qtype == T_Q8_0 || qtype == T_Q4_0) { /* each block's fp16 d, read as its first 32-bit word's low half */
+            for (int g = 0; g < 8; ++g)
+                _mm512_store_ps(s1 + (b * 8 + g) * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(GATHER(g * bb / 8))));
+        } else if (qtype != T_Q6_K) { /* fp16 d, dmin, then the 12 bytes of (scale, min) pairs (scale_min_k4) */
             k4_scales(GATHER(0), GATHER(4), GATHER(8), GATHER(12), s1 + b * 8 * 16, s2 + b * 8 * 16);
         } else { /* 16 int8 scales at 192, fp16 d at 208 (read from 206: not past the row) */
             const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(GATHER(206), 16)));
@@ -206,12 +230,27 @@ static inline __attribute__((always_inline)) void tile_times_tokens(int qtype, i
                                                                     const float *s1, const float *s2,
                                                                     const int8_t *xq, const float *dx,
                                                                     const float *xs32, const int32_t *is16,
-                                                                    int64_t k, __m512 acc[TILE_TOKENS]) {
+                                                                    int64_t k, int offset, __m512 acc[TILE_TOKENS]) {
     for (int t = 0; t < nt; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t u = 0; u < k / 32; ++u) { /* the 32 values sharing one dx */
         const uint8_t *wu = wq + u * 8 * 64;
         const int8_t *xu = xq + 32 * u;
-        if (qtype != T_Q6_K) { /* one group: sum * dx * (d * scale) - (dmin * min) * xs32 */
+        if (qtype == T_Q8_0) { /* Q8_0 or Q4_0, one block: (sum - offset * sum(xq)) * dx * d, the sum starting at
+                                * the offset's part (the codes are unsigned: Q8_0's + 128, Q4_0's + 8) */
+            __m512i sum[TILE_TOKENS];
+            for (int t = 0; t < nt; ++t) { /* is16 holds 32 * sum(xq) per 16 values */
+                const int32_t *xs = is16 + t * (k / 16) + 2 * u;
+                sum[t] = _mm512_set1_epi32(-offset * ((xs[0] + xs[1]) / 32));
+            }
+            for (int c = 0; c < 8; ++c) {
+                const __m512i wv = _mm512_load_si512((const void *)(wu + 64 * c));
+                for (int t = 0; t < nt; ++t) sum[t] = dpbusd_bcast(sum[t], wv, xu + t * k + 4 * c);
+            }
+            const __m512 scale = _mm512_load_ps(s1 + u * 16);
+            for (int t = 0; t < nt; ++t)
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_set1_ps(dx[t * (k / 32) + u])),
+                                         scale, acc[t]);
+        } else if (qtype != T_Q6_K) { /* one group: sum * dx * (d * scale) - (dmin * min) * xs32 */
             __m512i sum[TILE_TOKENS];
             for (int t = 0; t < nt; ++t) sum[t] = _mm512_setzero_si512();
             for (int c = 0; c < 8; ++c) {
@@ -253,19 +292,33 @@ static void tile_times_qx(int qtype, int nt, const uint8_t *wq, const float *s1,
     const int8_t *xq = q->xq + t0 * k;
     const float *dx = q->dx + t0 * (k / 32), *xs32 = q->xs32 + t0 * (k / 32);
     const int32_t *is16 = q->is16 + t0 * (k / 16);
-#define CASE(n)                                                                                \
-    case n:                                                                                    \
-        if (qtype == T_Q6_K) tile_times_tokens(T_Q6_K, n, wq, s1, s2, xq, dx, xs32, is16, k, acc); \
-        else tile_times_tokens(T_Q4_K, n, wq, s1, s2, xq, dx, xs32, is16, k, acc);             \
+#define CASE(n)                                                                                          \
+    case n:                                                                                              \
+        if (qtype == T_Q6_K) tile_times_tokens(T_Q6_K, n, wq, s1, s2, xq, dx, xs32, is16, k, 0, acc);       \
+        else if (qtype == T_Q8_0) tile_times_tokens(T_Q8_0, n, wq, s1, s2, xq, dx, xs32, is16, k, 128, acc); \
+        else if (qtype == T_Q4_0) tile_times_tokens(T_Q8_0, n, wq, s1, s2, xq, dx, xs32, is16, k, 8, acc);  \
+        else tile_times_tokens(T_Q4_K, n, wq, s1, s2, xq, dx, xs32, is16, k, 0, acc);                      \
         break;
     switch (nt) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
 #undef CASE
 }
 
-static inline int tile_type(int qtype) { return qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K; }
+static inline int tile_type(int qtype) {
+    return qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K || qtype == T_Q8_0 || qtype == T_Q4_0;
+}
 
-/* Whether gguf_gemm_int8_tiles takes rows of `qtype` (ggml's id): the K-quants. */
-int gguf_int8_tile_takes(int qtype) { return tile_type(qtype); }
+/* From how many tokens gguf_gemm_int8_tiles takes rows of `qtype` (ggml's id) in place of
+ * the int8 rows (gguf_vnni.c) and bf16 tiles (gguf_bf16.c); 0 where it never does. Every
+ * caller's rule (gguf_kernels.py reads it). From 8 tokens; Q8_0
+ * rows from 16 where the build has bf16 tiles (5632 x 2048 from memory, 2 threads, bf16
+ * tiles / int8 tiles, 2026-12-06 on Zen 4: 8 tokens 0.85 / 0.94 ms, 16 1.32 / 1.21, 64
+ * 4.2 / 3.1; Q4_0 8 tokens 0.86 / 0.72). */
+int gguf_int8_tile_min_tokens(int qtype) {
+#ifdef __AVX512BF16__
+    if (qtype == T_Q8_0) return 16;
+#endif
+    return tile_type(qtype) ? 8 : 0;
+}
 
 /* As gguf_gemm_bf16_shards (n shards sharing one input: y[t * ldy + o_i + r] = W_i[r, :]
  * . x[t, :], y_dtype as out_t's), for K-quant shards (Q4_K, Q5_K, Q6_K) and x in
@@ -327,7 +380,7 @@ int gguf_gemm_int8_tiles(int n, const int *qtypes, const uint8_t *const *w, cons
     return failed ? -3 : 0;
 }
 #elif !defined(GGUF_INT8_AVX2) /* gguf_avx2_tiles.c defines them there */
-int gguf_int8_tile_takes(int qtype) {
+int gguf_int8_tile_min_tokens(int qtype) {
     (void)qtype;
     return 0;
 }
