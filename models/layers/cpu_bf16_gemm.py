@@ -62,7 +62,7 @@ class Bf16GemmKernel:
 
 def cpu_has_avx512_bf16() -> bool:
     flags = cpu_flags().split()
-    return "avx512_bf16" in flags and "avx512bw" in flags
+    return "avx512_bf16" in flags and "avx512bw" in flags and "avx512vl" in flags
 
 
 @functools.cache
