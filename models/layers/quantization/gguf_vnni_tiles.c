@@ -6,9 +6,9 @@
  *
  * The activations are quantised per token and per 32 values to int8, dx = amax / 127,
  * rounded to nearest even: the granularity of vLLM's GGUF kernels (their Q8_1) and of
- * llama.cpp's Q4_0/Q8_0 products, finer than llama.cpp's
- * per 256 for K-quants (Q8_K, gguf_vnni.c's for K-quant rows), which flipped a greedy
- * token of tests/test_gguf_quantised.py's tiny model where this does not. The weights'
+ * llama.cpp's Q4_0/Q8_0 products, finer than llama.cpp's per 256 for the K-quants (Q8_K,
+ * gguf_vnni.c's for K-quant rows), which flipped a greedy token of
+ * tests/test_gguf_quantised.py's tiny model where this does not. The weights'
  * integers stay integers: each tile of 16 rows is unpacked, once per call, into a
  * per-thread buffer of bytes laid out for vpdpbusd with one row per 32-bit lane (lane r
  * holds 4 consecutive values of row r), so a 64-byte load of the buffer and one token's 4
@@ -21,7 +21,7 @@
  * bits flipped at unpacking), so each group's integer sum starts at -offset * sum(xq).
  * The unpacking (a 16 x 16 transpose of 32-bit words per 64 values) costs about a fifth
  * of a 16-token K-quant product and nothing next to a prefill's; Q8_0's, 8 bits a value,
- * is what keeps its tiles behind the bf16 tiles below 16 tokens.
+ * keeps its tiles behind the bf16 tiles below about 12 tokens.
  *
  * Error against float activations: at most sum_i |w_i| * dx_i / 2 per output (the
  * activations' rounding), plus float rounding of the scaled sums (each integer sum is
@@ -145,8 +145,10 @@ static inline __m512i unpack64(int qtype, const uint8_t *blk, int j) {
         return _mm512_xor_si512(q, _mm512_set1_epi8((char)0x80));
     }
     if (qtype == T_Q4_0) { /* blocks 2j and 2j + 1: 16 bytes each, low nibbles values 0-15, high 16-31 */
-        const __m256i q = _mm256_loadu2_m128i((const __m128i *)(blk + 36 * j + 20), (const __m128i *)(blk + 36 * j + 2));
-        const __m256i m = _mm256_set1_epi8(15), l = _mm256_and_si256(q, m), h = _mm256_and_si256(_mm256_srli_epi16(q, 4), m);
+        const __m256i q = _mm256_loadu2_m128i((const __m128i *)(blk + 36 * j + 20),
+                                              (const __m128i *)(blk + 36 * j + 2));
+        const __m256i m = _mm256_set1_epi8(15);
+        const __m256i l = _mm256_and_si256(q, m), h = _mm256_and_si256(_mm256_srli_epi16(q, 4), m);
         /* l: [low nibbles of 2j | of 2j + 1], h likewise -> values of block 2j, then of 2j + 1 */
         return join256(_mm256_permute2x128_si256(l, h, 0x20), _mm256_permute2x128_si256(l, h, 0x31));
     }
@@ -247,9 +249,10 @@ static inline __attribute__((always_inline)) void tile_times_tokens(int qtype, i
                 for (int t = 0; t < nt; ++t) sum[t] = dpbusd_bcast(sum[t], wv, xu + t * k + 4 * c);
             }
             const __m512 scale = _mm512_load_ps(s1 + u * 16);
-            for (int t = 0; t < nt; ++t)
-                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_set1_ps(dx[t * (k / 32) + u])),
-                                         scale, acc[t]);
+            for (int t = 0; t < nt; ++t) {
+                const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_set1_ps(dx[t * (k / 32) + u]));
+                acc[t] = _mm512_fmadd_ps(dot, scale, acc[t]);
+            }
         } else if (qtype != T_Q6_K) { /* one group: sum * dx * (d * scale) - (dmin * min) * xs32 */
             __m512i sum[TILE_TOKENS];
             for (int t = 0; t < nt; ++t) sum[t] = _mm512_setzero_si512();
