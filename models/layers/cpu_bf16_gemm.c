@@ -53,8 +53,8 @@ static inline float row_dot(const bf16 *w, const bf16 *x, int64_t K) {
 
 /* y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for m < M, n < N; x, w, bias and y bfloat16,
  * rows at strides ldx, ldw, ldy (elements); bias may be NULL. `threads` OpenMP threads
- * split the weight's rows, each a contiguous range of rows (one token) or of 4-row tiles
- * (more; x's row at stride ldx, y's at ldy, read only then). A tile's token groups
+ * split the weight's rows, each a contiguous range of them, taken one row at a time for
+ * one token (`row_dot`) and as 4-row tiles for more. A tile's token groups
  * share the prefetching of the tile two ahead (into L2: 1.2-1.4x at 1-16 rows on the
  * Zen 5 VM, against no prefetch or one tile ahead into L1): group g fetches rows g,
  * g + groups, ... */
