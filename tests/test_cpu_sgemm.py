@@ -164,7 +164,7 @@ def test_half_weight_rows_at_a_stride_and_16bit_activations():
     wide = torch.randn(50, 80, generator=gen).bfloat16()
     weight = wide[:, 3:43]  # rows 80 apart: a view, read in place
     assert weight.stride() == (80, 1)
-    for rows in (2, 9):
+    for rows in (1, 2, 9):  # 1: the one-row path (dot_row1)
         x = torch.randn(rows, 40, generator=gen).bfloat16()
         expected = reference(x.float(), weight.float(), None)
         torch.testing.assert_close(KERNEL.linear_half(x, weight).double(), expected, rtol=1e-5, atol=1e-4)
@@ -179,7 +179,7 @@ def test_half_weight_results_do_not_depend_on_the_thread_count():
     weight, bias = torch.randn(200, 96, generator=gen).bfloat16(), torch.randn(200, generator=gen)
     threads = torch.get_num_threads()
     try:
-        for rows in (3, 250):
+        for rows in (1, 3, 250):
             x = torch.randn(rows, 96, generator=gen)
             results = []
             for count in (1, 2, 3):

@@ -111,6 +111,7 @@ void cpu_sgemm(const float *x, int64_t m, int64_t k, const float *packed, int64_
  *
  * out[m, n] = x[m, k] . w[n, k]^T (+ bias[n]) in float32 for a bfloat16 or float16 weight
  * w [n, k] (rows at stride ldw) read where it was loaded: no packed copy.
+ * - One row of x: each thread's weight rows one at a time (`dot_row1`).
  * - Up to DOT_MAX_ROWS rows of x (decode batches), each output is a dot product of a
  *   weight row and a row of x, 8 values a step (half_dot.h): a tile of W weight rows
  *   widened once per step serves R <= DOT_ROWS rows of x (W * R <= 12 running sums); the
@@ -123,7 +124,9 @@ void cpu_sgemm(const float *x, int64_t m, int64_t k, const float *packed, int64_
  * Against the packed float32 copy it replaces (2026-12-05, 2-core Zen 3 VM, 5632x2048 and
  * 2048x5632 bf16): 2.2-2.4x at 1 row, 1.1-1.5x at 2-8, on par at 16 and from 32 to 1024
  * rows (0.94-1.03x). Up to 20 rows the dot products beat the panels (2.8 against 3.3 ms
- * at 16 rows).
+ * at 16 rows). One row, since taken a weight row at a time: 1.05-1.08x the 8-row tile it
+ * replaced (an 853M Llama's float16 weights, AVX2 and native builds, paired, Zen 4 VM,
+ * 2026-12-06).
  * Products and sums are float32 (a bf16 or fp16 value widens exactly). Each output is one
  * thread's sum, so results do not depend on the thread count. */
 
@@ -149,8 +152,36 @@ static inline __attribute__((always_inline)) void widen_panel(const uint16_t *w,
             p[kk * NR + c] = c < cols ? widen1(w[(n0 + c) * ldw + kk], bf16) : 0.0f;
 }
 
+/* One row of x (a batch-1 decode) against weight row w: four 8-lane sums, 32 values a
+ * step, then the tail; in k order per lane, so the same whatever the thread count. One
+ * weight row at a time, each thread's rows one sequential stream: 8 rows interleaved
+ * (dot_rows' tile for one row of x) read an 853M Llama's float16 weights at 0.86x the
+ * rate of the bf16 kernel's one-token rows on the Zen 4 VM (2026-12-06, paired), where 2
+ * or 4 interleaved rows of 256-bit loads read at 0.68-0.85x one. */
+static inline __attribute__((always_inline)) float dot_row1(const float *x, int64_t k, const uint16_t *w,
+                                                           const int bf16) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t kk = 0;
+    for (; kk + 32 <= k; kk += 32) {
+        a0 = _mm256_fmadd_ps(widen8(w + kk, bf16), _mm256_loadu_ps(x + kk), a0);
+        a1 = _mm256_fmadd_ps(widen8(w + kk + 8, bf16), _mm256_loadu_ps(x + kk + 8), a1);
+        a2 = _mm256_fmadd_ps(widen8(w + kk + 16, bf16), _mm256_loadu_ps(x + kk + 16), a2);
+        a3 = _mm256_fmadd_ps(widen8(w + kk + 24, bf16), _mm256_loadu_ps(x + kk + 24), a3);
+    }
+    for (; kk + 8 <= k; kk += 8) a0 = _mm256_fmadd_ps(widen8(w + kk, bf16), _mm256_loadu_ps(x + kk), a0);
+    float sum = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; kk < k; kk++) sum += widen1(w[kk], bf16) * x[kk];
+    return sum;
+}
+
 static void half_gemm(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t ldw, int64_t n,
                       const float *bias, float *out, int nthreads, const int bf16, int *status) {
+    if (m == 1) { /* each thread a contiguous range of weight rows, one at a time */
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t j = 0; j < n; j++)
+            out[j] = (bf16 ? dot_row1(x, k, w + j * ldw, 1) : dot_row1(x, k, w + j * ldw, 0)) + (bias ? bias[j] : 0.0f);
+        return;
+    }
     if (m <= DOT_MAX_ROWS) {
         /* Blocks of DOT_BLOCK weight rows (a multiple of every tile's W) per task; within a
          * block, the rows of x in equal groups of at most DOT_ROWS, each group over the

@@ -1,6 +1,6 @@
 /* Dot products of float32 activation rows with 16-bit (bfloat16 or float16) weight rows
  * read where they lie, widened to float32 8 values at a time, with AVX2 and FMA: the
- * decode-size product of cpu_sgemm.c (its `half_gemm`, whose comment has the numbers)
+ * 2-16-row product of cpu_sgemm.c (its `half_gemm`, whose comment has the numbers)
  * and the experts of fused_moe/cpu_moe.c on CPUs without AVX-512 BF16. Each output is
  * one dot product in k order, summed in 8 lanes and then across, so it does not depend
  * on how a caller splits its rows among threads. Static inline: each includer compiles
