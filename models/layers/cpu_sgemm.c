@@ -153,7 +153,7 @@ static inline __attribute__((always_inline)) void widen_panel(const uint16_t *w,
 }
 
 /* One row of x (a batch-1 decode) against weight row w: four 8-lane sums, 32 values a
- * step, then the tail; in k order per lane, so the same whatever the thread count. One
+ * step, then the tail, in a fixed order, so the same whatever the thread count. One
  * weight row at a time, each thread's rows one sequential stream: 8 rows interleaved
  * (dot_rows' tile for one row of x) read an 853M Llama's float16 weights at 0.86x the
  * rate of the bf16 kernel's one-token rows on the Zen 4 VM (2026-12-06, paired), where 2
