@@ -18,6 +18,7 @@
 #endif
 
 #include "bf16_tile.h"
+#include "half_dot.h" /* hsum */
 
 /* The dot product of one weight row with one token, both K contiguous bfloat16 values:
  * 256-bit VDPBF16PS into four 8-lane float32 sums (64 values a step), the tail masked,
@@ -45,10 +46,7 @@ static inline float row_dot(const bf16 *w, const bf16 *x, int64_t K) {
         a1 = _mm256_dpbf16_ps(a1, (__m256bh)_mm256_maskz_loadu_epi16(mask, w + k),
                               (__m256bh)_mm256_maskz_loadu_epi16(mask, x + k));
     }
-    const __m256 s = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 
 /* y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for m < M, n < N; x, w, bias and y bfloat16,

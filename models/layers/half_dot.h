@@ -3,8 +3,9 @@
  * 2-16-row product of cpu_sgemm.c (its `half_gemm`, whose comment has the numbers)
  * and the experts of fused_moe/cpu_moe.c on CPUs without AVX-512 BF16. Each output is
  * one dot product in k order, summed in 8 lanes and then across, so it does not depend
- * on how a caller splits its rows among threads. Static inline: each includer compiles
- * its own copy. */
+ * on how a caller splits its rows among threads (`hsum`, the sum across, serves the
+ * one-row products of cpu_sgemm.c and cpu_bf16_gemm.c too). Static inline: each includer
+ * compiles its own copy. */
 #ifndef HALF_DOT_H
 #define HALF_DOT_H
 

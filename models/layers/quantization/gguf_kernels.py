@@ -164,13 +164,13 @@ class GGUFKernels:
         self._rows.argtypes = [i32, p, i64, i64, p, i64, p, i64, i32]
         # Whether this build has AVX-512 BF16 (the bf16 entry points answer -2 where not).
         self.has_bf16 = self._rows_bf16(GGUF_FORMATS["Q8_0"].type_id, None, 0, 32, 0, None, 0, 1) != -2
-        # The types the int8 tiles take (none without AVX-512 VNNI or AVX2; `INT8_TILE_TYPES`, and
-        # Q4_0 on VNNI), and from how many tokens: the library's own rule.
+        # The types the int8 tiles take (`INT8_TILE_TYPES`, Q4_0 on VNNI) from how many tokens: the library's rule.
         min_tokens = lib.gguf_int8_tile_min_tokens
         min_tokens.restype, min_tokens.argtypes = ctypes.c_int, [i32]
         self.int8_tile_min_tokens = {name: n for name, fmt in GGUF_FORMATS.items() if (n := min_tokens(fmt.type_id))}
-        self.int8_tile_types = frozenset(self.int8_tile_min_tokens)
-        self.has_int8_tiles = bool(self.int8_tile_types)
+
+    int8_tile_types = property(lambda self: frozenset(self.int8_tile_min_tokens))  # both follow the rule
+    has_int8_tiles = property(lambda self: bool(self.int8_tile_min_tokens))
 
     def int8_tiles_take(self, qtype: str, tokens: int) -> bool:
         """Whether `tokens` tokens of 16-bit activations times `qtype` rows take the int8 tiles."""
