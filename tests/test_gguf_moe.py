@@ -33,6 +33,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from models.layers import cpu_sgemm
 from models.layers.quantization import gguf_moe
 from tests.conftest import run_tp
 from tests.moe_checkpoints import decode_with_graphs, experts_layer, grouped_apply, write_moe_checkpoint
@@ -260,6 +261,86 @@ def test_c_kernel_under_expert_parallelism_and_bad_ids(files: dict[str, SimpleNa
     ids[3, 1] = 4
     with pytest.raises(ValueError, match="outside the model's 4 experts"):
         method.apply(rank, x, weights, ids)
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_c_kernel_does_not_depend_on_the_thread_count(files: dict[str, SimpleNamespace], name: str) -> None:
+    """Every expert's products are one parallel loop over all their rows, split between
+    threads by rows weighted by each expert's tokens: each output is one thread's sum in a
+    fixed order, so 1, 2 and 3 threads give the same bits, for one token (every expert
+    reading one quantised input) and for batches whose experts get different counts."""
+    from models.layers.fused_moe.router import fused_topk
+
+    layer = experts_layer(files[name].path, "bfloat16")
+    gen = torch.Generator().manual_seed(21)
+    threads = torch.get_num_threads()
+    try:
+        for tokens in (1, 3, 16):
+            x = torch.randn(tokens, layer.w2_qweight.shape[1], generator=gen).bfloat16()
+            weights, ids = fused_topk(torch.randn(tokens, 4, generator=gen), 2, True)
+            results = []
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                results.append(layer.quant_method.apply(layer, x, weights, ids))
+            assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2]), tokens
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_c_kernel_with_no_local_pair_gives_zeros(files: dict[str, SimpleNamespace]) -> None:
+    """A rank holding experts 2 and 3 of 4 while every token picks experts 0 and 1: no
+    product runs, and the rank's share of the output is zeros (the all-reduce adds the
+    other rank's)."""
+    full = experts_layer(files["q4_k_m"].path, "bfloat16")
+    rank = SimpleNamespace(w13_qweight=full.w13_qweight[2:].contiguous(), w2_qweight=full.w2_qweight[2:].contiguous(),
+                           expert_map=torch.tensor([-1, -1, 0, 1]), num_experts=4, quant_method=full.quant_method)
+    x = torch.randn(5, full.w2_qweight.shape[1], generator=torch.Generator().manual_seed(8)).bfloat16()
+    ids = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1]])
+    out = full.quant_method.apply(rank, x, torch.full((5, 2), 0.5), ids)
+    assert out.shape == x.shape and not out.any()
+
+
+@pytest.mark.skipif(not cpu_sgemm.cpu_has_avx2(), reason="no AVX2/FMA on this CPU")
+def test_c_kernel_of_the_avx2_build(files: dict[str, SimpleNamespace], tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The experts' one call as an AVX2 CPU without AVX-512 builds it (gguf_avx2.c's
+    products, built here whatever this CPU adds): against the exact product at 1, 5 and 16
+    tokens, and a token's row the same alone as in a batch of 64 whose experts get 20-45
+    tokens each (K-quant experts' tokens go 7 at a time, so their activations are quantised
+    per 256 values, as one token's are, where the AVX2 products take 8 tokens or more per
+    32)."""
+    from distributed.native_build import load_kernel
+    from models.layers.fused_moe.router import fused_topk
+    from models.layers.quantization import gguf_kernels
+
+    monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
+    avx2 = load_kernel(gguf_kernels.SOURCES, ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp",
+                                              "-fPIC"), gguf_kernels.LINK_FLAGS, gguf_kernels.LINK_LIBS,
+                       gguf_kernels.GGUFKernels, "%s")
+    assert avx2 is not None and not avx2.has_bf16
+    monkeypatch.setattr(gguf_moe, "load", lambda: avx2)
+    for name in FILES:
+        layer = experts_layer(files[name].path, "bfloat16")
+        w13, w2 = (w.double() for w in layer.quant_method.dequantized_weights(layer))
+        inter = w13.shape[1] // 2
+        gen = torch.Generator().manual_seed(4)
+        for tokens in (1, 5, 16):
+            x = torch.randn(tokens, w2.shape[1], generator=gen).bfloat16()
+            weights, ids = fused_topk(torch.randn(tokens, 4, generator=gen), 2, True)
+            exact = torch.zeros(tokens, w2.shape[1], dtype=torch.float64)
+            for t in range(tokens):
+                for j in range(2):
+                    gate_up = w13[int(ids[t, j])] @ x[t].double()
+                    exact[t] += float(weights[t, j]) * (w2[int(ids[t, j])] @ (
+                        torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]))
+            assert rel_err(layer.quant_method.apply(layer, x, weights, ids), exact) < 3e-2, (name, tokens)
+        x = torch.randn(64, w2.shape[1], generator=gen).bfloat16()
+        weights, ids = fused_topk(torch.randn(64, 4, generator=gen), 2, True)
+        assert ids.flatten().bincount().min() >= 8
+        batch = layer.quant_method.apply(layer, x, weights, ids)
+        for t in (0, 17, 63):
+            assert torch.equal(batch[t:t + 1], layer.quant_method.apply(layer, x[t:t + 1], weights[t:t + 1],
+                                                                        ids[t:t + 1])), (name, t)
 
 
 def test_gguf_moe_decode_steps_are_recorded_and_replay_eager(files: dict[str, SimpleNamespace]) -> None:

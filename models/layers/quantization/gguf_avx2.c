@@ -1,7 +1,8 @@
 /* GGUF block products with int8 activations on AVX2 CPUs without AVX-512 VNNI: the same
- * entry point and contract as gguf_vnni.c's (gguf_gemm_q8_shards, described in
- * gguf_kernels.py), built instead of it where the compiler targets AVX2, FMA and F16C but
- * not AVX-512 VNNI (Zen 2/3, Intel before Ice Lake); gguf_vnni.c then compiles no entry.
+ * entry point and contract as gguf_vnni.c's (gguf_gemm_q8_groups, described in
+ * gguf_kernels.py; gguf_vnni.c's gguf_gemm_q8_shards, its one-input form, calls this
+ * one), built instead of it where the compiler targets AVX2, FMA and F16C but not
+ * AVX-512 VNNI (Zen 2/3, Intel before Ice Lake); gguf_vnni.c then computes none.
  *
  * x is quantised to int8 per token as llama.cpp quantises it for these rows, with a float
  * scale dx = amax / 127 (rounded to nearest even): per 32 values for Q4_0 and Q8_0 (its
@@ -32,6 +33,8 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdlib.h>
+
+#include "gguf_groups.h"
 
 /* Every block's line is prefetched this far ahead (a one-token Q8_0 product read from
  * memory went 17 -> 34 GB/s against one prefetch per four blocks; 2 and 8 KiB were
@@ -315,57 +318,65 @@ static void rows_times_ax(int qtype, int per32, const uint8_t *w, int64_t row_by
 #undef CASE
 #undef ROWS
 
-/* See gguf_vnni.c's gguf_gemm_q8_shards: the same contract; -2 is never returned here. */
-int gguf_gemm_q8_shards(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
-                        const int64_t *row_bytes, int64_t k, const void *x, int x_dtype, int64_t ldx, int64_t m,
-                        void *y, int y_dtype, int64_t ldy, int num_threads) {
-    int used[2] = {0, 0}; /* [0]: per 32 (Q4_0, Q8_0), [1]: per 256 (the K-quants) */
-    int64_t total = 0;
-    for (int i = 0; i < n; ++i) {
+/* See gguf_vnni.c's gguf_gemm_q8_groups: the same contract; -2 is never returned here.
+ * The K-quants' activations are quantised per 256 values for a group of fewer than
+ * KQ_PER32_TOKENS tokens (decode), per 32 from there on (prefill, batches), as the int8
+ * tiles (gguf_avx2_tiles.c) quantise them. */
+int gguf_gemm_q8_groups(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
+                        const int64_t *row_bytes, int64_t k, const void *const *x, const int64_t *m, int x_dtype,
+                        int64_t ldx, void *const *y, int y_dtype, int64_t ldy, int num_threads) {
+    for (int i = 0; i < n; ++i)
         if (block_bytes(qtypes[i]) == 0) return -1;
-        used[block_size(qtypes[i]) == 256] = 1;
-        total += rows[i];
-    }
     if (x_dtype < 0 || x_dtype > 2 || y_dtype < 0 || y_dtype > 2) return -1;
-    const out_t out = {y, y_dtype, ldy};
-    /* The K-quants' activations per 256 values for a few tokens (decode), per 32 from
-     * KQ_PER32_TOKENS on (prefill, batches), as gguf_vnni.c and its tiles split them. */
-    const int kq_group = m >= KQ_PER32_TOKENS ? 32 : 256;
+    if (n <= 0) return 0;
     const size_t per_token = (size_t)k + ((size_t)k / 32 + (size_t)k / 16 + (size_t)k / 32) * sizeof(float);
-    uint8_t *scratch = malloc(2 * per_token * (size_t)m + 64);
-    ax_t *ax = malloc(2 * sizeof(ax_t) * (size_t)m);
+    int64_t *slot = malloc(2 * sizeof(int64_t) * (size_t)n + 2 * sizeof(int) * (size_t)n);
+    if (!slot) return -3;
+    int64_t *work = slot + n; /* where each group's work starts */
+    int *group = (int *)(work + n), *owner = group + n; /* group[i]: 32 or 256 values a scale */
+    int64_t total = 0, rows_total = 0;
+    for (int i = 0; i < n; ++i) {
+        group[i] = block_size(qtypes[i]) == 256 && m[i] < KQ_PER32_TOKENS ? 256 : 32;
+        work[i] = total;
+        total += rows[i] * group_row_cost(m[i]);
+        rows_total += rows[i];
+    }
+    const int64_t slots = group_slots(n, x, m, group, slot, owner);
+    uint8_t *scratch = malloc(per_token * (size_t)slots + 64);
+    ax_t *ax = malloc(sizeof(ax_t) * (size_t)(slots ? slots : 1));
     if (!scratch || !ax) {
         free(scratch);
         free(ax);
+        free(slot);
         return -3;
     }
     const size_t x_bytes = x_dtype == 0 ? sizeof(float) : sizeof(uint16_t);
-    for (int64_t t = 0; t < m; ++t) {
-        const void *xt = (const uint8_t *)x + (size_t)(t * ldx) * x_bytes;
-        for (int g = 0; g < 2; ++g) {
-            if (!used[g]) continue;
-            uint8_t *base = scratch + ((size_t)g * (size_t)m + (size_t)t) * per_token;
+    for (int i = 0; i < n; ++i) {
+        if (!owner[i]) continue;
+        for (int64_t t = 0; t < m[i]; ++t) {
+            uint8_t *base = scratch + (size_t)(slot[i] + t) * per_token;
             float *f = (float *)(base + k); /* k is a multiple of 32: aligned enough for floats */
-            ax[g * m + t] = (ax_t){(int8_t *)base, f, f + k / 32, f + k / 32 + k / 16};
-            quantize_groups(xt, x_dtype, k, g ? kq_group : 32, &ax[g * m + t]);
+            ax[slot[i] + t] = (ax_t){(int8_t *)base, f, f + k / 32, f + k / 32 + k / 16};
+            quantize_groups((const uint8_t *)x[i] + (size_t)(t * ldx) * x_bytes, x_dtype, k, group[i],
+                            &ax[slot[i] + t]);
         }
     }
-    /* each thread a contiguous run of the shards' rows (as a static schedule splits them) */
-#pragma omp parallel num_threads(num_threads) if (total * k >= (1 << 15))
+#pragma omp parallel num_threads(num_threads) if (rows_total * k >= (1 << 15))
     {
         const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t g0 = total * id / nth, g1 = total * (id + 1) / nth;
-        int64_t o = 0; /* the first row of shard i */
-        for (int i = 0; i < n; o += rows[i++]) {
-            const int64_t r0 = g0 > o ? g0 - o : 0, r1 = g1 - o < rows[i] ? g1 - o : rows[i];
-            const ax_t *a = ax + (block_size(qtypes[i]) == 256) * m;
-            for (int64_t t0 = 0; t0 < m && r0 < r1; t0 += MAX_TOKENS)
-                rows_times_ax(qtypes[i], kq_group == 32, w[i], row_bytes[i], r0, r1, k, a + t0,
-                              (int)(m - t0 < MAX_TOKENS ? m - t0 : MAX_TOKENS), &out, t0, o);
+        const int64_t w0 = total * id / nth, w1 = total * (id + 1) / nth;
+        for (int i = 0; i < n; ++i) {
+            int64_t r0, r1;
+            group_rows(w0, w1, work[i], group_row_cost(m[i]), rows[i], &r0, &r1);
+            const out_t out = {y[i], y_dtype, ldy};
+            for (int64_t t0 = 0; t0 < m[i] && r0 < r1; t0 += MAX_TOKENS)
+                rows_times_ax(qtypes[i], group[i] == 32, w[i], row_bytes[i], r0, r1, k, ax + slot[i] + t0,
+                              (int)(m[i] - t0 < MAX_TOKENS ? m[i] - t0 : MAX_TOKENS), &out, t0, 0);
         }
     }
     free(scratch);
     free(ax);
+    free(slot);
     return 0;
 }
 #endif

@@ -98,7 +98,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_kernels.c")
 #: The library's sources (the module docstring's) and the headers they share.
-SOURCES = (SOURCE, SOURCE.with_name("gguf_vnni.c"), SOURCE.with_name("gguf_avx2.c"),
+SOURCES = (SOURCE, SOURCE.with_name("gguf_vnni.c"), SOURCE.with_name("gguf_avx2.c"), SOURCE.with_name("gguf_groups.h"),
            SOURCE.with_name("gguf_quantize_x.h"), SOURCE.parent.parent / "fused_moe" / "expert_pairs.h",
            SOURCE.with_name("gguf_vnni_tiles.c"), SOURCE.with_name("gguf_avx2_tiles.c"),
            SOURCE.with_name("gguf_avx2_unpack.h"), SOURCE.parent.parent / "tile_sum.h",

@@ -22,12 +22,13 @@ file's. The types come per layer from the GGUF config's `tensor_types`
 loader knows its name (`GGUFConfig.selects_moe_by_name`).
 
 Compute, on the CPU: a decode step of 16-bit activations (up to `MAX_KERNEL_TOKENS`
-tokens) in one C call (gguf_moe.c: the pairs sorted by expert, each active expert's
-tokens through the dense GGUF layers' int8 products, gate/up and the activation kept in
-float32), which reads the routing from tensors, so the step records and replays as a
-CPU graph. Otherwise (a prefill, float32 activations, CUDA) the tokens are grouped per
-expert in torch (`grouped_moe.grouped_experts`: a host read of the per-expert counts,
-eager) and each product is the dense layers' (`gguf_linear`: int8 products or tiles of
+tokens) in one C call (gguf_moe.c: the pairs sorted by expert, every active expert's
+tokens through the dense GGUF layers' int8 products, one parallel loop for all gate/up
+rows and one for all down rows, gate/up and the activation kept in float32), which
+reads the routing from tensors, so the step records and replays as a CPU graph.
+Otherwise (a prefill, float32 activations, CUDA) the tokens are grouped per expert in
+torch (`grouped_moe.grouped_experts`: a host read of the per-expert counts, eager) and
+each product is the dense layers' (`gguf_linear`: int8 products or tiles of
 16-bit activations, float products of float32 ones, through each expert's kernel plan,
 built once). No CUDA graph captures these layers (`supports_cuda_graphs`). Called by
 `FusedMoE.forward` on every rank with this rank's experts.

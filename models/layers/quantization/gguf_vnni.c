@@ -1,7 +1,10 @@
-/* GGUF block products with int8 activations (gguf_gemm_q8_shards): the blocks'
- * integers multiplied by int8-quantised activations with AVX-512 VNNI. Its contract is in
- * gguf_kernels.py, which compiles it with gguf_kernels.c (the block layouts) and is its
- * only caller. */
+/* GGUF block products with int8 activations (gguf_gemm_q8_groups, and on every build
+ * gguf_gemm_q8_shards, its one-input form, whichever of this file and gguf_avx2.c
+ * computes the groups): the blocks' integers multiplied by int8-quantised activations
+ * with AVX-512 VNNI. Its contract is in gguf_kernels.py, which compiles it with
+ * gguf_kernels.c (the block layouts); gguf_moe.c calls the groups. */
+
+#include <stdlib.h>
 
 #include "gguf_blocks.h"
 
@@ -24,8 +27,8 @@
  * activations' rounding, dx that of the value's 32 or 256), plus float rounding. */
 #ifdef GGUF_INT8_VNNI
 #include <omp.h>
-#include <stdlib.h>
 
+#include "gguf_groups.h"
 #include "gguf_quantize_x.h"
 
 #define PREFETCH_BYTES 12288
@@ -266,70 +269,108 @@ static void rows_times_qx(int qtype, const uint8_t *w, int64_t row_bytes, int64_
 #undef K_CASE
 #undef ROWS
 
-/* The product of n weights sharing one input (a fused layer's shards: q, k, v; gate,
- * up), each `rows[i]` rows of `qtypes[i]` blocks at w[i] (row r at w[i] + r *
- * row_bytes[i]), with tokens t < m of x (x_dtype as x_row's, row stride ldx):
- * y[t * ldy + o_i + r] = W_i[r, :] . x[t, :] (y_dtype: out_t's), o_i the rows of the
- * shards before i. x is
- * quantised to int8 once per order its shards read, and one parallel loop runs over
- * every shard's rows. Returns 0; -1 for an unknown type or dtype (nothing written);
- * -2 when this build has no VNNI; -3 when scratch cannot be allocated. */
-int gguf_gemm_q8_shards(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
-                        const int64_t *row_bytes, int64_t k, const void *x, int x_dtype, int64_t ldx, int64_t m,
-                        void *y, int y_dtype, int64_t ldy, int num_threads) {
-    int used[N_ORDERS] = {0, 0, 0};
-    int64_t total = 0;
-    for (int i = 0; i < n; ++i) {
+/* The products of n weights, each times its own tokens: weight i (`rows[i]` rows of
+ * `qtypes[i]` blocks at w[i], row r at w[i] + r * row_bytes[i]) times the m[i] tokens
+ * at x[i] (x_dtype as x_row's, row stride ldx), into y[i] (y_dtype: out_t's; row stride
+ * ldy): y[i][t * ldy + r] = W_i[r, :] . x_i[t, :]. Each input is quantised to int8 once
+ * per order its groups read (groups with the same x and m share it: gguf_groups.h), and
+ * one parallel loop runs over every group's rows, each thread a contiguous run of them
+ * weighted by their tokens. Callers: gguf_gemm_q8_shards (one input), gguf_moe.c (an
+ * expert a group). Returns 0; -1 for an unknown type or dtype (nothing written); -2 when
+ * this build has no VNNI; -3 when scratch cannot be allocated. */
+int gguf_gemm_q8_groups(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
+                        const int64_t *row_bytes, int64_t k, const void *const *x, const int64_t *m, int x_dtype,
+                        int64_t ldx, void *const *y, int y_dtype, int64_t ldy, int num_threads) {
+    for (int i = 0; i < n; ++i)
         if (block_bytes(qtypes[i]) == 0) return -1;
-        used[x_order(qtypes[i])] = 1;
-        total += rows[i];
-    }
     if (x_dtype < 0 || x_dtype > 2 || y_dtype < 0 || y_dtype > 2) return -1;
-    const out_t out = {y, y_dtype, ldy};
+    if (n <= 0) return 0;
     const int64_t kpad = (k + 255) / 256 * 256;
     const size_t per_token = (size_t)kpad + ((size_t)kpad / 4 + (size_t)kpad / 16) * sizeof(float);
-    uint8_t *scratch = malloc(N_ORDERS * per_token * (size_t)m + (size_t)k * sizeof(float));
-    qx_t *qx = malloc(N_ORDERS * sizeof(qx_t) * (size_t)m);
+    int64_t *slot = malloc(2 * sizeof(int64_t) * (size_t)n + 2 * sizeof(int) * (size_t)n);
+    if (!slot) return -3;
+    int64_t *work = slot + n; /* where each group's work starts */
+    int *order = (int *)(work + n), *owner = order + n;
+    int64_t total = 0, rows_total = 0;
+    for (int i = 0; i < n; ++i) {
+        order[i] = x_order(qtypes[i]);
+        work[i] = total;
+        total += rows[i] * group_row_cost(m[i]);
+        rows_total += rows[i];
+    }
+    const int64_t slots = group_slots(n, x, m, order, slot, owner);
+    uint8_t *scratch = malloc(per_token * (size_t)slots + (size_t)k * sizeof(float));
+    qx_t *qx = malloc(sizeof(qx_t) * (size_t)(slots ? slots : 1));
     if (!scratch || !qx) {
         free(scratch);
         free(qx);
+        free(slot);
         return -3;
     }
-    float *xbuf = (float *)(scratch + N_ORDERS * per_token * (size_t)m);
-    for (int64_t t = 0; t < m; ++t) {
-        const float *xt = x_row(x, x_dtype, ldx, t, k, xbuf);
-        for (int order = 0; order < N_ORDERS; ++order) {
-            if (!used[order]) continue;
-            uint8_t *base = scratch + ((size_t)order * (size_t)m + (size_t)t) * per_token;
+    float *xbuf = (float *)(scratch + per_token * (size_t)slots);
+    for (int i = 0; i < n; ++i) {
+        if (!owner[i]) continue;
+        for (int64_t t = 0; t < m[i]; ++t) {
+            uint8_t *base = scratch + (size_t)(slot[i] + t) * per_token;
             float *f = (float *)(base + kpad);
-            qx[order * m + t] = (qx_t){(int8_t *)base, f, f + kpad / 4, f, f + kpad / 256};
-            quantize_x(xt, k, kpad, order, &qx[order * m + t]);
+            qx[slot[i] + t] = (qx_t){(int8_t *)base, f, f + kpad / 4, f, f + kpad / 256};
+            quantize_x(x_row(x[i], x_dtype, ldx, t, k, xbuf), k, kpad, order[i], &qx[slot[i] + t]);
         }
     }
-    /* each thread a contiguous run of the shards' rows (as a static schedule splits them) */
-#pragma omp parallel num_threads(num_threads) if (total * k >= (1 << 15))
+#pragma omp parallel num_threads(num_threads) if (rows_total * k >= (1 << 15))
     {
         const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t g0 = total * id / nth, g1 = total * (id + 1) / nth;
-        int64_t o = 0; /* the first row of shard i */
-        for (int i = 0; i < n; o += rows[i++]) {
-            const int64_t r0 = g0 > o ? g0 - o : 0, r1 = g1 - o < rows[i] ? g1 - o : rows[i];
-            const qx_t *q = qx + x_order(qtypes[i]) * m;
-            for (int64_t t0 = 0; t0 < m && r0 < r1; t0 += MAX_TOKENS)
-                rows_times_qx(qtypes[i], w[i], row_bytes[i], r0, r1, k, q + t0,
-                              (int)(m - t0 < MAX_TOKENS ? m - t0 : MAX_TOKENS), &out, t0, o);
+        const int64_t w0 = total * id / nth, w1 = total * (id + 1) / nth;
+        for (int i = 0; i < n; ++i) {
+            int64_t r0, r1;
+            group_rows(w0, w1, work[i], group_row_cost(m[i]), rows[i], &r0, &r1);
+            const out_t out = {y[i], y_dtype, ldy};
+            for (int64_t t0 = 0; t0 < m[i] && r0 < r1; t0 += MAX_TOKENS)
+                rows_times_qx(qtypes[i], w[i], row_bytes[i], r0, r1, k, qx + slot[i] + t0,
+                              (int)(m[i] - t0 < MAX_TOKENS ? m[i] - t0 : MAX_TOKENS), &out, t0, 0);
         }
     }
     free(scratch);
     free(qx);
+    free(slot);
     return 0;
 }
-#elif !defined(GGUF_INT8_AVX2) /* gguf_avx2.c defines it there */
-int gguf_gemm_q8_shards(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
-                        const int64_t *row_bytes, int64_t k, const void *x, int x_dtype, int64_t ldx, int64_t m,
-                        void *y, int y_dtype, int64_t ldy, int num_threads) {
-    (void)n; (void)qtypes; (void)w; (void)rows; (void)row_bytes; (void)k; (void)x; (void)x_dtype; (void)ldx;
-    (void)m; (void)y; (void)y_dtype; (void)ldy; (void)num_threads;
+#endif
+
+#if defined(GGUF_INT8_AVX2)
+int gguf_gemm_q8_groups(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
+                        const int64_t *row_bytes, int64_t k, const void *const *x, const int64_t *m, int x_dtype,
+                        int64_t ldx, void *const *y, int y_dtype, int64_t ldy, int num_threads); /* gguf_avx2.c */
+#elif !defined(GGUF_INT8_VNNI)
+int gguf_gemm_q8_groups(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
+                        const int64_t *row_bytes, int64_t k, const void *const *x, const int64_t *m, int x_dtype,
+                        int64_t ldx, void *const *y, int y_dtype, int64_t ldy, int num_threads) {
+    (void)n; (void)qtypes; (void)w; (void)rows; (void)row_bytes; (void)k; (void)x; (void)m; (void)x_dtype;
+    (void)ldx; (void)y; (void)y_dtype; (void)ldy; (void)num_threads;
     return -2;
 }
 #endif
+
+/* The product of n weights sharing one input (a fused layer's shards: q, k, v; gate,
+ * up), each `rows[i]` rows of `qtypes[i]` blocks at w[i] (row r at w[i] + r *
+ * row_bytes[i]), with tokens t < m of x (x_dtype as x_row's, row stride ldx):
+ * y[t * ldy + o_i + r] = W_i[r, :] . x[t, :] (y_dtype: out_t's), o_i the rows of the
+ * shards before i: gguf_gemm_q8_groups with one input, x quantised once per order its
+ * shards read. Returns as that does. */
+int gguf_gemm_q8_shards(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
+                        const int64_t *row_bytes, int64_t k, const void *x, int x_dtype, int64_t ldx, int64_t m,
+                        void *y, int y_dtype, int64_t ldy, int num_threads) {
+    const void **xs = malloc((sizeof(void *) * 2 + sizeof(int64_t)) * (size_t)(n > 0 ? n : 1));
+    if (!xs) return -3;
+    void **ys = (void **)(xs + n);
+    int64_t *ms = (int64_t *)(ys + n), o = 0;
+    for (int i = 0; i < n; o += rows[i++]) {
+        xs[i] = x;
+        ms[i] = m;
+        ys[i] = (uint8_t *)y + (size_t)o * (y_dtype == 0 ? sizeof(float) : sizeof(uint16_t));
+    }
+    const int status = gguf_gemm_q8_groups(n, qtypes, w, rows, row_bytes, k, xs, ms, x_dtype, ldx, ys, y_dtype, ldy,
+                                           num_threads);
+    free(xs);
+    return status;
+}
