@@ -96,14 +96,10 @@ class Tokenizer:
         """
         from model_loader.gguf_utils import open_gguf  # lazily: only GGUF models need it
 
-        reader = open_gguf(path, "r")
+        metadata = open_gguf(path, "r").metadata
 
         def get(key: str, default: Any = None) -> Any:
-            field = reader.fields.get(key)
-            if field is None:
-                return default
-            value = field.contents()
-            return value.item() if hasattr(value, "item") and not isinstance(value, (list, str)) else value
+            return metadata.get(key, default)
 
         model = get("tokenizer.ggml.model")
         if model is None or get("tokenizer.ggml.tokens") is None:

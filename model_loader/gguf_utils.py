@@ -5,23 +5,23 @@ process) to build the `hf_config` namespace the models expect from the GGUF meta
 and by `GGUFModelLoader` on every rank to stream (HF name, tensor) pairs into the
 model's normal `load_weights`, so TP slicing works unchanged.
 
-Memory: `GGUFReader` memory-maps the file. Tensors the model holds as GGUF blocks
-(`hf_config.quantization_config`, decided by model_loader/gguf_quant.py) are yielded as
-`<module>.qweight`, zero-copy uint8 views of their [rows, row_bytes] bytes, and each
-rank's weight loader copies only its rows or blocks: resident weights are about the
-file's bytes (this rank's share of them). F32/F16/BF16 tensors are zero-copy views too;
-tensors of a type with no kernel become one float32 tensor at a time. A mixture of
-experts' stacked expert tensors (`ffn_gate_exps` ... [E, rows, cols]) are handed over one
-expert at a time under each expert's HF name (views of the stack). Llama q/k rows are
-un-permuted (llama.cpp's convert script reorders them for its interleaved RoPE): a row
-permutation, so it moves whole rows of blocks, and costs one copy of that tensor.
+Memory: `open_gguf` memory-maps the file (model_loader/gguf_reader.py). Tensors the
+model holds as GGUF blocks (`hf_config.quantization_config`, decided by
+model_loader/gguf_quant.py) are yielded as `<module>.qweight`, zero-copy uint8 views of
+their [rows, row_bytes] bytes, and each rank's weight loader copies only its rows or
+blocks: resident weights are about the file's bytes (this rank's share of them).
+F32/F16/BF16 tensors are zero-copy views too; tensors of a type with no kernel become
+one float32 tensor at a time. A mixture of experts' stacked expert tensors
+(`ffn_gate_exps` ... [E, rows, cols]) are handed over one expert at a time under each
+expert's HF name (views of the stack). Llama q/k rows are un-permuted (llama.cpp's
+convert script reorders them for its interleaved RoPE): a row permutation, so it moves
+whole rows of blocks, and costs one copy of that tensor.
 
 Only tensor bytes and typed metadata are read: nothing is unpickled or executed.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 from collections.abc import Iterator
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from model_loader.gguf_quant import gguf_quantization_config, held_type
+from model_loader.gguf_reader import GGUFFile, StringArray
 from models.errors import UnsupportedArchitectureError, WeightLoadError
 
 # general.architecture -> (HF architectures entry, model_type). Mistral GGUFs say "llama".
@@ -100,59 +101,33 @@ def find_gguf_file(model: str | Path) -> Path:
     raise GGUFError(f"model={str(model)!r} is neither a .gguf file nor a local directory")
 
 
-def open_gguf(path: str | os.PathLike[str], mode: str = "c") -> Any:
-    """A GGUFReader over a memory mapping of `path`: copy-on-write by default (writable
-    views, nothing copied unless written), or read-only (`mode="r"`). Raises
-    `WeightLoadError` without the `gguf` package or for a file it cannot parse."""
+def open_gguf(path: str | os.PathLike[str], mode: str = "c") -> GGUFFile:
+    """The header of GGUF file `path` over a memory mapping of it (model_loader/gguf_reader.py):
+    copy-on-write by default (writable views, nothing copied unless written), or
+    read-only (`mode="r"`). Raises `WeightLoadError` naming the file for one that cannot
+    be opened or parsed, and without the `gguf` package (its formats)."""
     try:
-        reader_class = _reader_class()
+        import gguf  # noqa: F401
     except ImportError:
         raise WeightLoadError("load_format='gguf' needs the `gguf` package: pip install 'tp-runtime[gguf]'") from None
     try:
-        return reader_class(path, mode)
-    except (OSError, ValueError, KeyError, IndexError) as e:
+        return GGUFFile(path, mode)
+    except (OSError, ValueError) as e:
         raise WeightLoadError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from None
 
 
-@functools.cache
-def _reader_class() -> type:
-    """gguf-py's `GGUFReader`, reading its mapping through a plain ndarray view of it.
-
-    The reader slices its mapping once per value it parses, two slices per string of a
-    tokenizer's vocabulary and merges; a slice of an `np.memmap` runs memmap's Python
-    hooks (`__getitem__`, `__array_finalize__`) every time, 60% of a parse: a 32000-token
-    file's header took 750 ms, 280 ms through the view (2026-12-06), and a file is parsed
-    once for the config, once for the tokenizer and once per rank for the weights. The
-    view's base is the memmap, so the mapping lives as long as any tensor or field viewing
-    it, as before."""
-    from gguf import GGUFReader
-
-    class PlainViewGGUFReader(GGUFReader):
-        @property
-        def data(self) -> np.ndarray:
-            return self._mapping_view
-
-        @data.setter
-        def data(self, mapping: np.memmap) -> None:
-            self._mapping_view = mapping.view(np.ndarray)
-
-    return PlainViewGGUFReader
-
-
-def _field_value(field: Any) -> Any:
-    from gguf import GGUFValueType
-
-    if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > _MAX_METADATA_ARRAY:
-        return f"<array of {len(field.data)}>"
-    value = field.contents()
-    if isinstance(value, np.generic):
-        value = value.item()
+def _metadata_value(value: Any) -> Any:
+    """A metadata value for `hf_config.gguf_metadata`: plain Python (it travels to every
+    worker), an array longer than _MAX_METADATA_ARRAY summarised by its length."""
+    if isinstance(value, (np.ndarray, StringArray, list)):
+        return f"<array of {len(value)}>" if len(value) > _MAX_METADATA_ARRAY else [
+            _metadata_value(v) for v in (value.tolist() if isinstance(value, np.ndarray) else value)]
     return value
 
 
-def read_gguf_metadata(reader: Any) -> dict[str, Any]:
+def read_gguf_metadata(reader: GGUFFile) -> dict[str, Any]:
     """Every key/value of the file, except that long arrays are replaced by '<array of N>'."""
-    return {name: _field_value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    return {name: _metadata_value(value) for name, value in reader.metadata.items()}
 
 
 def _dtype_name_for(reader: Any) -> str:
@@ -234,7 +209,8 @@ def gguf_hf_config(path: Path) -> SimpleNamespace:
         if orig is not None:
             scaling["original_max_position_embeddings"] = int(orig)
         config["rope_scaling"] = scaling
-    for key, hf_key in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
+    for key, hf_key in (("tokenizer.ggml.bos_token_id", "bos_token_id"),
+                        ("tokenizer.ggml.eos_token_id", "eos_token_id")):
         if key in meta:
             config[hf_key] = int(meta[key])
     if model_type == "qwen2":

@@ -21,6 +21,7 @@ magnitude up to ~3, which amplify weight error about 3-4x):
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.arg_utils import create_engine_config
 from model_loader import UnsupportedArchitectureError, WeightLoadError, get_model
+from model_loader.gguf_reader import StringArray
 from model_loader.gguf_utils import (
     GGUFError,
     dequantize_q4_0,
@@ -478,23 +480,40 @@ def test_tokenizer_from_gguf_matches_tokenizer_json(gguf_with_tokenizer, llama_w
         assert fallback is not None and fallback.encode(TOKENIZER_TEXTS[0]) == ref.encode(TOKENIZER_TEXTS[0]).ids
 
 
+def _gguf_py_value(field: Any) -> Any:
+    value = field.contents()
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _ours_as_plain(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return list(value) if isinstance(value, StringArray) else value
+
+
 def test_open_gguf_reads_what_gguf_py_reads(gguf_with_tokenizer):
-    """open_gguf's reader (gguf-py's, over a plain view of its mapping) parses every field
-    and tensor as gguf-py's own reader does; its tensors are views of the file's mapping,
-    writable only copy-on-write, and outlive the reader."""
+    """open_gguf's header reader (model_loader/gguf_reader.py) reads every key/value and
+    tensor as gguf-py's own reader does: the values equal, the string arrays (the
+    tokenizer's tokens and merges) decoded on access, numeric arrays read-only views; the
+    tensors the same gguf-py ReaderTensors over views of the file's mapping, writable only
+    copy-on-write, outliving the reader."""
     ref = gguf.GGUFReader(gguf_with_tokenizer, "r")
     reader = open_gguf(gguf_with_tokenizer, "r")
-    assert type(reader.data) is np.ndarray and isinstance(reader.data.base, np.memmap)
-    assert list(reader.fields) == list(ref.fields)
-    assert len(ref.fields["tokenizer.ggml.tokens"].data) > 100
-    for name, field in ref.fields.items():
-        mine = reader.fields[name]
-        assert (mine.types, mine.offset, mine.data) == (field.types, field.offset, field.data), name
-        assert [bytes(part) for part in mine.parts] == [bytes(part) for part in field.parts], name
-    assert [(t.name, t.tensor_type, t.data_offset) for t in reader.tensors] == \
-        [(t.name, t.tensor_type, t.data_offset) for t in ref.tensors]
+    assert list(reader.metadata) == [k for k in ref.fields if not k.startswith("GGUF.")]
+    tokens = reader.metadata["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, StringArray) and len(tokens) > 100
+    assert tokens[5] == ref.fields["tokenizer.ggml.tokens"].contents(5) and tokens[-1] == list(tokens)[-1]
+    assert tokens[3:7] == list(tokens)[3:7]
+    for name, value in reader.metadata.items():
+        assert _ours_as_plain(value) == _gguf_py_value(ref.fields[name]), name
+        assert type(_ours_as_plain(value)) is type(_gguf_py_value(ref.fields[name])), name
+    types = reader.metadata["tokenizer.ggml.token_type"]
+    assert isinstance(types, np.ndarray) and not types.flags.writeable
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.n_elements, t.n_bytes, t.data_offset) for t in reader.tensors] \
+        == [(t.name, t.tensor_type, t.shape.tolist(), t.n_elements, t.n_bytes, t.data_offset) for t in ref.tensors]
     for mine, theirs in zip(reader.tensors, ref.tensors):
-        assert np.array_equal(mine.data, theirs.data), mine.name
+        assert mine.data.dtype == theirs.data.dtype and np.array_equal(mine.data, theirs.data), mine.name
+        assert isinstance(mine.data.base, np.memmap) or isinstance(mine.data.base.base, np.memmap)
     assert not reader.tensors[0].data.flags.writeable
     cow = open_gguf(gguf_with_tokenizer)  # copy-on-write: writable, and the file unchanged
     data = cow.tensors[0].data
@@ -504,6 +523,60 @@ def test_open_gguf_reads_what_gguf_py_reads(gguf_with_tokenizer):
     assert np.array_equal(gguf.GGUFReader(gguf_with_tokenizer, "r").tensors[0].data, expected)
     with pytest.raises(WeightLoadError, match="is not a readable GGUF file"):
         open_gguf(gguf_with_tokenizer.parent / "missing.gguf")
+
+
+def test_gguf_header_reader_value_types_and_bad_files(tmp_path):
+    """Every GGUF value type (scalars, strings, arrays of each, an array of arrays) and a
+    quantised tensor read as gguf-py reads them; a file that is not GGUF, a truncated
+    header, a tensor past the end of the file, an unsupported version and a big-endian
+    file are WeightLoadErrors naming the file and what is wrong."""
+    path = tmp_path / "types.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    values = {"u8": (7, gguf.GGUFValueType.UINT8), "i8": (-7, gguf.GGUFValueType.INT8),
+              "u16": (65000, gguf.GGUFValueType.UINT16), "i16": (-300, gguf.GGUFValueType.INT16),
+              "u32": (4_000_000_000, gguf.GGUFValueType.UINT32), "i32": (-5, gguf.GGUFValueType.INT32),
+              "f32": (0.1, gguf.GGUFValueType.FLOAT32), "b": (True, gguf.GGUFValueType.BOOL),
+              "u64": (2**40, gguf.GGUFValueType.UINT64), "i64": (-(2**40), gguf.GGUFValueType.INT64),
+              "f64": (0.1, gguf.GGUFValueType.FLOAT64), "s": ("héllo", gguf.GGUFValueType.STRING),
+              "empty": ("", gguf.GGUFValueType.STRING)}
+    for key, (value, vtype) in values.items():
+        writer.add_key_value(f"t.{key}", value, vtype)
+    writer.add_array("t.ints", [1, -2, 3])
+    writer.add_array("t.floats", [0.5, 1.5])
+    writer.add_array("t.strings", ["a", "", "ü c"])
+    writer.add_array("t.nested", [[1, 2], [3]])
+    blocks, raw = store(np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32), "Q8_0")
+    writer.add_tensor("blk.0.attn_q.weight", blocks, raw_dtype=raw)
+    writer.add_tensor("token_embd.weight", np.arange(6, dtype=np.float16).reshape(3, 2))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ref, ours = gguf.GGUFReader(path, "r"), open_gguf(path, "r")
+    for key in [k for k in ref.fields if not k.startswith("GGUF.") and k != "t.nested"]:
+        assert _ours_as_plain(ours.metadata[key]) == _gguf_py_value(ref.fields[key]), key
+    # (gguf-py flattens an array of arrays: [1, 2, 3])
+    assert [v.tolist() for v in ours.metadata["t.nested"]] == [[1, 2], [3]]
+    assert ours.metadata["t.s"] == "héllo" and ours.metadata["t.u32"] == 4_000_000_000
+    assert ours.metadata["t.f32"] == np.float32(0.1) and ours.metadata["t.f64"] == 0.1
+    for mine, theirs in zip(ours.tensors, ref.tensors, strict=True):
+        assert (mine.name, mine.tensor_type, mine.data.shape) == (theirs.name, theirs.tensor_type, theirs.data.shape)
+        assert np.array_equal(mine.data, theirs.data)
+    raw = path.read_bytes()
+    header_end = ours.data_offset
+    del ours
+
+    def refused(data: bytes, match: str) -> None:
+        bad = tmp_path / "bad.gguf"
+        bad.write_bytes(data)
+        with pytest.raises(WeightLoadError, match=f"{re.escape(str(bad))} is not a readable GGUF file: .*{match}"):
+            open_gguf(bad, "r")
+
+    refused(b"GGML" + raw[4:], "not a GGUF file")
+    refused(raw[:4] + (1).to_bytes(4, "little") + raw[8:], "GGUF version 1 is not supported")
+    refused(raw[:4] + (3).to_bytes(4, "big") + raw[8:], "big-endian")
+    refused(raw[:200], "truncated")
+    refused(raw[:header_end + 10], "runs past the end of the file")
 
 
 def test_tokenizer_from_gguf_absent_or_unsupported(gguf_files, llama_with_tokenizer, tmp_path, caplog):
