@@ -37,7 +37,8 @@ def _case(num_experts: int, hidden: int, inter: int, tokens: int, top_k: int, se
 
 
 @pytest.mark.parametrize("num_experts,hidden,inter,tokens,top_k", [
-    (8, 256, 96, 5, 2), (16, 512, 128, 33, 4), (4, 64, 32, 1, 1), (8, 96, 40, 64, 8), (6, 130, 18, 3, 2)])
+    (8, 256, 96, 5, 2), (16, 512, 128, 33, 4), (4, 64, 32, 1, 1), (8, 96, 40, 64, 8), (6, 130, 18, 3, 2),
+    (16, 1024, 96, 1, 4)])
 def test_the_grouped_kernels_result(num_experts, hidden, inter, tokens, top_k):
     """Rows, intermediate sizes and token counts off the 4 x 4 register tile included.
     Each output is a bf16 sum of top_k bf16 terms: it may differ from the torch kernel's
@@ -76,6 +77,24 @@ def test_the_avx2_products_built_on_purpose(tmp_path, monkeypatch):
     expected = grouped_fused_experts(x, local13, local2, weights, ids, expert_map).float()
     got = avx2.experts(x, local13, local2, weights, ids, expert_map, 8).float()
     assert ((got - expected).abs() <= 4 * 2.0 ** -8 * expected.abs().amax(-1, keepdim=True) + 1e-6).all()
+
+
+def test_the_result_does_not_depend_on_the_thread_count():
+    """The active experts' row blocks are split between threads by work (each expert's
+    tokens): each output is one thread's sum in a fixed order, so 1, 2 and 3 threads give
+    the same bits, for one token (4 of 16 experts: one row at a time) and for batches
+    whose experts get different counts."""
+    threads = torch.get_num_threads()
+    try:
+        for tokens in (1, 6, 40):
+            x, w13, w2, weights, ids = _case(16, 256, 96, tokens, 4, 40 + tokens)
+            results = []
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                results.append(kernel.experts(x, w13, w2, weights, ids, None, 16))
+            assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2]), tokens
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_only_this_ranks_experts_under_expert_parallelism():

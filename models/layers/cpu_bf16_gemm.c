@@ -8,7 +8,7 @@
  * R + T vectors per R x T products; a thread takes a contiguous range of weight rows
  * and runs every token group over each tile of rows while those rows are in L1/L2, so
  * W is streamed from memory once a call. One token (a batch-1 decode, bound by reading W)
- * streams one row at a time instead (`row_dot`). Why no packing: see cpu_bf16_gemm.py.
+ * streams one row at a time instead (bf16_row_dot.h). Why no packing: see cpu_bf16_gemm.py.
  */
 #include <stdint.h>
 #include <string.h>
@@ -17,51 +17,22 @@
 #error "needs AVX-512 BF16, BW and VL (the loader only builds this where the CPU has them)"
 #endif
 
+#include "bf16_row_dot.h"
 #include "bf16_tile.h"
-#include "half_dot.h" /* hsum */
-
-/* The dot product of one weight row with one token, both K contiguous bfloat16 values:
- * 256-bit VDPBF16PS into four 8-lane float32 sums (64 values a step), the tail masked,
- * summed across at the end. One row at a time, 256-bit loads and no software prefetch:
- * each thread's rows are one sequential stream, which the hardware prefetchers follow. On
- * the Zen 4 VM (AVX-512 run as two 256-bit halves), reading an 853M Llama's 64 weights
- * (2 threads, paired runs, 2026-12-06) this took 1.06-1.15x the 4-row tile's rate (which
- * prefetches two tiles ahead), 512-bit loads row by row 0.97-1.04x, and 2 or 4 rows at a
- * time with 256-bit loads 0.68-0.85x. */
-static inline float row_dot(const bf16 *w, const bf16 *x, int64_t K) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-#define DOT(acc, off) acc = _mm256_dpbf16_ps(acc, (__m256bh)_mm256_loadu_si256((const __m256i *)(w + k + (off))), \
-                                             (__m256bh)_mm256_loadu_si256((const __m256i *)(x + k + (off))))
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-        DOT(a0, 0);
-        DOT(a1, 16);
-        DOT(a2, 32);
-        DOT(a3, 48);
-    }
-    for (; k + 16 <= K; k += 16) DOT(a0, 0);
-#undef DOT
-    if (k < K) { /* the last K % 16 values; the masked-off lanes read as zero */
-        const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1u);
-        a1 = _mm256_dpbf16_ps(a1, (__m256bh)_mm256_maskz_loadu_epi16(mask, w + k),
-                              (__m256bh)_mm256_maskz_loadu_epi16(mask, x + k));
-    }
-    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-}
 
 /* y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for m < M, n < N; x, w, bias and y bfloat16,
  * rows at strides ldx, ldw, ldy (elements); bias may be NULL. `threads` OpenMP threads
  * split the weight's rows, each a contiguous range of them, taken one row at a time for
- * one token (`row_dot`) and as 4-row tiles for more. A tile's token groups
+ * one token (`bf16_row_dot`) and as 4-row tiles for more. A tile's token groups
  * share the prefetching of the tile two ahead (into L2: 1.2-1.4x at 1-16 rows on the
  * Zen 5 VM, against no prefetch or one tile ahead into L1): group g fetches rows g,
  * g + groups, ... */
 void bf16_linear(const bf16 *x, int64_t ldx, int64_t M, const bf16 *w, int64_t ldw, int64_t N, int64_t K,
                  const bf16 *bias, bf16 *y, int64_t ldy, int threads) {
-    if (M == 1) { /* each thread a contiguous range of rows, one row at a time (row_dot) */
+    if (M == 1) { /* each thread a contiguous range of rows, one row at a time */
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t n = 0; n < N; n++)
-            y[n] = float_to_bf16(row_dot(w + n * ldw, x, K) + (bias ? bf16_to_float(bias[n]) : 0.f));
+            y[n] = float_to_bf16(bf16_row_dot(w + n * ldw, x, K) + (bias ? bf16_to_float(bias[n]) : 0.f));
         return;
     }
     const int64_t blocks = (N + BF16_TILE_ROWS - 1) / BF16_TILE_ROWS;

@@ -6,7 +6,8 @@ step holding it cannot be recorded as a CPU graph (worker/cpu_graph.py refuses t
 read), so a MoE model's decode steps ran eagerly, Python and all. `cpu_moe.c` does the
 same grouping and products inside one C call that reads the routing from tensors, so
 the whole step records and replays. Its products read the experts' weights as loaded:
-our bf16 register tile on CPUs with AVX-512 BF16, the AVX2 dot products of
+our bf16 register tile on CPUs with AVX-512 BF16 (an expert's one token: one row after
+another, `bf16_row_dot.h`, as the dense one-token GEMV), the AVX2 dot products of
 `half_dot.h` (the experts' rows widened to float32 as they are read) on CPUs without it;
 up to `MAX_TOKENS` tokens (a decode step's batch), where these are the faster product; a
 prefill's larger batches keep the grouped GEMMs.
@@ -33,6 +34,7 @@ from models.layers.cpu_bf16_gemm import cpu_has_avx512_bf16
 from models.layers.cpu_sgemm import cpu_has_avx2
 
 SOURCES = (Path(__file__).with_name("cpu_moe.c"), Path(__file__).parent.parent / "bf16_tile.h",
+           Path(__file__).parent.parent / "bf16_row_dot.h",
            Path(__file__).parent.parent / "tile_sum.h", Path(__file__).parent.parent / "half_dot.h", BF16_CONVERT_H)
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
