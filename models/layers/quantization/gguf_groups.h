@@ -33,9 +33,14 @@ static inline int64_t group_slots(int n, const void *const *x, const int64_t *m,
 
 /* Rows [*r0, *r1) of a group of `rows` rows, whose work starts at `start` and costs `cost`
  * a row, that the thread taking work [w0, w1) does: the rows whose work starts there (a
- * contiguous run of the groups' rows, as a static schedule would split them by work). */
+ * contiguous run of the groups' rows, as a static schedule would split them by work).
+ * A group of no tokens (cost 0) has no rows to do. */
 static inline void group_rows(int64_t w0, int64_t w1, int64_t start, int64_t cost, int64_t rows, int64_t *r0,
                               int64_t *r1) {
+    if (cost <= 0) {
+        *r0 = *r1 = 0;
+        return;
+    }
     const int64_t a = w0 > start ? (w0 - start + cost - 1) / cost : 0;
     const int64_t b = w1 > start ? (w1 - start + cost - 1) / cost : 0;
     *r0 = a < rows ? a : rows;
