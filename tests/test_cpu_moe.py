@@ -1,11 +1,12 @@
 """A decode step's experts in one C call (models/layers/fused_moe/cpu_moe.py): the
-grouped torch kernel's result for bfloat16 (the same roundings, in the same order; only
-the products' float32 summation order differs, and with it an intermediate's bf16
-rounding now and then), under expert parallelism too, with the products this CPU's build
-takes (AVX-512 BF16's register tile, or AVX2's dot products) and with the AVX2 ones
-built on purpose; where it is taken; refusals; and in the engine, bfloat16 MoE decode
-steps now recorded as CPU graphs, replaying what the eager steps compute at TP 1 and
-2."""
+grouped torch kernel's result for bfloat16 and float16 (the same roundings, in the same
+order; only the products' float32 summation order differs, and with it an
+intermediate's 16-bit rounding now and then), under expert parallelism too, with the
+products this CPU's build takes (AVX-512 BF16's register tile for bfloat16, AVX2's dot
+products for float16 and where the tile is missing) and with the AVX2 ones built on
+purpose; results that do not depend on the thread count; where it is taken; refusals;
+and in the engine, bfloat16 and float16 MoE decode steps recorded as CPU graphs,
+replaying what the eager steps compute at TP 1 and 2."""
 
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ kernel = cpu_moe.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="neither AVX-512 BF16 nor AVX2 in this CPU, or no build")
 
 
-def _case(num_experts: int, hidden: int, inter: int, tokens: int, top_k: int, seed: int):
+def _case(num_experts: int, hidden: int, inter: int, tokens: int, top_k: int, seed: int,
+          dtype: torch.dtype = torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.05).bfloat16()
-    w2 = (torch.randn(num_experts, hidden, inter, generator=g) * 0.05).bfloat16()
-    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.05).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g) * 0.05).to(dtype)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
     weights, ids = fused_topk(torch.randn(tokens, num_experts, generator=g), top_k, renormalize=True)
     return x, w13, w2, weights, ids
 
@@ -39,17 +41,20 @@ def _case(num_experts: int, hidden: int, inter: int, tokens: int, top_k: int, se
 @pytest.mark.parametrize("num_experts,hidden,inter,tokens,top_k", [
     (8, 256, 96, 5, 2), (16, 512, 128, 33, 4), (4, 64, 32, 1, 1), (8, 96, 40, 64, 8), (6, 130, 18, 3, 2),
     (16, 1024, 96, 1, 4)])
-def test_the_grouped_kernels_result(num_experts, hidden, inter, tokens, top_k):
-    """Rows, intermediate sizes and token counts off the 4 x 4 register tile included.
-    Each output is a bf16 sum of top_k bf16 terms: it may differ from the torch kernel's
-    by a half ulp per addition and an ulp or two from the terms themselves, so within
-    (top_k + 2) * 2^-8 of its row's largest value."""
-    x, w13, w2, weights, ids = _case(num_experts, hidden, inter, tokens, top_k, tokens)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_grouped_kernels_result(num_experts, hidden, inter, tokens, top_k, dtype):
+    """Rows, intermediate sizes and token counts off the 4 x 4 register tile and the dot
+    products' 24-row blocks included, bfloat16 and float16 experts. Each output is a
+    16-bit sum of top_k 16-bit terms: it may differ from the torch kernel's by a half ulp
+    per addition and an ulp or two from the terms themselves, so within (top_k + 2) half
+    ulps (2^-8 in bfloat16, 2^-11 in float16) of its row's largest value."""
+    x, w13, w2, weights, ids = _case(num_experts, hidden, inter, tokens, top_k, tokens, dtype)
     expected = grouped_fused_experts(x, w13, w2, weights, ids).float()
     got = kernel.experts(x, w13, w2, weights, ids, None, num_experts)
-    assert got.dtype == torch.bfloat16 and got.shape == (tokens, hidden)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
     scale = expected.abs().amax(-1, keepdim=True)
-    assert ((got.float() - expected).abs() <= (top_k + 2) * 2.0 ** -8 * scale + 1e-6).all()
+    half_ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    assert ((got.float() - expected).abs() <= (top_k + 2) * half_ulp * scale + 1e-6).all()
 
 
 def test_the_build_takes_the_cpus_products():
@@ -66,10 +71,12 @@ def test_the_avx2_products_built_on_purpose(tmp_path, monkeypatch):
                        cpu_moe.LINK_LIBS, cpu_moe.CpuMoeKernel, "no build: %s")
     assert avx2 is not None and avx2.products == "avx2"
     for num_experts, hidden, inter, tokens, top_k in [(8, 256, 96, 5, 2), (16, 512, 128, 33, 4), (6, 130, 18, 3, 2)]:
-        x, w13, w2, weights, ids = _case(num_experts, hidden, inter, tokens, top_k, tokens)
-        expected = grouped_fused_experts(x, w13, w2, weights, ids).float()
-        got = avx2.experts(x, w13, w2, weights, ids, None, num_experts).float()
-        assert ((got - expected).abs() <= (top_k + 2) * 2.0 ** -8 * expected.abs().amax(-1, keepdim=True) + 1e-6).all()
+        for dtype, half_ulp in ((torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -11)):
+            x, w13, w2, weights, ids = _case(num_experts, hidden, inter, tokens, top_k, tokens, dtype)
+            expected = grouped_fused_experts(x, w13, w2, weights, ids).float()
+            got = avx2.experts(x, w13, w2, weights, ids, None, num_experts).float()
+            scale = expected.abs().amax(-1, keepdim=True)
+            assert ((got - expected).abs() <= (top_k + 2) * half_ulp * scale + 1e-6).all(), dtype
     x, w13, w2, weights, ids = _case(8, 128, 64, 9, 2, 3)
     expert_map = torch.full((8,), -1, dtype=torch.int64)
     expert_map[4:] = torch.arange(4)
@@ -86,13 +93,14 @@ def test_the_result_does_not_depend_on_the_thread_count():
     whose experts get different counts."""
     threads = torch.get_num_threads()
     try:
-        for tokens in (1, 6, 40):
-            x, w13, w2, weights, ids = _case(16, 256, 96, tokens, 4, 40 + tokens)
+        for tokens, dtype in ((1, torch.bfloat16), (6, torch.bfloat16), (40, torch.bfloat16), (1, torch.float16),
+                              (40, torch.float16)):
+            x, w13, w2, weights, ids = _case(16, 256, 96, tokens, 4, 40 + tokens, dtype)
             results = []
             for n in (1, 2, 3):
                 torch.set_num_threads(n)
                 results.append(kernel.experts(x, w13, w2, weights, ids, None, 16))
-            assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2]), tokens
+            assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2]), (tokens, dtype)
     finally:
         torch.set_num_threads(threads)
 
@@ -115,7 +123,9 @@ def test_where_it_is_taken_and_refusals():
     x, w13, w2, weights, ids = _case(4, 64, 32, cpu_moe.MAX_TOKENS + 1, 2, 5)
     assert cpu_moe.serves(x[:cpu_moe.MAX_TOKENS], w13, w2) is kernel
     assert cpu_moe.serves(x, w13, w2) is None  # a prefill's batch: the grouped GEMMs
+    assert cpu_moe.serves(x[:4].half(), w13.half(), w2.half()) is kernel
     assert cpu_moe.serves(x[:4].float(), w13.float(), w2.float()) is None
+    assert cpu_moe.serves(x[:4].half(), w13, w2) is None  # dtypes that differ
     assert cpu_moe.serves(x[:0], w13, w2) is None
     ids[0, 0] = 4
     with pytest.raises(ValueError, match="outside the model's 4 experts"):
@@ -130,9 +140,9 @@ def _captured_sizes(worker) -> list[int]:
     return [] if graphs is None else graphs.captured_sizes
 
 
-def _decode(model: Path, eager: bool, tp: int) -> tuple[list, list[list[int]]]:
+def _decode(model: Path, eager: bool, tp: int, dtype: str = "bfloat16") -> tuple[list, list[list[int]]]:
     prompts = [[5, 9, 13, 2, 7, 11, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [42, 17]]
-    with EngineCore(model=str(model), device="cpu", dtype="bfloat16", max_model_len=128, kv_cache_memory_bytes=1 << 22,
+    with EngineCore(model=str(model), device="cpu", dtype=dtype, max_model_len=128, kv_cache_memory_bytes=1 << 22,
                     block_size=16, tensor_parallel_size=tp, enforce_eager=eager, use_tqdm_on_load=False) as core:
         outs = core.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
                                        for n in (12, 6, 9)])
@@ -140,13 +150,14 @@ def _decode(model: Path, eager: bool, tp: int) -> tuple[list, list[list[int]]]:
     return [(o.token_ids, o.logprobs) for o in outs], sizes
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_bf16_moe_decode_steps_are_recorded_and_replay_eager(tp, tmp_path):
-    """A Qwen3-MoE (8 experts, a dense first layer) in bfloat16: every decode batch size
-    is recorded (the experts no longer read their counts on the host) and replays the
-    eager steps' tokens and logprobs."""
+@pytest.mark.parametrize("tp,dtype", [(1, "bfloat16"), (1, "float16"), pytest.param(2, "bfloat16",
+                                                                                    marks=pytest.mark.slow)])
+def test_moe_decode_steps_are_recorded_and_replay_eager(tp, dtype, tmp_path):
+    """A Qwen3-MoE (8 experts, a dense first layer) in bfloat16 and in float16: every
+    decode batch size is recorded (the experts no longer read their counts on the host)
+    and replays the eager steps' tokens and logprobs."""
     model = write_moe_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe", seed=2, num_experts=8, mlp_only_layers=[0])
-    eager, none = _decode(model, True, tp)
-    replayed, sizes = _decode(model, False, tp)
+    eager, none = _decode(model, True, tp, dtype)
+    replayed, sizes = _decode(model, False, tp, dtype)
     assert none == [[]] * tp and sizes == [[1, 2, 3]] * tp
     assert replayed == eager

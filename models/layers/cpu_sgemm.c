@@ -152,28 +152,6 @@ static inline __attribute__((always_inline)) void widen_panel(const uint16_t *w,
             p[kk * NR + c] = c < cols ? widen1(w[(n0 + c) * ldw + kk], bf16) : 0.0f;
 }
 
-/* One row of x (a batch-1 decode) against weight row w: four 8-lane sums, 32 values a
- * step, then the tail, in a fixed order, so the same whatever the thread count. One
- * weight row at a time, each thread's rows one sequential stream: 8 rows interleaved
- * (dot_rows' tile for one row of x) read an 853M Llama's float16 weights at 0.86x the
- * rate of the bf16 kernel's one-token rows on the Zen 4 VM (2026-12-06, paired), where 2
- * or 4 interleaved rows of 256-bit loads read at 0.68-0.85x one. */
-static inline __attribute__((always_inline)) float dot_row1(const float *x, int64_t k, const uint16_t *w,
-                                                           const int bf16) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t kk = 0;
-    for (; kk + 32 <= k; kk += 32) {
-        a0 = _mm256_fmadd_ps(widen8(w + kk, bf16), _mm256_loadu_ps(x + kk), a0);
-        a1 = _mm256_fmadd_ps(widen8(w + kk + 8, bf16), _mm256_loadu_ps(x + kk + 8), a1);
-        a2 = _mm256_fmadd_ps(widen8(w + kk + 16, bf16), _mm256_loadu_ps(x + kk + 16), a2);
-        a3 = _mm256_fmadd_ps(widen8(w + kk + 24, bf16), _mm256_loadu_ps(x + kk + 24), a3);
-    }
-    for (; kk + 8 <= k; kk += 8) a0 = _mm256_fmadd_ps(widen8(w + kk, bf16), _mm256_loadu_ps(x + kk), a0);
-    float sum = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; kk < k; kk++) sum += widen1(w[kk], bf16) * x[kk];
-    return sum;
-}
-
 static void half_gemm(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t ldw, int64_t n,
                       const float *bias, float *out, int nthreads, const int bf16, int *status) {
     if (m == 1) { /* each thread a contiguous range of weight rows, one at a time */

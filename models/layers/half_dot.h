@@ -1,7 +1,8 @@
 /* Dot products of float32 activation rows with 16-bit (bfloat16 or float16) weight rows
  * read where they lie, widened to float32 8 values at a time, with AVX2 and FMA: the
- * 2-16-row product of cpu_sgemm.c (its `half_gemm`, whose comment has the numbers)
- * and the experts of fused_moe/cpu_moe.c on CPUs without AVX-512 BF16. Each output is
+ * 1-16-row product of cpu_sgemm.c (its `half_gemm`, whose comment has the numbers)
+ * and the float16 experts of fused_moe/cpu_moe.c (bfloat16 ones too on CPUs without
+ * AVX-512 BF16), one row of x a weight row at a time (`dot_row1`). Each output is
  * one dot product in k order, summed in 8 lanes and then across, so it does not depend
  * on how a caller splits its rows among threads (`hsum`, the sum across, serves the
  * one-row products of cpu_sgemm.c and cpu_bf16_gemm.c too). Static inline: each includer
@@ -94,6 +95,30 @@ static inline void dot_group(int R, const float *x, int64_t k, const uint16_t *w
     case 5: dot_rows(5, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
     default: dot_rows(6, x, k, w, ldw, n0, n1, bias, out, ldo, bf16); break;
     }
+}
+
+/* One row of x (a batch-1 decode, an expert's lone token) against weight row w: four
+ * 8-lane sums, 32 values a step, then the tail, in a fixed order, so the same whatever
+ * the thread count. One weight row at a time, each thread's rows one sequential stream:
+ * 8 rows interleaved (dot_rows' tile for one row of x) read an 853M Llama's float16
+ * weights at 0.86x the rate of the bf16 kernel's one-token rows on the Zen 4 VM
+ * (2026-12-06, paired), where 2 or 4 interleaved rows of 256-bit loads read at
+ * 0.68-0.85x one. cpu_sgemm.c's one-row product and fused_moe/cpu_moe.c's experts of one
+ * token. */
+static inline __attribute__((always_inline)) float dot_row1(const float *x, int64_t k, const uint16_t *w,
+                                                           const int bf16) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t kk = 0;
+    for (; kk + 32 <= k; kk += 32) {
+        a0 = _mm256_fmadd_ps(widen8(w + kk, bf16), _mm256_loadu_ps(x + kk), a0);
+        a1 = _mm256_fmadd_ps(widen8(w + kk + 8, bf16), _mm256_loadu_ps(x + kk + 8), a1);
+        a2 = _mm256_fmadd_ps(widen8(w + kk + 16, bf16), _mm256_loadu_ps(x + kk + 16), a2);
+        a3 = _mm256_fmadd_ps(widen8(w + kk + 24, bf16), _mm256_loadu_ps(x + kk + 24), a3);
+    }
+    for (; kk + 8 <= k; kk += 8) a0 = _mm256_fmadd_ps(widen8(w + kk, bf16), _mm256_loadu_ps(x + kk), a0);
+    float sum = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; kk < k; kk++) sum += widen1(w[kk], bf16) * x[kk];
+    return sum;
 }
 
 #endif

@@ -21,9 +21,9 @@ Either way each rank's output is a partial sum over the ranks: one all-reduce fo
 (here with `reduce_results=True`, else in the next norm, as the dense MLPs do).
 
 The kernel is the method's (`apply`): for full-precision experts, on the CPU a decode
-step's experts in one C call for bfloat16 (`cpu_moe.py`: recordable as a CPU graph),
-grouped torch GEMMs otherwise (`grouped_moe.py`), the Triton fused-MoE kernel on CUDA
-(`fused_moe_triton.py`). Memory: the rank's experts as the method holds them, nothing
+step's experts in one C call for bfloat16 and float16 (`cpu_moe.py`: recordable as a
+CPU graph), grouped torch GEMMs otherwise (`grouped_moe.py`), the Triton fused-MoE
+kernel on CUDA (`fused_moe_triton.py`). Memory: the rank's experts as the method holds them, nothing
 cached.
 """
 

@@ -137,8 +137,8 @@ class FusedMoEMethodBase(ABC):
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     """Full-precision experts in the model's dtype: `w13_weight` [E_local, 2I, H] (each
     expert's gate rows, then its up rows) and `w2_weight` [E_local, H, I]. The kernel:
-    Triton on CUDA (`fused_moe_triton.py`), a bf16 decode step's experts in one C call
-    (`cpu_moe.py`), grouped GEMMs otherwise (`grouped_moe.py`)."""
+    Triton on CUDA (`fused_moe_triton.py`), a bf16 or fp16 decode step's experts in one C
+    call (`cpu_moe.py`), grouped GEMMs otherwise (`grouped_moe.py`)."""
 
     def create_weights(self, layer: nn.Module, num_local_experts: int, hidden_size: int,
                        intermediate_per_rank: int, params_dtype: torch.dtype) -> None:
