@@ -3,11 +3,11 @@
 Why not gguf-py's `GGUFReader`: it makes a numpy view (two for a string) of every value
 it parses, every element of an array included, and a start-up parses the file three
 times (the config and tokenizer in the engine process, the weights on every rank). A
-32000-token vocabulary's header took 280-450 ms a parse with it (2026-12-07, the Zen 4
-VM), Llama 3's 128256 tokens and 280147 merges seconds. This reads the same format with
-`struct`: scalars as Python values, numeric arrays as numpy views of the mapping, string
-arrays as sequences decoded on access (the walk over their lengths is the parse's main
-cost: about 0.1 µs a string). gguf-py still supplies the formats (`GGMLQuantizationType`,
+32000-token vocabulary's header took 270-450 ms a parse with it, a Llama 3-sized one
+(117207 tokens, 280147 merges) 9.4 s (2026-12-07, the Zen 4 VM). This reads the same
+format with `struct`: scalars as Python values, numeric arrays as numpy views of the
+mapping, string arrays as sequences decoded on access (the walk over their lengths is
+the parse's main cost, about 0.15 µs a string: 7-14 ms and 57 ms for those two). gguf-py still supplies the formats (`GGMLQuantizationType`,
 `GGML_QUANT_SIZES`), its dequantisers and the writer the tests use, and the tensors are
 its `ReaderTensor`s with the same views of the mapping, so its dequantisers and our
 loaders read them as before.

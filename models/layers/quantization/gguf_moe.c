@@ -10,9 +10,9 @@
  * * up in float32 another (the dense layers' int8-activation products: x quantised as
  * llama.cpp quantises it, K-quant activations per 256 values however many tokens an
  * expert gets, KQUANT_CHUNK; one parallel loop over every expert's rows, where a call
- * per expert paid a thread team's start and end barrier for each: a one-token step of
- * the Qwen3-MoE Q8_0 bench model's layer, 4 experts, took 1.1x as long that way,
- * 2026-12-07, the Zen 4 VM). Each pair's output, times its routing weight, is added to
+ * per expert paid a thread team's start and end barrier for each: the Qwen3-MoE bench
+ * model's one-token steps, 4 experts a layer, took 1.07x (Q8_0) and 1.11x (Q4_K_M) as
+ * long in the experts that way, 2026-12-07, the Zen 4 VM). Each pair's output, times its routing weight, is added to
  * its token's row of y, expert after expert in local order: the sums do not depend on
  * the thread count.
  *
