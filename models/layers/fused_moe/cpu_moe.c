@@ -73,9 +73,55 @@ static inline float half_to_float(uint16_t h, int bf) { return bf ? bf16_to_floa
 static inline uint16_t float_to_half(float v, int bf) { return bf ? float_to_bf16(v) : float_to_fp16(v); }
 static inline float round_half(float v, int bf) { return half_to_float(float_to_half(v, bf), bf); }
 
+#if TILE
+/* Float16 experts on this build: the W x R (<= 4 x 4) dot products of weight rows w[0..W)
+ * (stride ldw, float16, widened 16 at a time) with token rows x[0..R) (stride K, float32),
+ * sixteen 16-lane float32 sums, into o[r * 4 + i]; while it runs it prefetches (into L2)
+ * the 4 rows at pf (NULL: none), the expert's tile two ahead. Against AVX2's 8-lane dot
+ * products (half_dot.h), the experts of 16 of Qwen3-MoE's size, 2026-12-07, the Zen 4 VM:
+ * 1.3-1.5x at 4 tokens, 1.55-1.66x at 16, 1.2x at 64 (the prefetch about half of it). */
+static inline __attribute__((always_inline)) void f16_tile(const int W, const int R, const float *x, int64_t K,
+                                                           const uint16_t *w, int64_t ldw, float *o,
+                                                           const uint16_t *pf) {
+    __m512 acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int r = 0; r < 4; r++) acc[i][r] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 v[4], a[4];
+        for (int i = 0; i < W; i++) v[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i * ldw + k)));
+        if (pf && !(k & 31))
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(pf + i * ldw + k), _MM_HINT_T1);
+        for (int r = 0; r < R; r++) a[r] = _mm512_loadu_ps(x + r * K + k);
+        for (int i = 0; i < W; i++)
+            for (int r = 0; r < R; r++) acc[i][r] = _mm512_fmadd_ps(v[i], a[r], acc[i][r]);
+    }
+    if (k < K) {
+        const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1u);
+        __m512 v[4], a[4];
+        for (int i = 0; i < W; i++) v[i] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w + i * ldw + k));
+        for (int r = 0; r < R; r++) a[r] = _mm512_maskz_loadu_ps(mask, x + r * K + k);
+        for (int i = 0; i < W; i++)
+            for (int r = 0; r < R; r++) acc[i][r] = _mm512_fmadd_ps(v[i], a[r], acc[i][r]);
+    }
+    for (int i = 0; i < W; i++)
+        for (int r = 0; r < R; r++) o[r * 4 + i] = _mm512_reduce_add_ps(acc[i][r]);
+}
+#define F16_CASE(W, R) case (W) * 8 + (R): f16_tile(W, R, x, K, w, ldw, o, pf); break;
+static void f16_run(int W, int R, const float *x, int64_t K, const uint16_t *w, int64_t ldw, float *o,
+                    const uint16_t *pf) {
+    switch (W * 8 + R) {
+        F16_CASE(4, 4) F16_CASE(4, 3) F16_CASE(4, 2) F16_CASE(4, 1) F16_CASE(3, 4) F16_CASE(3, 3) F16_CASE(3, 2)
+        F16_CASE(3, 1) F16_CASE(2, 4) F16_CASE(2, 3) F16_CASE(2, 2) F16_CASE(2, 1) F16_CASE(1, 4) F16_CASE(1, 3)
+        F16_CASE(1, 2) F16_CASE(1, 1)
+    }
+}
+#endif
+
 /* As tile_rows, for the DOT_BLOCK rows from n0 (x [M, K] float32, w 16-bit of type bf):
- * one token row after row (dot_row1), more in groups of at most DOT_ROWS tokens, each
- * output rounded to w's dtype. */
+ * one token row after row (dot_row1); more, float16 on an AVX-512 build in f16_tile,
+ * else in half_dot.h's groups of at most DOT_ROWS tokens; each output rounded to w's
+ * dtype. */
 static void dot_rows_of(const float *x, int64_t M, const uint16_t *w, int64_t N, int64_t K, int64_t n0, uint16_t *y,
                         int64_t ldy, int bf) {
     const int64_t rows = N - n0 < DOT_BLOCK ? N - n0 : DOT_BLOCK, groups = (M + DOT_ROWS - 1) / DOT_ROWS;
@@ -84,6 +130,22 @@ static void dot_rows_of(const float *x, int64_t M, const uint16_t *w, int64_t N,
         return;
     }
     float out[DOT_ROWS * DOT_BLOCK];
+#if TILE
+    if (!bf) { /* float16 on an AVX-512 build: 4 x 4 tiles of 16-lane sums (f16_tile) */
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int R = (int)(M - m0 < 4 ? M - m0 : 4);
+            for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+                const int W = (int)(rows - r0 < 4 ? rows - r0 : 4);
+                const int64_t ahead = n0 + r0 + 8; /* the first token group prefetches */
+                float o[16];
+                f16_run(W, R, x + m0 * K, K, w + (n0 + r0) * K, K, o, m0 == 0 && ahead < N ? w + ahead * K : NULL);
+                for (int t = 0; t < R; t++)
+                    for (int i = 0; i < W; i++) y[(m0 + t) * ldy + n0 + r0 + i] = float_to_half(o[t * 4 + i], 0);
+            }
+        }
+        return;
+    }
+#endif
     int64_t m0 = 0;
     for (int64_t g = 0; g < groups; g++) {
         const int R = (int)((M - m0 + groups - g - 1) / (groups - g)); /* equal groups */
@@ -136,7 +198,8 @@ int cpu_moe_experts(const uint16_t *x, int64_t ldx, int64_t T, int64_t H, const 
     /* [kept, H] rows, then [kept, I] activations: bf16 for the tile, float32 for the dot products */
     const int tile = TILE && bf;
     void *xs = malloc(n_rows * (size_t)(H + I) * (tile ? sizeof(uint16_t) : sizeof(float)));
-    uint16_t *gu = malloc(n_rows * (size_t)(2 * I + H) * sizeof(uint16_t)); /* [kept, 2I] gate/up, then [kept, H] outputs */
+    /* [kept, 2I] gate/up, then [kept, H] outputs */
+    uint16_t *gu = malloc(n_rows * (size_t)(2 * I + H) * sizeof(uint16_t));
     if (!fill || !xs || !gu) {
         free(count), free(pair), free(local), free(fill), free(xs), free(gu);
         return -3;
