@@ -7,10 +7,11 @@
  *
  * The products: bfloat16 experts on a CPU with AVX-512 BF16 in our bf16 register tile
  * (../bf16_tile.h), an expert's lone token one row after another (../bf16_row_dot.h);
- * float16 experts, and bfloat16 ones on a CPU without AVX-512 BF16 (AVX2, FMA, F16C), in
- * the dot products of ../half_dot.h, the expert's rows widened to float32 as they are
- * read and the tokens' rows widened once (the kernel the dense layers and grouped_moe.py
- * use there, cpu_sgemm.c's linear_half, is built on the same code). Either way float32
+ * float16 experts there in 4 x 4 tiles of 16-lane float32 sums (f16_tile), their lone
+ * tokens and, on a CPU without AVX-512 BF16 (AVX2, FMA, F16C), every expert in the dot
+ * products of ../half_dot.h, the expert's rows widened to float32 as they are read and
+ * the tokens' rows widened once (the kernel the dense layers and grouped_moe.py use
+ * there, cpu_sgemm.c's linear_half, is built on the same code). Either way float32
  * sums of exact products, each output rounded once to the experts' dtype, as F.linear's
  * 16-bit output is; the gate is silu(g) * u with each of the two rounded to that dtype
  * as torch's 16-bit ops round them; each pair's output times its routing weight is

@@ -7,14 +7,15 @@ read), so a MoE model's decode steps ran eagerly, Python and all. `cpu_moe.c` do
 same grouping and products inside one C call that reads the routing from tensors, so
 the whole step records and replays. Its products read the experts' weights as loaded:
 bfloat16 experts in our bf16 register tile on CPUs with AVX-512 BF16 (an expert's one
-token: one row after another, `bf16_row_dot.h`, as the dense one-token GEMV); float16
-experts (a GGUF F16 file's default dtype), and bfloat16 ones on CPUs without AVX-512
-BF16, in the AVX2 dot products of `half_dot.h` (the experts' rows widened to float32 as
-they are read); up to `MAX_TOKENS` tokens (a decode step's batch), where these are the
-faster product; a prefill's larger batches keep the grouped GEMMs. Float16 experts went
-through the grouped path before, eagerly: a Qwen3-MoE F16 GGUF decode step 15.8 ms at
-batch 1 and 89 ms at 16 sequences, against 11.2 and 36 ms for the same file as
-bfloat16 (2026-12-07, the Zen 4 VM).
+token: one row after another, `bf16_row_dot.h`, as the dense one-token GEMV), float16
+experts (a GGUF F16 file's default dtype) there in 16-lane tiles of widened weights; on
+CPUs without AVX-512 BF16, and for float16's lone tokens, the AVX2 dot products of
+`half_dot.h` (the experts' rows widened to float32 as they are read); up to
+`MAX_TOKENS` tokens (a decode step's batch), where these are the faster product; a
+prefill's larger batches keep the grouped GEMMs. Float16 experts went through the
+grouped path before, eagerly: a Qwen3-MoE F16 GGUF decode step 15.8 ms at batch 1 and
+89 ms at 16 sequences, 10.9-12.7 and 55-61 ms now, against 11.2 and 36 ms for the same
+file as bfloat16 (2026-12-07, the Zen 4 VM).
 
 Built on first use like the other CPU kernels (distributed/native_build.py), on CPUs
 with AVX2, FMA and F16C (AVX-512 BF16 adds the tile); `TP_CPU_MOE_KERNEL=0` turns it
