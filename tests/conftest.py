@@ -245,3 +245,19 @@ def _run_tp_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: 
 @pytest.fixture(scope="session")
 def tp_runner() -> Callable[..., list[Any]]:
     return run_tp
+
+
+@pytest.fixture(scope="session")
+def gguf_avx2_kernels(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The GGUF kernels built for AVX2 without AVX-512 (gguf_avx2.c's int8 products and
+    gguf_avx2_tiles.c's tiles, as on Zen 3 or Haswell; built here whatever this CPU adds),
+    once a session (a build takes about 10 s), in a cache of their own; None where it
+    cannot be built."""
+    from distributed.native_build import load_kernel
+    from models.layers.quantization import gguf_kernels
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TP_RUNTIME_CACHE", str(tmp_path_factory.mktemp("gguf-avx2-kernels")))
+        return load_kernel(gguf_kernels.SOURCES, ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off",
+                                                  "-fopenmp", "-fPIC"), gguf_kernels.LINK_FLAGS,
+                           gguf_kernels.LINK_LIBS, gguf_kernels.GGUFKernels, "%s")

@@ -301,7 +301,7 @@ def test_c_kernel_with_no_local_pair_gives_zeros(files: dict[str, SimpleNamespac
 
 
 @pytest.mark.skipif(not cpu_sgemm.cpu_has_avx2(), reason="no AVX2/FMA on this CPU")
-def test_c_kernel_of_the_avx2_build(files: dict[str, SimpleNamespace], tmp_path: Path,
+def test_c_kernel_of_the_avx2_build(files: dict[str, SimpleNamespace], gguf_avx2_kernels: Any,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The experts' one call as an AVX2 CPU without AVX-512 builds it (gguf_avx2.c's
     products, built here whatever this CPU adds): against the exact product at 1, 5 and 16
@@ -309,14 +309,9 @@ def test_c_kernel_of_the_avx2_build(files: dict[str, SimpleNamespace], tmp_path:
     tokens each (K-quant experts' tokens go 7 at a time, so their activations are quantised
     per 256 values, as one token's are, where the AVX2 products take 8 tokens or more per
     32)."""
-    from distributed.native_build import load_kernel
     from models.layers.fused_moe.router import fused_topk
-    from models.layers.quantization import gguf_kernels
 
-    monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
-    avx2 = load_kernel(gguf_kernels.SOURCES, ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp",
-                                              "-fPIC"), gguf_kernels.LINK_FLAGS, gguf_kernels.LINK_LIBS,
-                       gguf_kernels.GGUFKernels, "%s")
+    avx2 = gguf_avx2_kernels
     assert avx2 is not None and not avx2.has_bf16
     monkeypatch.setattr(gguf_moe, "load", lambda: avx2)
     for name in FILES:

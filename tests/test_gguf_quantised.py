@@ -358,7 +358,7 @@ def test_portable_build_matches_gguf_py(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not cpu_sgemm.cpu_has_avx2(), reason="no AVX2/FMA on this CPU")
-def test_avx2_build_int8_products(tmp_path, monkeypatch):
+def test_avx2_build_int8_products(gguf_avx2_kernels):
     """The kernels built for AVX2 without AVX-512 (gguf_avx2.c's int8 products and
     gguf_avx2_tiles.c's K-quant and Q8_0 tiles, as on Zen 3 or Haswell; built here
     whatever this CPU adds): every type's product with int8 activations, per 32 values for
@@ -366,12 +366,7 @@ def test_avx2_build_int8_products(tmp_path, monkeypatch):
     AVX-512 build's tiles), token counts across the 8-token chunks and 16-row tiles (19
     rows), a fused layer's mixed shards in one call equal to one call each, and 16-bit
     outputs rounded once. tests/test_gguf_int8_tiles.py checks the tiles of the native build."""
-    from distributed.native_build import load_kernel
-
-    monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
-    avx2 = load_kernel(gguf_kernels.SOURCES, ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp",
-                                              "-fPIC"), gguf_kernels.LINK_FLAGS, gguf_kernels.LINK_LIBS,
-                       gguf_kernels.GGUFKernels, "%s")
+    avx2 = gguf_avx2_kernels
     assert avx2 is not None and avx2.has_int8_tiles and not avx2.has_bf16
     assert avx2.int8_tile_types == gguf_kernels.INT8_TILE_TYPES | {"Q8_0"}
     g = torch.Generator().manual_seed(9)
