@@ -130,7 +130,6 @@ static void dot_rows_of(const float *x, int64_t M, const uint16_t *w, int64_t N,
         for (int64_t r = 0; r < rows; r++) y[n0 + r] = float_to_half(dot_row1(x, K, w + (n0 + r) * K, bf), bf);
         return;
     }
-    float out[DOT_ROWS * DOT_BLOCK];
 #if TILE
     if (!bf) { /* float16 on an AVX-512 build: 4 x 4 tiles of 16-lane sums (f16_tile) */
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
@@ -147,6 +146,7 @@ static void dot_rows_of(const float *x, int64_t M, const uint16_t *w, int64_t N,
         return;
     }
 #endif
+    float out[DOT_ROWS * DOT_BLOCK];
     int64_t m0 = 0;
     for (int64_t g = 0; g < groups; g++) {
         const int R = (int)((M - m0 + groups - g - 1) / (groups - g)); /* equal groups */

@@ -116,7 +116,7 @@ int gguf_moe_q8(int type13, const uint8_t *w13, int64_t w13_expert_bytes, int64_
     const int64_t *start = sc.start, *order = sc.order, rows13 = 2 * inter, rows2 = hidden;
     for (int64_t e = 0; e < num_local && status == 0; ++e) {
         const int64_t first = start[e], n = start[e + 1] - first;
-        for (int64_t i = first; i < start[e + 1] && n > 1; ++i)
+        for (int64_t i = first; n > 1 && i < start[e + 1]; ++i) /* (a lone token is read where it is) */
             memcpy(sc.x + (size_t)i * (size_t)hidden * elem,
                    (const uint8_t *)x + (size_t)(order[i] / top_k) * (size_t)ldx * elem, (size_t)hidden * elem);
         add_groups(&g13, type13, w13 + e * w13_expert_bytes, rows13, w13_row_bytes, first, n, sc.x,

@@ -360,17 +360,14 @@ int gguf_gemm_q8_groups(int n, const int *qtypes, const uint8_t *const *w, const
 int gguf_gemm_q8_shards(int n, const int *qtypes, const uint8_t *const *w, const int64_t *rows,
                         const int64_t *row_bytes, int64_t k, const void *x, int x_dtype, int64_t ldx, int64_t m,
                         void *y, int y_dtype, int64_t ldy, int num_threads) {
-    const void **xs = malloc((sizeof(void *) * 2 + sizeof(int64_t)) * (size_t)(n > 0 ? n : 1));
-    if (!xs) return -3;
-    void **ys = (void **)(xs + n);
-    int64_t *ms = (int64_t *)(ys + n), o = 0;
+    if (n <= 0) return 0;
+    const void *xs[n]; /* a layer's few shards: on the stack, no allocation a decode call */
+    void *ys[n];
+    int64_t ms[n], o = 0;
     for (int i = 0; i < n; o += rows[i++]) {
         xs[i] = x;
         ms[i] = m;
         ys[i] = (uint8_t *)y + (size_t)o * (y_dtype == 0 ? sizeof(float) : sizeof(uint16_t));
     }
-    const int status = gguf_gemm_q8_groups(n, qtypes, w, rows, row_bytes, k, xs, ms, x_dtype, ldx, ys, y_dtype, ldy,
-                                           num_threads);
-    free(xs);
-    return status;
+    return gguf_gemm_q8_groups(n, qtypes, w, rows, row_bytes, k, xs, ms, x_dtype, ldx, ys, y_dtype, ldy, num_threads);
 }
