@@ -2,9 +2,9 @@
 grouped torch kernel's result for bfloat16 and float16 (the same roundings, in the same
 order; only the products' float32 summation order differs, and with it an
 intermediate's 16-bit rounding now and then), under expert parallelism too, with the
-products this CPU's build takes (AVX-512 BF16's register tile for bfloat16, AVX2's dot
-products for float16 and where the tile is missing) and with the AVX2 ones built on
-purpose; results that do not depend on the thread count; where it is taken; refusals;
+products this CPU's build takes (AVX-512 BF16's register tile for bfloat16, AVX-512's
+16-lane tiles for float16 and where that tile is missing, AVX2's dot products without
+AVX-512) and with the other CPUs' built on purpose; results that do not depend on the thread count; where it is taken; refusals;
 and in the engine, bfloat16 and float16 MoE decode steps recorded as CPU graphs,
 replaying what the eager steps compute at TP 1 and 2."""
 
@@ -19,7 +19,7 @@ from config import SamplingParams
 from distributed.native_build import load_kernel
 from engine.core import EngineCore
 from models.layers.cpu_bf16_gemm import cpu_has_avx512_bf16
-from models.layers.cpu_sgemm import cpu_has_avx2
+from models.layers.cpu_sgemm import cpu_has_avx2, cpu_has_avx512
 from models.layers.fused_moe import cpu_moe, fused_topk
 from models.layers.fused_moe.grouped_moe import grouped_fused_experts
 from tests.moe_checkpoints import write_moe_checkpoint
@@ -58,23 +58,28 @@ def test_the_grouped_kernels_result(num_experts, hidden, inter, tokens, top_k, d
 
 
 def test_the_build_takes_the_cpus_products():
-    assert kernel.products == ("bf16_tile" if cpu_has_avx512_bf16() else "avx2")
+    assert kernel.products == ("bf16_tile" if cpu_has_avx512_bf16() else "half_tile" if cpu_has_avx512() else "avx2")
 
 
-@pytest.mark.skipif(not cpu_has_avx2(), reason="no AVX2 and FMA in this CPU")
-def test_the_avx2_products_built_on_purpose(tmp_path, monkeypatch):
-    """The same source built without AVX-512 (what a CPU without AVX-512 BF16 builds, here
-    on any AVX2 CPU) gives the grouped kernel's result too, under expert parallelism as
-    well."""
+@pytest.mark.parametrize("flag,products", [("-mno-avx512f", "avx2"), ("-mno-avx512bf16", "half_tile")],
+                         ids=["avx2", "avx512f_without_bf16"])
+def test_the_other_cpus_products_built_on_purpose(flag, products, tmp_path, monkeypatch):
+    """The same source built without AVX-512 (what an AVX2 CPU builds: 8-lane dot
+    products) and without AVX-512 BF16 (Skylake-X to Ice Lake: bfloat16 experts in the
+    16-lane widened tiles, as float16 ones everywhere with AVX-512) gives the grouped
+    kernel's result too, under expert parallelism as well, wherever this CPU runs that
+    build."""
+    if not (cpu_has_avx2() if products == "avx2" else cpu_has_avx512()):
+        pytest.skip(f"this CPU cannot run the {products} build")
     monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
-    avx2 = load_kernel(cpu_moe.SOURCES, cpu_moe.COMPILE_FLAGS + ("-mno-avx512f",), cpu_moe.LINK_FLAGS,
-                       cpu_moe.LINK_LIBS, cpu_moe.CpuMoeKernel, "no build: %s")
-    assert avx2 is not None and avx2.products == "avx2"
+    built = load_kernel(cpu_moe.SOURCES, cpu_moe.COMPILE_FLAGS + (flag,), cpu_moe.LINK_FLAGS,
+                        cpu_moe.LINK_LIBS, cpu_moe.CpuMoeKernel, "no build: %s")
+    assert built is not None and built.products == products
     for num_experts, hidden, inter, tokens, top_k in [(8, 256, 96, 5, 2), (16, 512, 128, 33, 4), (6, 130, 18, 3, 2)]:
         for dtype, half_ulp in ((torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -11)):
             x, w13, w2, weights, ids = _case(num_experts, hidden, inter, tokens, top_k, tokens, dtype)
             expected = grouped_fused_experts(x, w13, w2, weights, ids).float()
-            got = avx2.experts(x, w13, w2, weights, ids, None, num_experts).float()
+            got = built.experts(x, w13, w2, weights, ids, None, num_experts).float()
             scale = expected.abs().amax(-1, keepdim=True)
             assert ((got - expected).abs() <= (top_k + 2) * half_ulp * scale + 1e-6).all(), dtype
     x, w13, w2, weights, ids = _case(8, 128, 64, 9, 2, 3)
@@ -82,7 +87,7 @@ def test_the_avx2_products_built_on_purpose(tmp_path, monkeypatch):
     expert_map[4:] = torch.arange(4)
     local13, local2 = w13[4:].contiguous(), w2[4:].contiguous()
     expected = grouped_fused_experts(x, local13, local2, weights, ids, expert_map).float()
-    got = avx2.experts(x, local13, local2, weights, ids, expert_map, 8).float()
+    got = built.experts(x, local13, local2, weights, ids, expert_map, 8).float()
     assert ((got - expected).abs() <= 4 * 2.0 ** -8 * expected.abs().amax(-1, keepdim=True) + 1e-6).all()
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from distributed.native_build import load_kernel
 from models.layers import cpu_sgemm
 from models.layers.cpu_gemm import PackedWeight, default_packed_gemm
 
@@ -136,7 +137,9 @@ def test_an_avx2_kernel_that_cannot_be_built_falls_back_to_onednn(tmp_path, monk
 
 # ---- 16-bit weights read where they were loaded (`linear_half`) ----
 
-HALF_ROWS = [1, 2, 3, 4, 5, 6, 7, 11, 13, 16, 17, 33, 193, 400]  # dot products (<= 16, groups of <= 6), tiles, blocks of 192
+# One row; AVX-512's 16-lane tiles (2-32 rows, groups of <= 4) or AVX2's dot products (<= 16,
+# groups of <= 6); widened panels (blocks of 192).
+HALF_ROWS = [1, 2, 3, 4, 5, 6, 7, 11, 13, 16, 17, 31, 32, 33, 193, 400]
 
 
 @needs_kernel
@@ -156,6 +159,25 @@ def test_half_weight_product_equals_float64_linear_for_every_row_count(dtype, sh
             assert got.shape == (rows, n) and got.dtype == torch.float32
             torch.testing.assert_close(got.double(), reference(x, weight.float(), b), rtol=1e-5,
                                        atol=1e-5 * k ** 0.5)
+
+
+@pytest.mark.skipif(not cpu_sgemm.cpu_has_avx512() or KERNEL is None, reason="this build has no AVX-512 path")
+def test_half_weight_product_of_the_avx2_build(tmp_path, monkeypatch):
+    """The same source built without AVX-512 (what an AVX2 CPU builds: dot products up
+    to 16 rows) gives the product too, here where this CPU's own build takes the 16-lane
+    tiles."""
+    monkeypatch.setenv("TP_RUNTIME_CACHE", str(tmp_path))
+    avx2 = load_kernel(cpu_sgemm.SOURCES, cpu_sgemm.COMPILE_FLAGS + ("-mno-avx512f",), cpu_sgemm.LINK_FLAGS, (),
+                       cpu_sgemm.CpuSgemmKernel, "no build: %s")
+    assert avx2 is not None
+    for dtype in (torch.bfloat16, torch.float16):
+        for n, k in ((37, 29), (100, 37), (1280, 768)):
+            gen = torch.Generator().manual_seed(n * 1000 + k)
+            weight, bias = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen)
+            for rows in HALF_ROWS:
+                x = torch.randn(rows, k, generator=gen)
+                torch.testing.assert_close(avx2.linear_half(x, weight, bias).double(),
+                                           reference(x, weight.float(), bias), rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
 @needs_kernel
@@ -179,7 +201,7 @@ def test_half_weight_results_do_not_depend_on_the_thread_count():
     weight, bias = torch.randn(200, 96, generator=gen).bfloat16(), torch.randn(200, generator=gen)
     threads = torch.get_num_threads()
     try:
-        for rows in (1, 3, 250):
+        for rows in (1, 3, 20, 250):
             x = torch.randn(rows, 96, generator=gen)
             results = []
             for count in (1, 2, 3):

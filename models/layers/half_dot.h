@@ -1,8 +1,9 @@
 /* Dot products of float32 activation rows with 16-bit (bfloat16 or float16) weight rows
  * read where they lie, widened to float32 8 values at a time, with AVX2 and FMA: the
- * 1-16-row product of cpu_sgemm.c (its `half_gemm`, whose comment has the numbers)
+ * 2-16-row product of cpu_sgemm.c (its `half_gemm`, whose comment has the numbers)
  * and the float16 experts of fused_moe/cpu_moe.c (bfloat16 ones too on CPUs without
- * AVX-512 BF16), one row of x a weight row at a time (`dot_row1`). Each output is
+ * AVX-512 BF16) on builds without AVX-512 (half_tile.h's 16-lane tiles take those on
+ * AVX-512), and on every build one row of x a weight row at a time (`dot_row1`). Each output is
  * one dot product in k order, summed in 8 lanes and then across, so it does not depend
  * on how a caller splits its rows among threads (`hsum`, the sum across, serves the
  * one-row products of cpu_sgemm.c and cpu_bf16_gemm.c too). Static inline: each includer

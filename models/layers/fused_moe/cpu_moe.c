@@ -7,13 +7,13 @@
  *
  * The products: bfloat16 experts on a CPU with AVX-512 BF16 in our bf16 register tile
  * (../bf16_tile.h), an expert's lone token one row after another (../bf16_row_dot.h);
- * float16 experts there in 4 x 4 tiles of 16-lane float32 sums (f16_tile), their lone
- * tokens and, on a CPU without AVX-512 BF16 (AVX2, FMA, F16C), every expert in the dot
- * products of ../half_dot.h, the expert's rows widened to float32 as they are read and
- * the tokens' rows widened once (the kernel the dense layers and grouped_moe.py use
- * there, cpu_sgemm.c's linear_half, is built on the same code). Either way float32
- * sums of exact products, each output rounded once to the experts' dtype, as F.linear's
- * 16-bit output is; the gate is silu(g) * u with each of the two rounded to that dtype
+ * other experts (float16 ones; bfloat16 ones on a CPU without AVX-512 BF16) widened to
+ * float32 as they are read, the tokens' rows widened once: two or more tokens in 4 x 4
+ * tiles of 16-lane sums on AVX-512 (../half_tile.h), else in the 8-lane dot products
+ * of ../half_dot.h (AVX2, FMA, F16C), a lone token one weight row at a time (half_dot.h's
+ * dot_row1). The kernel the dense layers and grouped_moe.py use there, cpu_sgemm.c's
+ * linear_half, is built on the same code. Either way float32 sums of exact products,
+ * each output rounded once to the experts' dtype, as F.linear's 16-bit output is; the gate is silu(g) * u with each of the two rounded to that dtype
  * as torch's 16-bit ops round them; each pair's output times its routing weight is
  * rounded to it and added into its token's row in it, pairs in expert order (the order
  * grouped_moe.py adds them).
@@ -31,6 +31,7 @@
 #include "../../../distributed/bf16_convert.h"
 #include "../../../distributed/fp16_convert.h"
 #include "../half_dot.h"
+#include "../half_tile.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "../bf16_row_dot.h"
@@ -74,55 +75,10 @@ static inline float half_to_float(uint16_t h, int bf) { return bf ? bf16_to_floa
 static inline uint16_t float_to_half(float v, int bf) { return bf ? float_to_bf16(v) : float_to_fp16(v); }
 static inline float round_half(float v, int bf) { return half_to_float(float_to_half(v, bf), bf); }
 
-#if TILE
-/* Float16 experts on this build: the W x R (<= 4 x 4) dot products of weight rows w[0..W)
- * (stride ldw, float16, widened 16 at a time) with token rows x[0..R) (stride K, float32),
- * sixteen 16-lane float32 sums, into o[r * 4 + i]; while it runs it prefetches (into L2)
- * the 4 rows at pf (NULL: none), the expert's tile two ahead. Against AVX2's 8-lane dot
- * products (half_dot.h), the experts of 16 of Qwen3-MoE's size, 2026-12-07, the Zen 4 VM:
- * 1.3-1.5x at 4 tokens, 1.55-1.66x at 16, 1.2x at 64 (the prefetch about half of it). */
-static inline __attribute__((always_inline)) void f16_tile(const int W, const int R, const float *x, int64_t K,
-                                                           const uint16_t *w, int64_t ldw, float *o,
-                                                           const uint16_t *pf) {
-    __m512 acc[4][4];
-    for (int i = 0; i < 4; i++)
-        for (int r = 0; r < 4; r++) acc[i][r] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m512 v[4], a[4];
-        for (int i = 0; i < W; i++) v[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i * ldw + k)));
-        if (pf && !(k & 31))
-            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(pf + i * ldw + k), _MM_HINT_T1);
-        for (int r = 0; r < R; r++) a[r] = _mm512_loadu_ps(x + r * K + k);
-        for (int i = 0; i < W; i++)
-            for (int r = 0; r < R; r++) acc[i][r] = _mm512_fmadd_ps(v[i], a[r], acc[i][r]);
-    }
-    if (k < K) {
-        const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1u);
-        __m512 v[4], a[4];
-        for (int i = 0; i < W; i++) v[i] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w + i * ldw + k));
-        for (int r = 0; r < R; r++) a[r] = _mm512_maskz_loadu_ps(mask, x + r * K + k);
-        for (int i = 0; i < W; i++)
-            for (int r = 0; r < R; r++) acc[i][r] = _mm512_fmadd_ps(v[i], a[r], acc[i][r]);
-    }
-    for (int i = 0; i < W; i++)
-        for (int r = 0; r < R; r++) o[r * 4 + i] = _mm512_reduce_add_ps(acc[i][r]);
-}
-#define F16_CASE(W, R) case (W) * 8 + (R): f16_tile(W, R, x, K, w, ldw, o, pf); break;
-static void f16_run(int W, int R, const float *x, int64_t K, const uint16_t *w, int64_t ldw, float *o,
-                    const uint16_t *pf) {
-    switch (W * 8 + R) {
-        F16_CASE(4, 4) F16_CASE(4, 3) F16_CASE(4, 2) F16_CASE(4, 1) F16_CASE(3, 4) F16_CASE(3, 3) F16_CASE(3, 2)
-        F16_CASE(3, 1) F16_CASE(2, 4) F16_CASE(2, 3) F16_CASE(2, 2) F16_CASE(2, 1) F16_CASE(1, 4) F16_CASE(1, 3)
-        F16_CASE(1, 2) F16_CASE(1, 1)
-    }
-}
-#endif
-
 /* As tile_rows, for the DOT_BLOCK rows from n0 (x [M, K] float32, w 16-bit of type bf):
- * one token row after row (dot_row1); more, float16 on an AVX-512 build in f16_tile,
- * else in half_dot.h's groups of at most DOT_ROWS tokens; each output rounded to w's
- * dtype. */
+ * one token row after row (dot_row1); more, on an AVX-512 build in ../half_tile.h's
+ * 16-lane tiles, else in half_dot.h's groups of at most DOT_ROWS tokens; each output
+ * rounded to w's dtype. */
 static void dot_rows_of(const float *x, int64_t M, const uint16_t *w, int64_t N, int64_t K, int64_t n0, uint16_t *y,
                         int64_t ldy, int bf) {
     const int64_t rows = N - n0 < DOT_BLOCK ? N - n0 : DOT_BLOCK, groups = (M + DOT_ROWS - 1) / DOT_ROWS;
@@ -130,21 +86,24 @@ static void dot_rows_of(const float *x, int64_t M, const uint16_t *w, int64_t N,
         for (int64_t r = 0; r < rows; r++) y[n0 + r] = float_to_half(dot_row1(x, K, w + (n0 + r) * K, bf), bf);
         return;
     }
-#if TILE
-    if (!bf) { /* float16 on an AVX-512 build: 4 x 4 tiles of 16-lane sums (f16_tile) */
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int R = (int)(M - m0 < 4 ? M - m0 : 4);
-            for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-                const int W = (int)(rows - r0 < 4 ? rows - r0 : 4);
-                const int64_t ahead = n0 + r0 + 8; /* the first token group prefetches */
-                float o[16];
-                f16_run(W, R, x + m0 * K, K, w + (n0 + r0) * K, K, o, m0 == 0 && ahead < N ? w + ahead * K : NULL);
-                for (int t = 0; t < R; t++)
-                    for (int i = 0; i < W; i++) y[(m0 + t) * ldy + n0 + r0 + i] = float_to_half(o[t * 4 + i], 0);
-            }
+#ifdef HALF_TILE
+    /* An AVX-512 build: 4 x 4 tiles of 16-lane sums (../half_tile.h), the first token
+     * group prefetching the expert's tile two ahead. Against half_dot.h's 8-lane dot
+     * products, float16 experts of Qwen3-MoE's size, 2026-12-07, the Zen 4 VM: 1.3-1.5x
+     * at 4 tokens, 1.55-1.66x at 16, 1.2x at 64 (the prefetch about half of it). */
+    for (int64_t m0 = 0; m0 < M; m0 += HALF_TILE) {
+        const int R = (int)(M - m0 < HALF_TILE ? M - m0 : HALF_TILE);
+        for (int64_t r0 = 0; r0 < rows; r0 += HALF_TILE) {
+            const int W = (int)(rows - r0 < HALF_TILE ? rows - r0 : HALF_TILE);
+            const int64_t ahead = n0 + r0 + 2 * HALF_TILE;
+            float o[HALF_TILE * HALF_TILE];
+            half_tile_run(W, R, x + m0 * K, K, w + (n0 + r0) * K, K, K, o,
+                          m0 == 0 && ahead < N ? w + ahead * K : NULL, bf);
+            for (int t = 0; t < R; t++)
+                for (int i = 0; i < W; i++) y[(m0 + t) * ldy + n0 + r0 + i] = float_to_half(o[t * HALF_TILE + i], bf);
         }
-        return;
     }
+    return;
 #endif
     float out[DOT_ROWS * DOT_BLOCK];
     int64_t m0 = 0;
@@ -158,9 +117,17 @@ static void dot_rows_of(const float *x, int64_t M, const uint16_t *w, int64_t N,
     }
 }
 
-/* Which products bfloat16 experts take in this build: 1 the bf16 register tile, 2 the
- * AVX2 dot products (float16 experts always take the latter). */
-int cpu_moe_products(void) { return TILE ? 1 : 2; }
+/* Which products bfloat16 experts of two or more tokens take in this build: 1 the bf16
+ * register tile, 2 the AVX2 dot products, 3 the 16-lane tiles of ../half_tile.h (AVX-512
+ * without BF16). Float16 experts take the 16-lane tiles on every AVX-512 build, the dot
+ * products elsewhere. */
+int cpu_moe_products(void) {
+#ifdef HALF_TILE
+    return TILE ? 1 : 3;
+#else
+    return TILE ? 1 : 2;
+#endif
+}
 
 /* out [T, H] (the experts' dtype, written whole) = sum over the pairs (t, j) whose expert
  * this rank holds of topk_w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e =

@@ -7,10 +7,11 @@ read), so a MoE model's decode steps ran eagerly, Python and all. `cpu_moe.c` do
 same grouping and products inside one C call that reads the routing from tensors, so
 the whole step records and replays. Its products read the experts' weights as loaded:
 bfloat16 experts in our bf16 register tile on CPUs with AVX-512 BF16 (an expert's one
-token: one row after another, `bf16_row_dot.h`, as the dense one-token GEMV), float16
-experts (a GGUF F16 file's default dtype) there in 16-lane tiles of widened weights; on
-CPUs without AVX-512 BF16, and for float16's lone tokens, the AVX2 dot products of
-`half_dot.h` (the experts' rows widened to float32 as they are read); up to
+token: one row after another, `bf16_row_dot.h`, as the dense one-token GEMV); the
+others (float16 experts, a GGUF F16 file's default dtype; bfloat16 ones on CPUs without
+AVX-512 BF16) widened to float32 as they are read: on AVX-512 in the 16-lane tiles of
+`half_tile.h` (as the dense float16 product there), else in the AVX2 dot products of
+`half_dot.h`, a lone token one weight row at a time; up to
 `MAX_TOKENS` tokens (a decode step's batch), where these are the faster product; a
 prefill's larger batches keep the grouped GEMMs. Float16 experts went through the
 grouped path before, eagerly: a Qwen3-MoE F16 GGUF decode step 15.8 ms at batch 1 and
@@ -18,8 +19,8 @@ grouped path before, eagerly: a Qwen3-MoE F16 GGUF decode step 15.8 ms at batch 
 file as bfloat16 (2026-12-07, the Zen 4 VM).
 
 Built on first use like the other CPU kernels (distributed/native_build.py), on CPUs
-with AVX2, FMA and F16C (AVX-512 BF16 adds the tile); `TP_CPU_MOE_KERNEL=0` turns it
-off. Called by `FusedMoE.forward` on every rank with this rank's experts and the routing
+with AVX2, FMA and F16C (AVX-512 adds the 16-lane tiles, AVX-512 BF16 the bf16 tile);
+`TP_CPU_MOE_KERNEL=0` turns it off. Called by `FusedMoE.forward` on every rank with this rank's experts and the routing
 every rank computed alike. Memory: for the call, the pairs' gathered rows and
 activations (H + I values a pair: bf16 for the tile, float32 for the dot products),
 their gate/up products and outputs (16-bit, 2I + H a pair) and the sorting's indices;
@@ -40,8 +41,8 @@ from models.layers.cpu_sgemm import cpu_has_avx2
 
 SOURCES = (Path(__file__).with_name("cpu_moe.c"), Path(__file__).parent.parent / "bf16_tile.h",
            Path(__file__).parent.parent / "bf16_row_dot.h",
-           Path(__file__).parent.parent / "tile_sum.h", Path(__file__).parent.parent / "half_dot.h", BF16_CONVERT_H,
-           FP16_CONVERT_H)
+           Path(__file__).parent.parent / "tile_sum.h", Path(__file__).parent.parent / "half_dot.h",
+           Path(__file__).parent.parent / "half_tile.h", BF16_CONVERT_H, FP16_CONVERT_H)
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
@@ -51,13 +52,14 @@ MAX_TOKENS = 64
 
 class CpuMoeKernel:
     """The loaded library's `cpu_moe_experts`; `products` says which products the build
-    computes bfloat16 experts with: "bf16_tile" (AVX-512 BF16) or "avx2" (float16 experts
-    always take the latter)."""
+    computes bfloat16 experts of two or more tokens with: "bf16_tile" (AVX-512 BF16),
+    "half_tile" (the 16-lane widened tiles, AVX-512 without BF16) or "avx2" (float16
+    experts take "half_tile" on every AVX-512 build, "avx2" elsewhere)."""
 
     def __init__(self, lib: NativeLibrary, path: Path) -> None:
         self.path = path
         lib.cpu_moe_products.restype = ctypes.c_int
-        self.products = {1: "bf16_tile", 2: "avx2"}[lib.cpu_moe_products()]
+        self.products = {1: "bf16_tile", 2: "avx2", 3: "half_tile"}[lib.cpu_moe_products()]
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._moe = lib.cpu_moe_experts
         self._moe.restype = ctypes.c_int
