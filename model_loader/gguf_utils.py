@@ -341,15 +341,15 @@ def _expert_tensors(tensor: Any, stack: str, held: bool) -> Iterator[tuple[str, 
         yield f"{parent}.{e}.{proj}.{'qweight' if held else 'weight'}", weights[e]
 
 
-def gguf_weights_iterator(path: Path, hf_config: SimpleNamespace) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor of the file, in file order, q/k un-permuted for
-    llama (a row permutation: for tensors held as blocks it moves whole rows of blocks).
+def gguf_weights_iterator(reader: GGUFFile, hf_config: SimpleNamespace) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of the file `reader` maps (`open_gguf`), in file
+    order, q/k un-permuted for llama (a row permutation: for tensors held as blocks it
+    moves whole rows of blocks).
 
     A module that `hf_config.quantization_config` holds as blocks (model_loader/gguf_quant.py)
     gets its tensor as `<module>.qweight`: the file's [rows, row_bytes] bytes, a view of
     the mapping (the layer's weight loader copies this rank's rows or blocks), or, for
     a type with no kernel, its dequantised float32 values."""
-    reader = open_gguf(path)
     held = (getattr(hf_config, "quantization_config", None) or {}).get("tensor_types", {})
     arch = getattr(hf_config, "gguf_metadata", {}).get("general.architecture")
     if arch is None:

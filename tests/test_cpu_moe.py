@@ -4,9 +4,10 @@ order; only the products' float32 summation order differs, and with it an
 intermediate's 16-bit rounding now and then), under expert parallelism too, with the
 products this CPU's build takes (AVX-512 BF16's register tile for bfloat16, AVX-512's
 16-lane tiles for float16 and where that tile is missing, AVX2's dot products without
-AVX-512) and with the other CPUs' built on purpose; results that do not depend on the thread count; where it is taken; refusals;
-and in the engine, bfloat16 and float16 MoE decode steps recorded as CPU graphs,
-replaying what the eager steps compute at TP 1 and 2."""
+AVX-512) and with the other CPUs' built on purpose; results that do not depend on the
+thread count; where it is taken; refusals; and in the engine, bfloat16 and float16 MoE
+decode steps recorded as CPU graphs, replaying what the eager steps compute at TP 1 and
+2."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ from model_loader.sharded_state_loader import save_sharded_model
 from models.errors import WeightLoadError
 from models.layers import cpu_bf16_gemm, cpu_gemm
 from models.layers.cpu_gemm import PackedWeight, native_half_gemm, packing_available, shape_class
-from models.layers.file_pages import release_file_pages
+from models.layers.file_pages import release_file_pages, release_file_pages_outside
 from models.layers.packed_rows import gather_rows, rows_readable
 from models.layers.packed_tensor import PackedTensor
 from models.layers.unquantized import MKL_BUFFER, CPUUnquantizedLinearMethod, prepack_cpu_weights, unpack_cpu_weights
@@ -376,6 +376,25 @@ def test_release_file_pages_drops_only_a_file_mappings_pages(tmp_path):
         assert released > 0 and released % mmap.PAGESIZE == 0 and released < view.numel() * 4
     assert torch.equal(view, values[100:])  # read back from the file
     assert release_file_pages(values.clone()) == 0  # torch's own memory is never touched
+
+
+def test_release_file_pages_outside_keeps_the_views_pages(tmp_path):
+    """Every page of a file mapping but those holding a byte of a kept storage is dropped;
+    kept tensors, and the rest, read their values."""
+    page = mmap.PAGESIZE
+    path = tmp_path / "weights.bin"
+    values = torch.arange(16 * page // 4, dtype=torch.int32)
+    path.write_bytes(values.numpy().tobytes())
+    with open(path, "rb") as f:
+        mapping = torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+    ints = mapping.view(torch.int32)
+    kept = torch.frombuffer(mapping.numpy(), dtype=torch.int32, count=page // 4, offset=5 * page + 12)
+    assert int(ints.sum()) == int(values.sum())  # every page read in
+    released = release_file_pages_outside(mapping, [kept, values.clone()])  # torch's own memory ignored
+    if sys.platform == "linux":
+        # Pages 0-4 and 7-15 go; 5 and 6 hold the kept view's bytes.
+        assert released == 14 * page
+    assert torch.equal(kept, values[(5 * page + 12) // 4 :][: page // 4]) and torch.equal(ints, values)
 
 
 _RSS_SCRIPT = """

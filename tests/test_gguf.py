@@ -355,6 +355,48 @@ def test_qwen2_bias_and_f16_dtype_auto(gguf_files, tiny_models):
     torch.testing.assert_close(bias, ref.to(torch.float16), atol=0, rtol=0)
 
 
+def _file_mapping(path: Path) -> tuple[list[tuple[int, int]], int]:
+    """The address ranges at which this process maps `path`, and the bytes of them
+    resident (/proc/self/smaps)."""
+    ranges, rss, inside = [], 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                inside = len(fields) == 6 and fields[5] == str(path)
+                if inside:
+                    ranges.append(tuple(int(x, 16) for x in fields[0].split("-")))
+            elif inside and fields[0] == "Rss:":
+                rss += int(fields[1]) * 1024
+    return ranges, rss
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_whole_16bit_weights_are_views_of_the_file_and_the_rest_is_handed_back(gguf_files, tiny_models):
+    """An F16 file loaded as float16 at TP=1: each weight a parameter takes whole in its
+    dtype (o_proj, down_proj, the embedding, the LM head) is a view of the file's mapping,
+    not a copy; a fused layer's shards and the un-permuted q/k rows are copies; the file's
+    pages those copies read are handed back (the mapping lives on with the views); and
+    the model computes what the safetensors checkpoint loaded as float16 computes."""
+    path = gguf_files("llama", "F16")
+    model = load(path, dtype="float16")
+    ranges, rss = _file_mapping(path)
+    assert ranges, "the aliased weights keep the file mapped"
+    views = {name: p for name, p in model.named_parameters()
+             if any(lo <= p.data_ptr() < hi for lo, hi in ranges)}
+    expected = {"model.embed_tokens.weight", *(f"model.layers.{i}.{m}.weight" for i in range(2)
+                                               for m in ("self_attn.o_proj", "mlp.down_proj"))}
+    assert expected <= set(views) and not any("qkv_proj" in n or "gate_up_proj" in n for n in views)
+    page = 4096
+    assert rss <= sum(-(-p.numel() * p.element_size() // page) * page + page for p in views.values())
+    hf = read_hf_tensors(tiny_models["llama"])
+    for name in expected:
+        assert torch.equal(views[name], hf[name].to(torch.float16)), name
+    ids = torch.tensor([1, 17, 250, 3, 99, 318])
+    reference = load(tiny_models["llama"], load_format="auto", dtype="float16")
+    assert torch.equal(compute_logits_on_rank(model, ids), compute_logits_on_rank(reference, ids))
+
+
 def test_model_dir_with_one_gguf(gguf_files, tiny_models, hf_logits, tmp_path):
     d = tmp_path / "gguf_dir"
     d.mkdir()

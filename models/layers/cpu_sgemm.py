@@ -39,8 +39,9 @@ from distributed.native_build import cpu_flags, load_kernel
 from distributed.native_calls import NativeLibrary
 
 SOURCE = Path(__file__).with_name("cpu_sgemm.c")
-#: What the library is built from: the kernel and the transpose it shares with the GGUF tiles.
-SOURCES = (SOURCE, SOURCE.with_name("avx2_transpose.h"), SOURCE.with_name("half_dot.h"), SOURCE.with_name("half_tile.h"))
+#: What the library is built from: the kernel, the transpose it shares with the GGUF tiles, and the
+#: dot products and 16-lane tiles it shares with the MoE kernel.
+SOURCES = (SOURCE, *(SOURCE.with_name(h) for h in ("avx2_transpose.h", "half_dot.h", "half_tile.h")))
 COMPILE_FLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 PANEL = 16  # the kernel's NR: output columns per packed panel

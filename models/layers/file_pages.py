@@ -15,6 +15,11 @@ the caller passes only a tensor whose values are no longer needed as they are (p
 into their replacement), and pages shared with a neighbouring tensor are never
 touched. Linux only; elsewhere, and where madvise fails, it does nothing. Called on the
 loading thread.
+
+`release_file_pages_outside` does the same for a whole file a loader mapped, read and
+copied from, once some parameters are left viewing it (the GGUF loader's aliased
+weights keep its mapping alive): every page the copies read in stays counted in the
+process's resident memory otherwise (0.2-0.8 GB of an 853M Llama's GGUF files).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import ctypes
 import ctypes.util
 import functools
 import mmap
+from collections.abc import Iterable
 
 import torch
 
@@ -75,3 +81,25 @@ def release_file_pages(tensor: torch.Tensor) -> int:
     if libc.madvise(ctypes.c_void_p(start), stop - start, _MADV_DONTNEED) != 0:
         return 0
     return stop - start
+
+
+def release_file_pages_outside(mapping: torch.Tensor, keep: Iterable[torch.Tensor]) -> int:
+    """Drop the pages of `mapping` (a 1-D uint8 CPU tensor over a whole file mapping) that
+    hold no byte of the storage of any tensor in `keep` (the parameters still viewing the
+    file; tensors elsewhere are ignored), as `release_file_pages` drops them: only pages
+    wholly between two kept storages. The caller passes a mapping whose other bytes it
+    no longer needs as they are. Returns the bytes released."""
+    base = mapping.data_ptr()
+    end = base + mapping.numel()
+    spans = []
+    for tensor in keep:
+        storage = tensor.untyped_storage()
+        lo, hi = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        if lo < end and hi > base:
+            spans.append((max(lo, base), min(hi, end)))
+    released, pos = 0, base
+    for lo, hi in sorted(spans) + [(end, end)]:
+        if lo > pos:
+            released += release_file_pages(mapping[pos - base : lo - base])
+        pos = max(pos, hi)
+    return released

@@ -42,9 +42,12 @@ _ALIAS_CHECKPOINT_TENSORS: ContextVar[bool] = ContextVar("alias_checkpoint_tenso
 def alias_checkpoint_tensors() -> Iterator[None]:
     """Inside this block, `load_whole` makes a parameter a view of its checkpoint tensor
     instead of copying it, when the shapes, dtype and device match and the tensor is
-    contiguous. Only a loader whose tensors are backed by a read-only file mapping that
-    may outlive the load (the lazy safetensors reader) may enter it: the parameter then
-    costs no copy and no anonymous memory, only page-cache pages."""
+    contiguous and the whole of its storage (a rank's slice of a table is copied: a view
+    would hold the whole table's storage, which the memory accounting counts). Only a
+    loader whose tensors are backed by a private file mapping that may outlive the load,
+    or are new tensors it made and lets go of (the lazy safetensors reader, the GGUF
+    loader), may enter it: the parameter then costs no copy and no anonymous memory,
+    only page-cache pages."""
     token = _ALIAS_CHECKPOINT_TENSORS.set(True)
     try:
         yield
@@ -61,6 +64,8 @@ def load_whole(param: torch.Tensor, src: torch.Tensor, what: str = "") -> None:
         and src.dtype == param.dtype
         and src.device == param.device
         and src.is_contiguous()
+        and src.storage_offset() == 0
+        and src.untyped_storage().nbytes() == src.numel() * src.element_size()
     ):
         param.data = src
         return
