@@ -51,7 +51,7 @@ def _norm_outputs(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> lis
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,hidden", [(1, 8), (3, 768), (32, 768), (300, 1000), (2048, 64)])
+@pytest.mark.parametrize("rows,hidden", [(1, 8), (3, 768), (32, 768), (300, 1000), (2048, 64), (5, 1003)])
 def test_rms_norm_equals_the_torch_ops(request, dtype, rows, hidden):
     gen = torch.Generator().manual_seed(rows * hidden)
     x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
@@ -73,6 +73,7 @@ def test_rms_norm_equals_the_torch_ops(request, dtype, rows, hidden):
     (64, 12, 4, None),
     (128, 2, 1, None),
     (80, 3, 3, None),
+    (36, 2, 2, None),  # halves of 18: 8 at a time and a tail
     (64, 8, 2, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64}),
 ])
