@@ -14,7 +14,9 @@ would take a request (llama.cpp: /health answers 200, its warm-up run done), its
 package's import left out.
 
 Ours: `EngineCore(model=<file.gguf>, device="cpu", dtype=--dtype)` (load_format gguf
-from the suffix), prefix caching off, a KV cache of llama.cpp's size. llama.cpp: its
+from the suffix; the default `auto` is the file's own float16, what a user gets; the
+runs before 2026-12-07 04:40 used bfloat16), prefix caching off, a KV cache of
+llama.cpp's size. llama.cpp: its
 server from ../shared/peers/llama-cpp/install.sh (scripts/bench_llamacpp_peer.py),
 native /completion with token-id prompts, 16 slots, continuous batching. Both use the
 cores this process may run on (two on the reference machine): ours binds its threads
@@ -30,7 +32,7 @@ embedding table, plus the mean KV cache read). Targets (issue 37): batch-1 >= ll
 and >= 60% of the roofline; 16 concurrent >= 2x llama.cpp; resident <= 1.2x the file.
 
     python scripts/bench_vs_llamacpp.py [--files F16,Q8_0,Q4_K_M] [--repeats 2] [--quick] [--moe]
-        [--llamacpp-python ~/.cache/peers/llama-cpp/bin/python] [--dtype bfloat16]
+        [--llamacpp-python ~/.cache/peers/llama-cpp/bin/python] [--dtype auto]
 
 --moe: a random Qwen3-MoE instead (llama.cpp's qwen3moe; bench_moe.py's shape: hidden
 1024, 8 layers, 16 experts of 768, top 4, 0.39B parameters), whose decode step reads the
@@ -199,7 +201,8 @@ def main() -> None:
     p.add_argument("--moe", action="store_true", help="a Qwen3-MoE (qwen3moe) file instead of the llama")
     p.add_argument("--llamacpp-python", default=str(DEFAULT_PEER_PYTHON) if DEFAULT_PEER_PYTHON.exists() else None,
                    help="the llama.cpp peer venv's python (default: %(default)s; none: ours alone)")
-    p.add_argument("--dtype", default="bfloat16", help="our compute dtype (EngineConfig dtype)")
+    p.add_argument("--dtype", default="auto",
+                   help="our compute dtype (EngineConfig dtype); auto: what a user gets, float16 for these files")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--model-root", default=str(Path.home() / ".cache" / "tp-runtime" / "bench-gguf"))
     p.add_argument("--probe-mib", type=int, default=None, help="bandwidth probe buffer (default 2048, quick 256)")
