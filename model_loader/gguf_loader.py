@@ -29,14 +29,14 @@ if TYPE_CHECKING:
 
 class GGUFModelLoader(BaseModelLoader):
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        """A 16-bit or float32 tensor a parameter takes whole, in its dtype (a rank's whole
-        weight at TP=1, an F16 file loaded as float16: o_proj, down_proj, the embedding and
-        LM head; not a fused layer's shard or a sliced one), becomes a view of the file's
-        copy-on-write mapping, or of the un-permuted copy the iterator made, rather than a
-        copy (`alias_checkpoint_tensors`, as the safetensors loader does): 45% of an F16
-        Llama's bytes, never copied and held as page-cache pages rather than anonymous
-        memory. The mapping then outlives the load, so the pages the copies read are
-        handed back (`release_file_pages_outside`)."""
+        """A tensor a parameter takes whole in its dtype (at TP=1 an F16 file's o_proj,
+        down_proj, embedding and LM head loaded as float16, a quantised file's embedding
+        and LM head blocks; not a fused layer's shard or a rank's slice) becomes a view of
+        the file's copy-on-write mapping, or of the un-permuted copy the iterator made,
+        rather than a copy (`alias_checkpoint_tensors`, as the safetensors loader does):
+        45% of an F16 Llama's bytes never copied, held as page-cache pages rather than
+        anonymous memory. The mapping then outlives the load, so the pages the copies
+        read are handed back (`release_file_pages_outside`). Called on every rank."""
         path = find_gguf_file(model_config.model)
         reader = open_gguf(path)
         with alias_checkpoint_tensors():

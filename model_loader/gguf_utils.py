@@ -348,8 +348,9 @@ def gguf_weights_iterator(reader: GGUFFile, hf_config: SimpleNamespace) -> Itera
 
     A module that `hf_config.quantization_config` holds as blocks (model_loader/gguf_quant.py)
     gets its tensor as `<module>.qweight`: the file's [rows, row_bytes] bytes, a view of
-    the mapping (the layer's weight loader copies this rank's rows or blocks), or, for
-    a type with no kernel, its dequantised float32 values."""
+    the mapping (the layer's weight loader copies this rank's rows or blocks, or keeps
+    the view of a table a rank takes whole: `GGUFModelLoader.load_weights`), or, for a
+    type with no kernel, its dequantised float32 values."""
     held = (getattr(hf_config, "quantization_config", None) or {}).get("tensor_types", {})
     arch = getattr(hf_config, "gguf_metadata", {}).get("general.architecture")
     if arch is None:

@@ -160,6 +160,37 @@ static inline __attribute__((always_inline)) void widen_panel(const uint16_t *w,
             p[kk * NR + c] = c < cols ? widen1(w[(n0 + c) * ldw + kk], bf16) : 0.0f;
 }
 
+#ifdef HALF_TILE
+#define SMALL_MAX_ROWS HALF_TILE_MAX_ROWS
+#define SMALL_GROUP HALF_TILE
+#else
+#define SMALL_MAX_ROWS DOT_MAX_ROWS
+#define SMALL_GROUP DOT_ROWS
+#endif
+
+/* The R rows of x at x against weight rows [n0, n1) into out (rows n apart): AVX-512's
+ * 4 x 4 tiles of 16-lane sums (half_tile.h), the first group of rows prefetching two
+ * tiles ahead; else half_dot.h's dot products. */
+static inline void small_group(int R, int first, const float *x, int64_t k, const uint16_t *w, int64_t ldw, int64_t n0,
+                               int64_t n1, int64_t n, const float *bias, float *out, const int bf16) {
+#ifdef HALF_TILE
+    for (int64_t j = n0; j < n1; j += HALF_TILE) {
+        const int W = (int)(n1 - j < HALF_TILE ? n1 - j : HALF_TILE);
+        const int64_t ahead = j + 2 * HALF_TILE;
+        float o[HALF_TILE * HALF_TILE];
+        half_tile_run(W, R, x, k, w + j * ldw, ldw, k, o, first && ahead < n ? w + ahead * ldw : 0, bf16);
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < W; i++) out[r * n + j + i] = o[r * HALF_TILE + i] + (bias ? bias[j + i] : 0.0f);
+    }
+#else
+    (void)first;
+    if (bf16)
+        dot_group(R, x, k, w, ldw, n0, n1, bias, out, n, 1);
+    else
+        dot_group(R, x, k, w, ldw, n0, n1, bias, out, n, 0);
+#endif
+}
+
 static void half_gemm(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t ldw, int64_t n,
                       const float *bias, float *out, int nthreads, const int bf16, int *status) {
     if (m == 1) { /* each thread a contiguous range of weight rows, one at a time */
@@ -168,49 +199,18 @@ static void half_gemm(const float *x, int64_t m, int64_t k, const uint16_t *w, i
             out[j] = (bf16 ? dot_row1(x, k, w + j * ldw, 1) : dot_row1(x, k, w + j * ldw, 0)) + (bias ? bias[j] : 0.0f);
         return;
     }
-#ifdef HALF_TILE
-    if (m <= HALF_TILE_MAX_ROWS) {
-        /* Blocks of DOT_BLOCK weight rows per task; within a block, the rows of x in equal
-         * groups of at most 4, each group over the block's rows in 4 x 4 tiles of 16-lane
-         * sums (half_tile.h), the first group prefetching two tiles ahead. */
-        const int64_t blocks = (n + DOT_BLOCK - 1) / DOT_BLOCK, groups = (m + HALF_TILE - 1) / HALF_TILE;
+    if (m <= SMALL_MAX_ROWS) {
+        /* Blocks of DOT_BLOCK weight rows (a multiple of every tile's width) per task;
+         * within a block, the rows of x in equal groups of at most SMALL_GROUP, each group
+         * over the block's rows while they are in L2. */
+        const int64_t blocks = (n + DOT_BLOCK - 1) / DOT_BLOCK, groups = (m + SMALL_GROUP - 1) / SMALL_GROUP;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t n0 = b * DOT_BLOCK, n1 = n - n0 < DOT_BLOCK ? n : n0 + DOT_BLOCK;
             int64_t r0 = 0;
             for (int64_t g = 0; g < groups; g++) {
                 const int R = (int)((m - r0 + groups - g - 1) / (groups - g));
-                for (int64_t j = n0; j < n1; j += HALF_TILE) {
-                    const int W = (int)(n1 - j < HALF_TILE ? n1 - j : HALF_TILE);
-                    const int64_t ahead = j + 2 * HALF_TILE;
-                    float o[HALF_TILE * HALF_TILE];
-                    half_tile_run(W, R, x + r0 * k, k, w + j * ldw, ldw, k, o, g == 0 && ahead < n ? w + ahead * ldw : 0,
-                                  bf16);
-                    for (int r = 0; r < R; r++)
-                        for (int i = 0; i < W; i++)
-                            out[(r0 + r) * n + j + i] = o[r * HALF_TILE + i] + (bias ? bias[j + i] : 0.0f);
-                }
-                r0 += R;
-            }
-        }
-        return;
-    }
-#endif
-    if (m <= DOT_MAX_ROWS) {
-        /* Blocks of DOT_BLOCK weight rows (a multiple of every tile's W) per task; within a
-         * block, the rows of x in equal groups of at most DOT_ROWS, each group over the
-         * block's rows while they are in L2. */
-        const int64_t blocks = (n + DOT_BLOCK - 1) / DOT_BLOCK, groups = (m + DOT_ROWS - 1) / DOT_ROWS;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t n0 = b * DOT_BLOCK, n1 = n - n0 < DOT_BLOCK ? n : n0 + DOT_BLOCK;
-            int64_t r0 = 0;
-            for (int64_t g = 0; g < groups; g++) {
-                const int R = (int)((m - r0 + groups - g - 1) / (groups - g));
-                if (bf16)
-                    dot_group(R, x + r0 * k, k, w, ldw, n0, n1, bias, out + r0 * n, n, 1);
-                else
-                    dot_group(R, x + r0 * k, k, w, ldw, n0, n1, bias, out + r0 * n, n, 0);
+                small_group(R, g == 0, x + r0 * k, k, w, ldw, n0, n1, n, bias, out + r0 * n, bf16);
                 r0 += R;
             }
         }

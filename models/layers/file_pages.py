@@ -19,7 +19,7 @@ loading thread.
 `release_file_pages_outside` does the same for a whole file a loader mapped, read and
 copied from, once some parameters are left viewing it (the GGUF loader's aliased
 weights keep its mapping alive): every page the copies read in stays counted in the
-process's resident memory otherwise (0.2-0.8 GB of an 853M Llama's GGUF files).
+process's resident memory otherwise (0.4-0.9 GiB of an 853M Llama's GGUF files).
 """
 
 from __future__ import annotations
