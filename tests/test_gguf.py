@@ -21,6 +21,7 @@ magnitude up to ~3, which amplify weight error about 3-4x):
 from __future__ import annotations
 
 import json
+import mmap
 import re
 from pathlib import Path
 from typing import Any
@@ -355,20 +356,20 @@ def test_qwen2_bias_and_f16_dtype_auto(gguf_files, tiny_models):
     torch.testing.assert_close(bias, ref.to(torch.float16), atol=0, rtol=0)
 
 
-def _file_mapping(path: Path) -> tuple[list[tuple[int, int]], int]:
-    """The address ranges at which this process maps `path`, and the bytes of them
-    resident (/proc/self/smaps)."""
-    ranges, rss, inside = [], 0, False
+def _file_mappings(path: Path) -> list[tuple[int, int, int]]:
+    """(start, end, resident bytes) of each mapping of `path` in this process (/proc/self/smaps)."""
+    found: list[list[int]] = []
+    inside = False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             fields = line.split()
             if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
                 inside = len(fields) == 6 and fields[5] == str(path)
                 if inside:
-                    ranges.append(tuple(int(x, 16) for x in fields[0].split("-")))
+                    found.append([*(int(x, 16) for x in fields[0].split("-")), 0])
             elif inside and fields[0] == "Rss:":
-                rss += int(fields[1]) * 1024
-    return ranges, rss
+                found[-1][2] += int(fields[1]) * 1024
+    return [tuple(m) for m in found]
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
@@ -380,14 +381,15 @@ def test_whole_16bit_weights_are_views_of_the_file_and_the_rest_is_handed_back(g
     the model computes what the safetensors checkpoint loaded as float16 computes."""
     path = gguf_files("llama", "F16")
     model = load(path, dtype="float16")
-    ranges, rss = _file_mapping(path)
-    assert ranges, "the aliased weights keep the file mapped"
-    views = {name: p for name, p in model.named_parameters()
-             if any(lo <= p.data_ptr() < hi for lo, hi in ranges)}
+    params = dict(model.named_parameters())
+    ours = [m for m in _file_mappings(path) if any(m[0] <= p.data_ptr() < m[1] for p in params.values())]
+    assert len(ours) == 1, "the aliased weights keep this load's mapping of the file"
+    start, end, rss = ours[0]
+    views = {name: p for name, p in params.items() if start <= p.data_ptr() < end}
     expected = {"model.embed_tokens.weight", *(f"model.layers.{i}.{m}.weight" for i in range(2)
                                                for m in ("self_attn.o_proj", "mlp.down_proj"))}
     assert expected <= set(views) and not any("qkv_proj" in n or "gate_up_proj" in n for n in views)
-    page = 4096
+    page = mmap.PAGESIZE
     assert rss <= sum(-(-p.numel() * p.element_size() // page) * page + page for p in views.values())
     hf = read_hf_tensors(tiny_models["llama"])
     for name in expected:

@@ -1,12 +1,13 @@
-/* 16-bit (bfloat16 or float16) weight rows against float32 token rows in 16-lane AVX-512
- * sums (F, BW and VL): up to 4 weight rows by 4 token rows, each weight vector widened once and used by
- * every token, each token vector used by every weight row (sixteen 512-bit sums, four
- * widened weight vectors and the token vectors in the 32 zmm registers). Products on
- * AVX-512 CPUs with no GEMM of their own for the weight's dtype: float16 on every
- * AVX-512 CPU without AVX-512 FP16 (all of AMD's, Intel's before Sapphire Rapids), and
- * bfloat16 where AVX-512 BF16 is missing too (Skylake-X to Ice Lake). Their callers:
- * cpu_sgemm.c's 2-32-row product of a dense weight (half_gemm) and fused_moe/cpu_moe.c's
- * float16 experts of two or more tokens.
+/* 16-bit (bfloat16 or float16) weight rows against float32 token rows in 16-lane sums
+ * (AVX-512 F, BW and VL): up to 4 weight rows by 4 token rows, each weight vector widened
+ * once and used by every token, each token vector used by every weight row (sixteen
+ * 512-bit sums, four widened weight vectors and the token vectors in the 32 zmm
+ * registers). Products on AVX-512 CPUs with no GEMM of their own for the weight's dtype:
+ * float16 on every AVX-512 CPU without AVX-512 FP16 (all of AMD's, Intel's before
+ * Sapphire Rapids), and bfloat16 where AVX-512 BF16 is missing too (Skylake-X to Ice
+ * Lake). Their callers: cpu_sgemm.c's 2-32-row product of a dense weight (half_gemm) and
+ * fused_moe/cpu_moe.c's experts of two or more tokens (float16 ones; bfloat16 ones
+ * without AVX-512 BF16).
  *
  * Each output is one 16-lane sum of exact float32 products (each lane the row's tail
  * first, then in k order), reduced across its lanes in a fixed order: the same whatever
