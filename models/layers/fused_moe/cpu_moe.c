@@ -81,7 +81,7 @@ static inline float round_half(float v, int bf) { return half_to_float(float_to_
  * rounded to w's dtype. */
 static void dot_rows_of(const float *x, int64_t M, const uint16_t *w, int64_t N, int64_t K, int64_t n0, uint16_t *y,
                         int64_t ldy, int bf) {
-    const int64_t rows = N - n0 < DOT_BLOCK ? N - n0 : DOT_BLOCK, groups = (M + DOT_ROWS - 1) / DOT_ROWS;
+    const int64_t rows = N - n0 < DOT_BLOCK ? N - n0 : DOT_BLOCK;
     if (M == 1) { /* one token: row after row (half_dot.h's dot_row1) */
         for (int64_t r = 0; r < rows; r++) y[n0 + r] = float_to_half(dot_row1(x, K, w + (n0 + r) * K, bf), bf);
         return;
@@ -103,8 +103,8 @@ static void dot_rows_of(const float *x, int64_t M, const uint16_t *w, int64_t N,
                 for (int i = 0; i < W; i++) y[(m0 + t) * ldy + n0 + r0 + i] = float_to_half(o[t * HALF_TILE + i], bf);
         }
     }
-    return;
-#endif
+#else
+    const int64_t groups = (M + DOT_ROWS - 1) / DOT_ROWS;
     float out[DOT_ROWS * DOT_BLOCK];
     int64_t m0 = 0;
     for (int64_t g = 0; g < groups; g++) {
@@ -115,6 +115,7 @@ static void dot_rows_of(const float *x, int64_t M, const uint16_t *w, int64_t N,
                 y[(m0 + t) * ldy + n0 + r] = float_to_half(out[t * DOT_BLOCK + r], bf);
         m0 += R;
     }
+#endif
 }
 
 /* Which products bfloat16 experts of two or more tokens take in this build: 1 the bf16
