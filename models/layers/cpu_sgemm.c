@@ -113,12 +113,15 @@ void cpu_sgemm(const float *x, int64_t m, int64_t k, const float *packed, int64_
  * out[m, n] = x[m, k] . w[n, k]^T (+ bias[n]) in float32 for a bfloat16 or float16 weight
  * w [n, k] (rows at stride ldw) read where it was loaded: no packed copy.
  * - One row of x: each thread's weight rows one at a time (`dot_row1`).
- * - On AVX-512 builds, up to HALF_TILE_MAX_ROWS rows of x (decode batches): 4 x 4 tiles
- *   of 16-lane sums (half_tile.h), each thread a run of DOT_BLOCK-row blocks, the rows of
- *   x in equal groups of at most 4 over each block. Against the dot products below,
- *   paired, float16 5632x2048 weights from memory, 2026-12-07, the Zen 4 VM: 1.26x at 2
- *   rows, 1.4-1.67x at 3-16 (173 GFLOP/s at 16, the FMA units' rate), 1.05-1.14x at
- *   24-32; from 48 rows the widened panels are as fast (0.99x), at 128-512 faster.
+ * - On AVX-512 builds, up to HALF_TILE_MAX_ROWS rows of x (decode batches): tiles of 4
+ *   weight rows (up to 8 rows of x) or 6 (more) by 4 rows of x in 16-lane sums
+ *   (half_tile.h), each thread a run of DOT_BLOCK-row blocks, the rows of x in equal
+ *   groups of at most 4 over each block. Against the dot products below, paired, float16
+ *   5632x2048 weights from memory, 2026-12-07, the Zen 4 VM: 1.26x at 2 rows, 1.4-1.67x
+ *   at 3-16, 1.05-1.14x at 24-32 in 4-row tiles; 6-row tiles, against those: 1.05x at 16
+ *   rows (181 GFLOP/s; the FMA units' peak is 234 on two cores), 1.1-1.2x at 24-32, and
+ *   1.2x at 16-32 rows of a 1536x1024 weight (an expert's gate/up); from 48 rows the
+ *   widened panels are as fast (0.99x), at 128-512 faster.
  * - Elsewhere up to DOT_MAX_ROWS rows of x, each output is a dot product of a
  *   weight row and a row of x, 8 values a step (half_dot.h): a tile of W weight rows
  *   widened once per step serves R <= DOT_ROWS rows of x (W * R <= 12 running sums); the
@@ -160,30 +163,32 @@ static inline __attribute__((always_inline)) void widen_panel(const uint16_t *w,
             p[kk * NR + c] = c < cols ? widen1(w[(n0 + c) * ldw + kk], bf16) : 0.0f;
 }
 
-#ifdef HALF_TILE
+#ifdef HALF_TILE_R
 #define SMALL_MAX_ROWS HALF_TILE_MAX_ROWS
-#define SMALL_GROUP HALF_TILE
+#define SMALL_GROUP HALF_TILE_R
 #else
 #define SMALL_MAX_ROWS DOT_MAX_ROWS
 #define SMALL_GROUP DOT_ROWS
 #endif
 
 /* The R rows of x at x against weight rows [n0, n1) into out (rows n apart): AVX-512's
- * 4 x 4 tiles of 16-lane sums (half_tile.h), the first group of rows prefetching two
+ * tiles of 16-lane sums (half_tile.h), the first group of rows prefetching two
  * tiles ahead; else half_dot.h's dot products. */
-static inline void small_group(int R, int first, const float *x, int64_t k, const uint16_t *w, int64_t ldw, int64_t n0,
+static inline void small_group(int R, int64_t m, int first, const float *x, int64_t k, const uint16_t *w, int64_t ldw, int64_t n0,
                                int64_t n1, int64_t n, const float *bias, float *out, const int bf16) {
-#ifdef HALF_TILE
-    for (int64_t j = n0; j < n1; j += HALF_TILE) {
-        const int W = (int)(n1 - j < HALF_TILE ? n1 - j : HALF_TILE);
-        const int64_t ahead = j + 2 * HALF_TILE;
-        float o[HALF_TILE * HALF_TILE];
+#ifdef HALF_TILE_R
+    const int tw = half_tile_width(m);
+    for (int64_t j = n0; j < n1; j += tw) {
+        const int W = (int)(n1 - j < tw ? n1 - j : tw);
+        const int64_t ahead = j + 2 * tw;
+        float o[HALF_TILE_W * HALF_TILE_R];
         half_tile_run(W, R, x, k, w + j * ldw, ldw, k, o, first && ahead < n ? w + ahead * ldw : 0, bf16);
         for (int r = 0; r < R; r++)
-            for (int i = 0; i < W; i++) out[r * n + j + i] = o[r * HALF_TILE + i] + (bias ? bias[j + i] : 0.0f);
+            for (int i = 0; i < W; i++) out[r * n + j + i] = o[r * HALF_TILE_W + i] + (bias ? bias[j + i] : 0.0f);
     }
 #else
     (void)first;
+    (void)m;
     if (bf16)
         dot_group(R, x, k, w, ldw, n0, n1, bias, out, n, 1);
     else
@@ -210,7 +215,7 @@ static void half_gemm(const float *x, int64_t m, int64_t k, const uint16_t *w, i
             int64_t r0 = 0;
             for (int64_t g = 0; g < groups; g++) {
                 const int R = (int)((m - r0 + groups - g - 1) / (groups - g));
-                small_group(R, g == 0, x + r0 * k, k, w, ldw, n0, n1, n, bias, out + r0 * n, bf16);
+                small_group(R, m, g == 0, x + r0 * k, k, w, ldw, n0, n1, n, bias, out + r0 * n, bf16);
                 r0 += R;
             }
         }

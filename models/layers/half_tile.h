@@ -1,8 +1,8 @@
 /* 16-bit (bfloat16 or float16) weight rows against float32 token rows in 16-lane sums
- * (AVX-512 F, BW and VL): up to 4 weight rows by 4 token rows, each weight vector widened
- * once and used by every token, each token vector used by every weight row (sixteen
- * 512-bit sums, four widened weight vectors and the token vectors in the 32 zmm
- * registers). Products on AVX-512 CPUs with no GEMM of their own for the weight's dtype:
+ * (AVX-512 F, BW and VL): up to 6 weight rows by 4 token rows, each weight vector widened
+ * once and used by every token, each token vector used by every weight row (24 512-bit
+ * sums, six widened weight vectors and one token vector in the 32 zmm registers; 4 weight
+ * rows while the weight streams from memory, `half_tile_width`). Products on AVX-512 CPUs with no GEMM of their own for the weight's dtype:
  * float16 on every AVX-512 CPU without AVX-512 FP16 (all of AMD's, Intel's before
  * Sapphire Rapids), and bfloat16 where AVX-512 BF16 is missing too (Skylake-X to Ice
  * Lake). Their callers: cpu_sgemm.c's 2-32-row product of a dense weight (half_gemm) and
@@ -21,7 +21,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define HALF_TILE 4 /* weight rows, and token rows, per tile */
+#define HALF_TILE_W 6 /* weight rows per tile */
+#define HALF_TILE_R 4 /* token rows per tile */
 
 /* 16 16-bit values at p (bf16: bfloat16, else float16) widened exactly to float32; `mask`
  * selects the leading values of a row's tail (the rest read as zero). */
@@ -32,21 +33,21 @@ static inline __attribute__((always_inline)) __m512 half_widen16(const uint16_t 
     return _mm512_cvtph_ps(h);
 }
 
-/* o[r * HALF_TILE + i] = sum over k < K of w[i * ldw + k] * x[r * ldx + k], for the W <= 4
+/* o[r * HALF_TILE_W + i] = sum over k < K of w[i * ldw + k] * x[r * ldx + k], for the W <= 6
  * weight rows at w and the R <= 4 token rows at x. While it runs it prefetches into L2
- * the 4 weight rows at pf (rows ldw apart; NULL: none), which the caller points at the
+ * the 6 weight rows at pf (rows ldw apart; NULL: none), which the caller points at the
  * tile it will run two tiles later: without it a 16-row product waited on memory
  * (the dense product at 2-16 rows ran 1.2-1.35x slower, 2026-12-07, the Zen 4 VM). */
 static inline __attribute__((always_inline)) void half_tile(const int W, const int R, const float *x, int64_t ldx,
                                                             const uint16_t *w, int64_t ldw, int64_t K, float *o,
                                                             const uint16_t *pf, const int bf16) {
-    __m512 acc[HALF_TILE][HALF_TILE];
+    __m512 acc[HALF_TILE_W][HALF_TILE_R];
     const int64_t K16 = K & ~(int64_t)15;
     { /* The row's tail first (zeros where there is none), once: masked loads are slow on
        * Zen 4 (2x the time in the loop below), and a tail after the loop made GCC keep
        * the sums on the stack. */
         const __mmask16 mask = (__mmask16)((1u << (K - K16)) - 1u);
-        __m512 v[HALF_TILE];
+        __m512 v[HALF_TILE_W];
         for (int i = 0; i < W; i++) v[i] = half_widen16(w + i * ldw + K16, mask, bf16);
         for (int r = 0; r < R; r++) {
             const __m512 a = _mm512_maskz_loadu_ps(mask, x + r * ldx + K16);
@@ -54,20 +55,25 @@ static inline __attribute__((always_inline)) void half_tile(const int W, const i
         }
     }
     for (int64_t k = 0; k < K16; k += 16) {
-        __m512 v[HALF_TILE];
+        __m512 v[HALF_TILE_W];
         for (int i = 0; i < W; i++) v[i] = half_widen16(w + i * ldw + k, 0xFFFF, bf16);
         if (pf && !(k & 31)) /* one 64-byte line of each row every 32 values */
-            for (int i = 0; i < HALF_TILE; i++) _mm_prefetch((const char *)(pf + i * ldw + k), _MM_HINT_T1);
+            for (int i = 0; i < HALF_TILE_W; i++) _mm_prefetch((const char *)(pf + i * ldw + k), _MM_HINT_T1);
         for (int r = 0; r < R; r++) {
             const __m512 a = _mm512_loadu_ps(x + r * ldx + k);
             for (int i = 0; i < W; i++) acc[i][r] = _mm512_fmadd_ps(v[i], a, acc[i][r]);
         }
     }
     for (int i = 0; i < W; i++)
-        for (int r = 0; r < R; r++) o[r * HALF_TILE + i] = _mm512_reduce_add_ps(acc[i][r]);
+        for (int r = 0; r < R; r++) o[r * HALF_TILE_W + i] = _mm512_reduce_add_ps(acc[i][r]);
 }
 
-/* half_tile for any W, R in [1, 4], each pair compiled with its sums in registers. */
+/* Weight rows per tile for a product of m token rows: 4 while the weight streams from
+ * memory (up to 8 rows: 6 concurrent row streams ran 0.9x), 6 where the FMA units bound
+ * it (1.05-1.11x at 16-32 rows). */
+static inline int half_tile_width(int64_t m) { return m <= 8 ? 4 : HALF_TILE_W; }
+
+/* half_tile for any W in [1, 6] and R in [1, 4], each pair compiled with its sums in registers. */
 #define HALF_TILE_CASE(W, R, BF)                                                                                      \
     case ((W) * 8 + (R)) * 2 + (BF): half_tile(W, R, x, ldx, w, ldw, K, o, pf, BF); break;
 #define HALF_TILE_CASES(W, BF)                                                                                        \
@@ -75,8 +81,10 @@ static inline __attribute__((always_inline)) void half_tile(const int W, const i
 static inline void half_tile_run(int W, int R, const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, int64_t K,
                                  float *o, const uint16_t *pf, int bf16) {
     switch ((W * 8 + R) * 2 + !!bf16) {
-        HALF_TILE_CASES(1, 0) HALF_TILE_CASES(2, 0) HALF_TILE_CASES(3, 0) HALF_TILE_CASES(4, 0)
-        HALF_TILE_CASES(1, 1) HALF_TILE_CASES(2, 1) HALF_TILE_CASES(3, 1) HALF_TILE_CASES(4, 1)
+        HALF_TILE_CASES(1, 0) HALF_TILE_CASES(2, 0) HALF_TILE_CASES(3, 0)
+        HALF_TILE_CASES(4, 0) HALF_TILE_CASES(5, 0) HALF_TILE_CASES(6, 0)
+        HALF_TILE_CASES(1, 1) HALF_TILE_CASES(2, 1) HALF_TILE_CASES(3, 1)
+        HALF_TILE_CASES(4, 1) HALF_TILE_CASES(5, 1) HALF_TILE_CASES(6, 1)
     }
 }
 #undef HALF_TILE_CASES

@@ -8,8 +8,8 @@
  * The products: bfloat16 experts on a CPU with AVX-512 BF16 in our bf16 register tile
  * (../bf16_tile.h), an expert's lone token one row after another (../bf16_row_dot.h);
  * other experts (float16 ones; bfloat16 ones on a CPU without AVX-512 BF16) widened to
- * float32 as they are read, the tokens' rows widened once: two or more tokens in 4 x 4
- * tiles of 16-lane sums on AVX-512 (../half_tile.h), else in the 8-lane dot products
+ * float32 as they are read, the tokens' rows widened once: two or more tokens in tiles
+ * of 16-lane sums on AVX-512 (../half_tile.h), else in the 8-lane dot products
  * of ../half_dot.h (AVX2, FMA, F16C), a lone token one weight row at a time (half_dot.h's
  * dot_row1). The kernel the dense layers and grouped_moe.py use there, cpu_sgemm.c's
  * linear_half, is built on the same code. Either way float32 sums of exact products,
@@ -86,21 +86,22 @@ static void dot_rows_of(const float *x, int64_t M, const uint16_t *w, int64_t N,
         for (int64_t r = 0; r < rows; r++) y[n0 + r] = float_to_half(dot_row1(x, K, w + (n0 + r) * K, bf), bf);
         return;
     }
-#ifdef HALF_TILE
-    /* An AVX-512 build: 4 x 4 tiles of 16-lane sums (../half_tile.h), the first token
+#ifdef HALF_TILE_R
+    /* An AVX-512 build: tiles of 16-lane sums (../half_tile.h), the first token
      * group prefetching the expert's tile two ahead. Against half_dot.h's 8-lane dot
      * products, float16 experts of Qwen3-MoE's size, 2026-12-07, the Zen 4 VM: 1.3-1.5x
      * at 4 tokens, 1.55-1.66x at 16, 1.2x at 64 (the prefetch about half of it). */
-    for (int64_t m0 = 0; m0 < M; m0 += HALF_TILE) {
-        const int R = (int)(M - m0 < HALF_TILE ? M - m0 : HALF_TILE);
-        for (int64_t r0 = 0; r0 < rows; r0 += HALF_TILE) {
-            const int W = (int)(rows - r0 < HALF_TILE ? rows - r0 : HALF_TILE);
-            const int64_t ahead = n0 + r0 + 2 * HALF_TILE;
-            float o[HALF_TILE * HALF_TILE];
+    const int tw = half_tile_width(M);
+    for (int64_t m0 = 0; m0 < M; m0 += HALF_TILE_R) {
+        const int R = (int)(M - m0 < HALF_TILE_R ? M - m0 : HALF_TILE_R);
+        for (int64_t r0 = 0; r0 < rows; r0 += tw) {
+            const int W = (int)(rows - r0 < tw ? rows - r0 : tw);
+            const int64_t ahead = n0 + r0 + 2 * tw;
+            float o[HALF_TILE_W * HALF_TILE_R];
             half_tile_run(W, R, x + m0 * K, K, w + (n0 + r0) * K, K, K, o,
                           m0 == 0 && ahead < N ? w + ahead * K : NULL, bf);
             for (int t = 0; t < R; t++)
-                for (int i = 0; i < W; i++) y[(m0 + t) * ldy + n0 + r0 + i] = float_to_half(o[t * HALF_TILE + i], bf);
+                for (int i = 0; i < W; i++) y[(m0 + t) * ldy + n0 + r0 + i] = float_to_half(o[t * HALF_TILE_W + i], bf);
         }
     }
 #else
@@ -123,7 +124,7 @@ static void dot_rows_of(const float *x, int64_t M, const uint16_t *w, int64_t N,
  * without BF16). Float16 experts take the 16-lane tiles on every AVX-512 build, the dot
  * products elsewhere. */
 int cpu_moe_products(void) {
-#ifdef HALF_TILE
+#ifdef HALF_TILE_R
     return TILE ? 1 : 3;
 #else
     return TILE ? 1 : 2;
