@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from model_loader.huge_pages import place_in_huge_pages
 from model_loader.utils import (
     get_load_device,
     initialize_model,
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 class BaseModelLoader(ABC):
     """A template method. `load_model()` always runs, in this order:
-    load device -> default dtype -> initialize_model() -> load_weights() ->
+    load device -> default dtype -> initialize_model() -> (CPU) huge pages -> load_weights() ->
     process_weights_after_loading() -> eval().
 
     Subclasses implement `load_weights()`: fill every parameter of the model on this
@@ -39,11 +40,14 @@ class BaseModelLoader(ABC):
 
     def load_model(self, config: EngineConfig) -> nn.Module:
         """Build and load the model for the calling process's TP rank. At TP=1 no
-        process group is needed."""
+        process group is needed. On the CPU the large weights are loaded into transparent
+        huge pages (model_loader/huge_pages.py); the pages of those a loader or a module's
+        post-processing replaced are handed back as each module is done."""
         device = get_load_device(config)
         with set_default_torch_dtype(config.model_config.dtype), device:
             model = initialize_model(config)
+        arena = place_in_huge_pages(model) if device.type == "cpu" else None
         with torch.no_grad():
             self.load_weights(model, config.model_config)
-            process_weights_after_loading(model)
+            process_weights_after_loading(model, arena.release_unused if arena is not None else None)
         return model.eval()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import nn
@@ -77,12 +77,14 @@ def _select_linear_methods_by_name(model: nn.Module, build_config: LayerBuildCon
                 module.set_quant_method(moe_method)
 
 
-def process_weights_after_loading(model: nn.Module) -> None:
+def process_weights_after_loading(model: nn.Module, after_each: Callable[[], object] | None = None) -> None:
     """Give every module's method, then every module, its chance to repack weights once
     all of them are in place (quantisation, CPU packing, derived buffers). Runs after
     the strict all-loaded check, on every rank, and again after `update_weights`
     (methods skip what they processed already). A weight several modules share (a tied
-    LM head's) is replaced in all of them when the CPU packs it."""
+    LM head's) is replaced in all of them when the CPU packs it. `after_each` runs after
+    each module's turn: the load hands back the memory of the weights a module replaced
+    there (model_loader/huge_pages.py), so a load's peak holds one layer twice, not all."""
     with reusing_upcast_buffer(), tracking_shared_weights(model):
         for module in model.modules():
             quant_method = getattr(module, "quant_method", None)
@@ -91,6 +93,8 @@ def process_weights_after_loading(model: nn.Module) -> None:
             hook = getattr(module, "process_weights_after_loading", None)
             if callable(hook) and module is not model:
                 hook()
+            if after_each is not None:
+                after_each()
 
 
 def get_load_device(config: EngineConfig) -> torch.device:

@@ -375,9 +375,9 @@ def test_user_loader_and_load_model_order(
         calls.append(("initialize_model", torch.get_default_dtype()))
         return real_initialize(config, prefix)
 
-    def process(model: torch.nn.Module) -> None:
+    def process(model: torch.nn.Module, after_each: Any = None) -> None:
         calls.append(("process_weights_after_loading", model.training, next(model.parameters()).device))
-        real_process(model)
+        real_process(model, after_each)
 
     monkeypatch.setattr(base_loader, "initialize_model", initialize)
     monkeypatch.setattr(base_loader, "process_weights_after_loading", process)
