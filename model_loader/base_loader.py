@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from model_loader.huge_pages import place_in_huge_pages
+from model_loader.huge_pages import place_in_huge_pages, trim_heap
 from model_loader.utils import (
     get_load_device,
     initialize_model,
@@ -40,9 +40,10 @@ class BaseModelLoader(ABC):
 
     def load_model(self, config: EngineConfig) -> nn.Module:
         """Build and load the model for the calling process's TP rank. At TP=1 no
-        process group is needed. On the CPU the large weights are loaded into transparent
-        huge pages (model_loader/huge_pages.py); the pages of those a loader or a module's
-        post-processing replaced are handed back as each module is done."""
+        process group is needed. On the CPU the large weights are loaded into one mapping
+        (model_loader/huge_pages.py): the pages of those a loader or a module's
+        post-processing replaced are handed back as each module is done, the rest made
+        huge in the background once the load is done."""
         device = get_load_device(config)
         with set_default_torch_dtype(config.model_config.dtype), device:
             model = initialize_model(config)
@@ -50,4 +51,7 @@ class BaseModelLoader(ABC):
         with torch.no_grad():
             self.load_weights(model, config.model_config)
             process_weights_after_loading(model, arena.release_unused if arena is not None else None)
+        if arena is not None:
+            trim_heap()
+            arena.collapse_in_background()
         return model.eval()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import functools
 import mmap
 from collections.abc import Iterable
@@ -46,6 +47,16 @@ def _libc() -> ctypes.CDLL | None:
         return libc
     except (OSError, AttributeError):
         return None
+
+
+def madvise(address: int, length: int, advice: int) -> int:
+    """madvise(2) over [address, address + length) through ctypes, so other threads run
+    during the call (`mmap.madvise` holds the GIL). Returns 0, or the call's errno
+    (ENOSYS where there is no C library to call)."""
+    libc = _libc()
+    if libc is None:
+        return errno.ENOSYS
+    return 0 if libc.madvise(ctypes.c_void_p(address), length, advice) == 0 else ctypes.get_errno()
 
 
 def _file_mapping_holds(start: int, end: int) -> bool:
@@ -75,10 +86,9 @@ def release_file_pages(tensor: torch.Tensor) -> int:
     end = begin + tensor.numel() * tensor.element_size()
     start = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE
     stop = end // mmap.PAGESIZE * mmap.PAGESIZE
-    libc = _libc()
-    if libc is None or stop <= start or not tensor.is_contiguous() or not _file_mapping_holds(start, stop):
+    if stop <= start or not tensor.is_contiguous() or not _file_mapping_holds(start, stop):
         return 0
-    if libc.madvise(ctypes.c_void_p(start), stop - start, _MADV_DONTNEED) != 0:
+    if madvise(start, stop - start, _MADV_DONTNEED) != 0:
         return 0
     return stop - start
 
