@@ -172,10 +172,11 @@ static inline __attribute__((always_inline)) void widen_panel(const uint16_t *w,
 #endif
 
 /* The R rows of x at x against weight rows [n0, n1) into out (rows n apart): AVX-512's
- * tiles of 16-lane sums (half_tile.h), the first group of rows prefetching two
- * tiles ahead; else half_dot.h's dot products. */
-static inline void small_group(int R, int64_t m, int first, const float *x, int64_t k, const uint16_t *w, int64_t ldw, int64_t n0,
-                               int64_t n1, int64_t n, const float *bias, float *out, const int bf16) {
+ * tiles of 16-lane sums (half_tile.h), as wide as the product's m rows of x make best,
+ * the first group of rows prefetching two tiles ahead; else half_dot.h's dot products. */
+static inline void small_group(int R, int64_t m, int first, const float *x, int64_t k, const uint16_t *w,
+                               int64_t ldw, int64_t n0, int64_t n1, int64_t n, const float *bias, float *out,
+                               const int bf16) {
 #ifdef HALF_TILE_R
     const int tw = half_tile_width(m);
     for (int64_t j = n0; j < n1; j += tw) {
