@@ -107,8 +107,7 @@ class HugePageArena:
                 continue
             start = -(-piece.start // mmap.PAGESIZE) * mmap.PAGESIZE
             stop = (piece.start + piece.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-            if stop > start:
-                self.mapping.madvise(mmap.MADV_DONTNEED, start, stop - start)
+            if stop > start and madvise(self.base + start, stop - start, mmap.MADV_DONTNEED) == 0:
                 released += stop - start
         self.slices = kept
         return released

@@ -9,18 +9,16 @@ its attention backend.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
 import mmap
 import os
 import sys
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from models.layers import file_pages
 from worker.sleep_mode import ReleasedStorages, unique_storages
 
 
@@ -116,23 +114,15 @@ _MADV_DONTNEED = 4
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without writing to them
 
 
-@functools.cache
-def _libc_madvise() -> Callable[[int, int, int], int]:
-    fn = ctypes.CDLL(None, use_errno=True).madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
 def madvise(tensor: torch.Tensor, advice: int, nbytes: int | None = None) -> None:
     """madvise(2) over the first `nbytes` (default all) of `tensor`'s page-aligned memory.
     Through ctypes, which lets other threads run during the call; `mmap.madvise` holds
     the GIL, and committing 1 GiB that way froze the rank's other threads for 0.6 s.
     Raises OSError with the call's errno."""
     length = tensor.untyped_storage().nbytes() if nbytes is None else nbytes
-    if _libc_madvise()(tensor.data_ptr(), length, advice) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"madvise({advice}): {os.strerror(errno)}")
+    err = file_pages.madvise(tensor.data_ptr(), length, advice)
+    if err != 0:
+        raise OSError(err, f"madvise({advice}): {os.strerror(err)}")
 
 
 class HostKVCache(KVCacheMemory):

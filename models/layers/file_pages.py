@@ -38,11 +38,8 @@ _MADV_DONTNEED = 4
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        libc = ctypes.CDLL(name, use_errno=True)
+    try:  # the process's own C library where ldconfig cannot name it
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         return libc
     except (OSError, AttributeError):
