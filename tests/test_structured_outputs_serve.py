@@ -123,4 +123,5 @@ def test_bad_constraints_are_a_400_naming_the_field_and_serving_goes_on(server, 
     assert error["param"] == param, error
     if field.startswith("guided_"):
         assert "structured_outputs" in error["message"] and "0.32" in error["message"]
-    assert complete(server, max_tokens=2)["choices"][0]["finish_reason"] == "length"
+    # ignore_eos: sampled at temperature 1 from 512 tokens, EOS ends ~0.4% of 2-token answers.
+    assert complete(server, max_tokens=2, ignore_eos=True)["choices"][0]["finish_reason"] == "length"
