@@ -11,6 +11,9 @@ decode steps recorded as CPU graphs, replaying what the eager steps compute at T
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,9 +97,10 @@ def test_the_other_cpus_products_built_on_purpose(flag, products, tmp_path, monk
 
 def test_the_result_does_not_depend_on_the_thread_count():
     """The active experts' row blocks are split between threads by work (each expert's
-    tokens): each output is one thread's sum in a fixed order, so 1, 2 and 3 threads give
-    the same bits, for one token (4 of 16 experts: one row at a time) and for batches
-    whose experts get different counts."""
+    tokens), and a thread done with its share takes blocks from the end of another's:
+    each output is one thread's sum in a fixed order, so 1, 2 and 3 threads give the same
+    bits, for one token (4 of 16 experts: one row at a time) and for batches whose
+    experts get different counts."""
     threads = torch.get_num_threads()
     try:
         for tokens, dtype in ((1, torch.bfloat16), (6, torch.bfloat16), (40, torch.bfloat16), (1, torch.float16),
@@ -109,6 +113,30 @@ def test_the_result_does_not_depend_on_the_thread_count():
             assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2]), (tokens, dtype)
     finally:
         torch.set_num_threads(threads)
+
+
+_WITHHELD_THREADS = """
+import torch
+from models.layers.fused_moe import cpu_moe
+from tests.test_cpu_moe import _case
+for dtype in (torch.float16, torch.bfloat16):
+    x, w13, w2, weights, ids = _case(16, 256, 96, 40, 4, 7, dtype)
+    torch.set_num_threads(3)
+    asked_three = cpu_moe.load().experts(x, w13, w2, weights, ids, None, 16)  # first: fresh scratch
+    torch.set_num_threads(1)
+    assert torch.equal(asked_three, cpu_moe.load().experts(x, w13, w2, weights, ids, None, 16)), dtype
+"""
+
+
+def test_blocks_of_a_thread_openmp_does_not_start_are_taken_by_the_others():
+    """Asked for 3 threads where OpenMP starts 1 (OMP_THREAD_LIMIT=1), the one thread
+    computes its own share and then the two others' blocks: the same bits as 1 thread
+    asked for (a kernel that left the others' shares alone fails this)."""
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", _WITHHELD_THREADS], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def test_only_this_ranks_experts_under_expert_parallelism():

@@ -68,9 +68,10 @@ static inline __attribute__((always_inline)) void half_tile(const int W, const i
         for (int r = 0; r < R; r++) o[r * HALF_TILE_W + i] = _mm512_reduce_add_ps(acc[i][r]);
 }
 
-/* Weight rows per tile for a product of m token rows: 4 while the weight streams from
- * memory (up to 8 rows: 6 concurrent row streams ran 0.9x), 6 where the FMA units bound
- * it (1.05x at 16 rows, 1.1-1.2x at 24-32, 2026-12-07, the Zen 4 VM). */
+/* Weight rows per tile for a dense product of m token rows: 4 while the weight streams
+ * from memory (up to 8 rows: 6 concurrent row streams ran 0.9x), 6 where the FMA units
+ * bound it (1.05x at 16 rows, 1.1-1.2x at 24-32, 2026-12-07, the Zen 4 VM). The experts
+ * (cpu_moe.c) take 6 at any count: their tiles run every token group in turn. */
 static inline int half_tile_width(int64_t m) { return m <= 8 ? 4 : HALF_TILE_W; }
 
 /* half_tile for any W in [1, 6] and R in [1, 4], each pair compiled with its sums in registers. */

@@ -90,12 +90,16 @@ static void dot_rows_of(const float *x, int64_t M, const uint16_t *w, int64_t N,
     /* An AVX-512 build: tiles of 16-lane sums (../half_tile.h), the first token
      * group prefetching the expert's tile two ahead. Against half_dot.h's 8-lane dot
      * products, float16 experts of Qwen3-MoE's size, 2026-12-07, the Zen 4 VM: 1.3-1.5x
-     * at 4 tokens, 1.55-1.66x at 16, 1.2x at 64 (the prefetch about half of it). */
-    const int tw = half_tile_width(M);
-    for (int64_t m0 = 0; m0 < M; m0 += HALF_TILE_R) {
-        const int R = (int)(M - m0 < HALF_TILE_R ? M - m0 : HALF_TILE_R);
-        for (int64_t r0 = 0; r0 < rows; r0 += tw) {
-            const int W = (int)(rows - r0 < tw ? rows - r0 : tw);
+     * at 4 tokens, 1.55-1.66x at 16, 1.2x at 64 (the prefetch about half of it). Six
+     * weight rows whatever the tokens (the dense product's 4 up to 8 rows of x,
+     * half_tile_width, lost here), every token group of a tile while its rows are in L1:
+     * a 16-32-token step's experts, mostly 2-8 tokens each, 1.06-1.38x against 4 rows a
+     * token group at a time (the gain the larger the faster the memory of the minute). */
+    const int tw = HALF_TILE_W;
+    for (int64_t r0 = 0; r0 < rows; r0 += tw) {
+        const int W = (int)(rows - r0 < tw ? rows - r0 : tw);
+        for (int64_t m0 = 0; m0 < M; m0 += HALF_TILE_R) {
+            const int R = (int)(M - m0 < HALF_TILE_R ? M - m0 : HALF_TILE_R);
             const int64_t ahead = n0 + r0 + 2 * tw;
             float o[HALF_TILE_W * HALF_TILE_R];
             half_tile_run(W, R, x + m0 * K, K, w + (n0 + r0) * K, K, K, o,
@@ -131,13 +135,36 @@ int cpu_moe_products(void) {
 #endif
 }
 
+/* A thread's run of work items [next, end), next in the low 32 bits, end in the high; its
+ * owner takes items from the front, a thread done with its own from the back, each with
+ * one compare-and-swap (relaxed: the items' inputs were written before the parallel
+ * region or a barrier, their outputs are disjoint, a barrier follows). One per line. */
+typedef struct {
+    uint64_t v;
+    char pad[56];
+} run_t;
+static inline uint64_t run_pack(int64_t next, int64_t end) { return (uint64_t)next | (uint64_t)end << 32; }
+
+/* The item taken from the run's front (or its back where back), or -1: the run is empty. */
+static inline int64_t run_claim(uint64_t *run, int back) {
+    uint64_t seen = __atomic_load_n(run, __ATOMIC_RELAXED);
+    for (;;) {
+        const int64_t next = (int64_t)(uint32_t)seen, end = (int64_t)(seen >> 32);
+        if (next >= end) return -1;
+        const uint64_t want = back ? run_pack(next, end - 1) : run_pack(next + 1, end);
+        if (__atomic_compare_exchange_n(run, &seen, want, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return back ? end - 1 : next;
+    }
+}
+
 /* out [T, H] (the experts' dtype, written whole) = sum over the pairs (t, j) whose expert
  * this rank holds of topk_w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e =
  * topk_ids[t, j] mapped through expert_map [E] (NULL: ids are local; -1: another rank's,
  * skipped). x [T, H] (row stride ldx), w13 [E_local, 2I, H], w2 [E_local, H, I] and out
  * are bfloat16 where bf is 1, float16 where it is 0; topk_w float32 [T, K], topk_ids
  * int64 [T, K]. Returns 0; -1 for an id outside [0, E) or a mapped id outside [0,
- * E_local) (nothing written); -3 without memory for the scratch. */
+ * E_local) (nothing written); -3 without memory for the scratch; -4 for more than 2^31
+ * blocks of rows in one product (a run's 32-bit count). */
 int cpu_moe_experts(const uint16_t *x, int64_t ldx, int64_t T, int64_t H, const uint16_t *w13,
                     const uint16_t *w2, int64_t E_local, int64_t I, const float *topk_w, const int64_t *topk_ids,
                     int64_t K, const int64_t *expert_map, int64_t E, uint16_t *out, int bf, int threads) {
@@ -180,53 +207,79 @@ int cpu_moe_experts(const uint16_t *x, int64_t ldx, int64_t T, int64_t H, const 
     uint16_t *xh = xs, *acth = xh + kept * H; /* the tile's */
     float *xf = xs, *actf = xf + kept * H;    /* the dot products' */
     uint16_t *ys = gu + kept * 2 * I;
-    for (int64_t s = 0; s < kept; s++) {
-        const uint16_t *row = x + (pair[s] / K) * ldx;
-        if (tile)
-            memcpy(xh + s * H, row, (size_t)H * sizeof(uint16_t));
-        else
-            for (int64_t h = 0; h < H; h++) xf[s * H + h] = half_to_float(row[h], bf); /* exact */
-    }
 
-    /* (active expert, block of rows) work items of each product, each thread a
-     * contiguous run of them weighted by the expert's tokens: a static schedule over
-     * every expert's items left a thread idle wherever the active experts fell in the
-     * other's half (a one-token step's 4 of 16 experts: 2.6x the time its weights take to
-     * stream, 2026-12-07, the Zen 4 VM). */
+    /* (active expert, block of rows) work items of each product, item j of expert fill[j
+     * / items]: each thread first the contiguous run of them its share of the estimated
+     * work gives (an item costs its expert's tokens + 2, for reading its rows), then
+     * items taken from the back of another thread's run. The estimate alone left a thread
+     * waiting for a third of a 16-token step (the rows' time against the tokens' moves
+     * with the memory's rate; 2026-12-07, the Zen 4 VM); a shared counter instead
+     * (OpenMP's dynamic schedule) interleaved the threads' rows: 1.25x the time. */
     int64_t active = 0;
     for (int64_t e = 0; e < E_local; e++)
         if (count[e + 1] > count[e]) fill[active++] = e; /* fill: the active experts now */
     const int64_t item = tile ? TILE_ITEM_ROWS : DOT_BLOCK; /* weight rows per work item */
     const int64_t items13 = (2 * I + item - 1) / item, items2 = (H + item - 1) / item;
-    int64_t work = 0; /* an item costs its expert's tokens + 2 (reading its rows) */
+    run_t *runs = aligned_alloc(64, (size_t)(2 * threads) * sizeof(run_t)); /* each product's, each thread's */
+    if (!runs) {
+        free(count), free(pair), free(local), free(fill), free(xs), free(gu);
+        return -3;
+    }
+    if (active * (items13 > items2 ? items13 : items2) > INT32_MAX) { /* a run counts items in 32 bits */
+        free(count), free(pair), free(local), free(fill), free(xs), free(gu), free(runs);
+        return -4;
+    }
+    int64_t work = 0;
     for (int64_t a = 0; a < active; a++) work += count[fill[a] + 1] - count[fill[a]] + 2;
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
-        for (int product = 0; product < 2; product++) {
-            const int64_t items = product ? items2 : items13, w0 = work * items * id / nth;
-            const int64_t w1 = work * items * (id + 1) / nth;
-            const int64_t N = product ? H : 2 * I, Kd = product ? I : H; /* rows, and their length */
-            int64_t start = 0; /* the first item's work of expert a */
-            for (int64_t a = 0; a < active; a++) {
-                const int64_t e = fill[a], n = count[e + 1] - count[e], cost = n + 2;
-                const int64_t i0 = w0 > start ? (w0 - start + cost - 1) / cost : 0;
+    for (int product = 0; product < 2; product++) {
+        const int64_t items = product ? items2 : items13;
+        int64_t j0 = 0;
+        for (int t = 0; t < threads; t++) {
+            const int64_t w1 = work * items * (t + 1) / threads;
+            int64_t j1 = 0, start = 0;
+            for (int64_t a = 0; a < active; a++) { /* items of expert a whose work begins before w1 */
+                const int64_t cost = count[fill[a] + 1] - count[fill[a]] + 2;
                 const int64_t i1 = w1 > start ? (w1 - start + cost - 1) / cost : 0;
-                const uint16_t *w = product ? w2 + e * H * I : w13 + e * 2 * I * H;
-                uint16_t *y = product ? ys + count[e] * H : gu + count[e] * 2 * I;
-                for (int64_t i = i0; i < (i1 < items ? i1 : items); i++) {
-#if TILE
-                    if (tile) {
-                        tile_rows((product ? acth : xh) + count[e] * Kd, n, w, N, Kd, i * item, y, N);
-                        continue;
-                    }
-#endif
-                    dot_rows_of((product ? actf : xf) + count[e] * Kd, n, w, N, Kd, i * item, y, N, bf);
-                }
+                j1 += i1 < items ? i1 : items;
                 start += cost * items;
             }
-            if (product == 1) break;
+            runs[product * threads + t].v = run_pack(j0, j1);
+            j0 = j1;
+        }
+    }
+
+#pragma omp parallel num_threads(threads)
+    {
+        const int id = omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < kept; s++) {
+            const uint16_t *row = x + (pair[s] / K) * ldx;
+            if (tile)
+                memcpy(xh + s * H, row, (size_t)H * sizeof(uint16_t));
+            else
+                for (int64_t h = 0; h < H; h++) xf[s * H + h] = half_to_float(row[h], bf); /* exact */
+        }
+        for (int product = 0; product < 2; product++) {
+            const int64_t items = product ? items2 : items13;
+            const int64_t N = product ? H : 2 * I, Kd = product ? I : H; /* rows, and their length */
+            for (;;) {
+                int64_t j = run_claim(&runs[product * threads + id].v, 0);
+                for (int v = 1; j < 0 && v < threads; v++) /* ours done: another's last item */
+                    j = run_claim(&runs[product * threads + (id + v) % threads].v, 1);
+                if (j < 0) break;
+                const int64_t e = fill[j / items], i = j % items, n = count[e + 1] - count[e];
+                const uint16_t *w = product ? w2 + e * H * I : w13 + e * 2 * I * H;
+                uint16_t *y = product ? ys + count[e] * H : gu + count[e] * 2 * I;
+#if TILE
+                if (tile) {
+                    tile_rows((product ? acth : xh) + count[e] * Kd, n, w, N, Kd, i * item, y, N);
+                    continue;
+                }
+#endif
+                dot_rows_of((product ? actf : xf) + count[e] * Kd, n, w, N, Kd, i * item, y, N, bf);
+            }
 #pragma omp barrier
+            if (product == 1) break;
 #pragma omp for schedule(static)
             for (int64_t s = 0; s < kept; s++) { /* silu(g) * u, each rounded as torch's 16-bit ops round */
                 const uint16_t *g = gu + s * 2 * I;
@@ -240,16 +293,22 @@ int cpu_moe_experts(const uint16_t *x, int64_t ldx, int64_t T, int64_t H, const 
                 }
             }
         }
+        /* each pair's output weighted, rounded and added into its token's row in expert
+         * order, the columns shared out (every value's sum in the same order) */
+#pragma omp for schedule(static)
+        for (int64_t h0 = 0; h0 < H; h0 += 64) {
+            const int64_t h1 = h0 + 64 < H ? h0 + 64 : H;
+            for (int64_t t = 0; t < T; t++) memset(out + t * H + h0, 0, (size_t)(h1 - h0) * sizeof(uint16_t));
+            for (int64_t s = 0; s < kept; s++) {
+                const int64_t p = pair[s];
+                const float wt = topk_w[p];
+                uint16_t *o = out + (p / K) * H;
+                const uint16_t *y = ys + s * H;
+                for (int64_t h = h0; h < h1; h++)
+                    o[h] = float_to_half(half_to_float(o[h], bf) + round_half(half_to_float(y[h], bf) * wt, bf), bf);
+            }
+        }
     }
-    for (int64_t t = 0; t < T; t++) memset(out + t * H, 0, (size_t)H * sizeof(uint16_t));
-    for (int64_t s = 0; s < kept; s++) { /* weighted, rounded, added in expert order */
-        const int64_t p = pair[s];
-        const float wt = topk_w[p];
-        uint16_t *o = out + (p / K) * H;
-        const uint16_t *y = ys + s * H;
-        for (int64_t h = 0; h < H; h++)
-            o[h] = float_to_half(half_to_float(o[h], bf) + round_half(half_to_float(y[h], bf) * wt, bf), bf);
-    }
-    free(count), free(pair), free(local), free(fill), free(xs), free(gu);
+    free(count), free(pair), free(local), free(fill), free(xs), free(gu), free(runs);
     return 0;
 }

@@ -80,6 +80,9 @@ class CpuMoeKernel:
                            out.data_ptr(), int(hidden_states.dtype == torch.bfloat16), torch.get_num_threads())
         if status == -3:
             raise MemoryError("cpu_moe_experts: no memory for the pairs' scratch")
+        if status == -4:
+            raise ValueError(f"cpu_moe_experts: {w13.shape[0]} experts of {w2.shape[2]} x {hidden} make more than "
+                             "2^31 blocks of rows in one product")
         if status:
             raise ValueError(f"cpu_moe_experts: an expert id outside the model's {num_experts} experts, or one the "
                              f"expert map sends past this rank's {w13.shape[0]}")
