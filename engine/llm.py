@@ -2,8 +2,9 @@
 core itself: prompts in, each request's final output out, in prompt order.
 
 `LLMMixin` is mixed into EngineCore and drives it through its request API
-(`add_request`, `step`, `abort_request`; the sleep level only for its error), on the
-caller's thread, which must be the only one stepping the core.
+(`add_request`, `step`, `abort_request`, and `trim_host_memory` once it is done; the
+sleep level only for its error), on the caller's thread, which must be the only one
+stepping the core.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class LLMMixin:
         def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> str: ...
         def abort_request(self, request_id: str) -> None: ...
         def step(self) -> list[RequestOutput]: ...
+        def trim_host_memory(self) -> None: ...
 
     def generate(
         self,
@@ -69,4 +71,5 @@ class LLMMixin:
                 if request_id not in final:
                     self.abort_request(request_id)
             raise
+        self.trim_host_memory()  # idle now: the batch's freed activations go back to the system
         return [final[i] for i in ids]

@@ -8,13 +8,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from model_loader.huge_pages import place_in_huge_pages, trim_heap
+from model_loader.huge_pages import place_in_huge_pages
 from model_loader.utils import (
     get_load_device,
     initialize_model,
     process_weights_after_loading,
     set_default_torch_dtype,
 )
+from models.layers.file_pages import trim_heap
 
 if TYPE_CHECKING:
     from config import EngineConfig, LoadConfig, ModelConfig

@@ -32,7 +32,6 @@ Linux only (elsewhere, or where THP is `never`, it places nothing).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import mmap
 import threading
@@ -165,18 +164,6 @@ def _collapse(mapping: mmap.mmap, base: int, ranges: list[tuple[int, int]]) -> i
                 return done
             done += HUGE_PAGE if err == 0 else 0
     return done
-
-
-def trim_heap() -> None:
-    """Hand the C heap's free memory back to the system (glibc's `malloc_trim`; nothing
-    elsewhere). Called once a load is done: freeing the constructor's allocations that the
-    slices replaced raises glibc's dynamic mmap threshold (to 32 MB), so the loader's
-    temporaries below it came from the heap, and 40-45 MB of them stayed resident after an
-    853M Llama's F16 load."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _large_tensors(model: nn.Module) -> dict[int, tuple[torch.Tensor, list[tuple[nn.Module, str]]]]:

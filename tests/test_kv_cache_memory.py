@@ -15,8 +15,8 @@ import psutil
 import pytest
 import torch
 
+from models.layers.file_pages import trim_heap
 from worker.kv_cache import DeviceKVCache, HostKVCache, allocate_kv_cache
-from worker.sleep_mode import trim_host_memory
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def test_cpu_caches_are_host_mappings_and_their_tensors_are_bound_once() -> None
 @pytest.mark.parametrize("kind", ["host", "device"])
 def test_cache_is_zeroed_committed_released_and_restored(kind: str) -> None:
     gc.collect()  # what earlier tests left to free goes now, not while this one measures
-    trim_host_memory()
+    trim_heap()
     before = rss()
     if kind == "host":
         cache = HostKVCache(SHAPE, torch.float32, LAYERS)
@@ -55,7 +55,7 @@ def test_cache_is_zeroed_committed_released_and_restored(kind: str) -> None:
 
     resident = rss()
     cache.release()
-    trim_host_memory()  # as the Worker does after a sleep: torch's allocator frees into malloc's heap
+    trim_heap()  # as the Worker does after a sleep: torch's allocator frees into malloc's heap
     assert not cache.allocated
     released = rss()
     assert resident - released >= 0.9 * cache.nbytes, "release gave nothing back"
@@ -77,7 +77,7 @@ def test_a_kernel_that_refuses_the_populate_advice_gets_written_zeros(monkeypatc
 
     monkeypatch.setattr(kv_cache, "_MADV_POPULATE_WRITE", 0x7FFF)
     gc.collect()
-    trim_host_memory()
+    trim_heap()
     before = rss()
     cache = HostKVCache(SHAPE, torch.float32, LAYERS)
     assert cache._committer is None  # nothing left running

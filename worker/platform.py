@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Callable, ContextManager
 import psutil
 import torch
 
+from models.layers.file_pages import trim_heap
 from worker.cpu_affinity import allowed_cpus, cpu_binds
 from worker.memory import PeakRSSSampler, PoolUsage, cpu_memory_pool, cuda_memory_pool, process_rss
-from worker.sleep_mode import trim_host_memory
 
 if TYPE_CHECKING:
     from config import DeviceConfig
@@ -187,7 +187,7 @@ class CpuPlatform(Platform):
         return process_rss()
 
     def release_cached_memory(self) -> None:
-        trim_host_memory()
+        trim_heap()
 
 
 def get_platform(device_config: DeviceConfig, tp_communicator: str = "auto") -> Platform:

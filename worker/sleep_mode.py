@@ -23,8 +23,6 @@ resizing storages works for both devices and any tensor torch allocated.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import enum
 import gc
 from collections.abc import Iterable
@@ -93,15 +91,3 @@ def collect_garbage() -> None:
     gc.collect()
     if frozen:
         gc.freeze()
-
-
-def trim_host_memory() -> None:
-    """Give the C allocator's free pages back to the OS (glibc's malloc_trim), so that a
-    release shows in the process's RSS; elsewhere a no-op."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

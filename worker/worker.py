@@ -13,7 +13,6 @@ steps the engine may also call sleep(level), wake_up(tags) and update_weights(so
 from __future__ import annotations
 
 import os
-import select
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -21,11 +20,12 @@ import torch
 
 from distributed import destroy_distributed_environment, init_distributed_environment, tp_collective_timeout
 from distributed.parallel_state import get_tensor_model_parallel_world_size
-from distributed.shm_utils import host_id
 from model_loader.sharded_state_loader import save_sharded_model
+from models.layers.file_pages import trim_heap
 from worker.kv_cache import KVCacheConfig, KVCacheSpec
 from worker.memory import model_weight_bytes
 from worker.model_runner import ModelRunner
+from worker.peer_watch import PeerWatch, local_peer_pids
 from worker.platform import Platform, get_platform
 from worker.sleep_mode import TAGS, PoolState, ReleasedStorages, collect_garbage, unique_storages
 
@@ -64,48 +64,6 @@ def _maybe_inject_fault(rank: int, phase: str) -> None:
     raise ValueError(f"{FAULT_ENV}={spec!r}: action {action!r} is not one of 'hang', 'raise', 'exit'")
 
 
-def _local_peer_pids(rank: int, world_size: int) -> dict[int, int]:
-    """{rank: pid} of the other ranks on this host (one object all-gather, at start-up)."""
-    if world_size == 1:
-        return {}
-    mine = (host_id(), os.getpid())
-    everyone: list[Any] = [None] * world_size
-    torch.distributed.all_gather_object(everyone, mine)
-    return {r: pid for r, (host, pid) in enumerate(everyone) if r != rank and host == mine[0]}
-
-
-class _PeerWatch:
-    """Tells, in a few µs, whether a process still runs: a pidfd (Linux >= 5.3) becomes
-    readable when its process exits, zombie or not; elsewhere, signal 0."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._poll: select.poll | None = None
-        try:
-            fd = os.pidfd_open(pid)
-        except (AttributeError, OSError):
-            return
-        self._fd = fd
-        self._poll = select.poll()
-        self._poll.register(fd, select.POLLIN)
-
-    def alive(self) -> bool:
-        if self._poll is not None:
-            return not self._poll.poll(0)
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-    def close(self) -> None:
-        if self._poll is not None:
-            self._poll = None
-            os.close(self._fd)
-
-
 class Worker:
     def __init__(self, config: EngineConfig, local_rank: int, rank: int, distributed_init_method: str | None,
                  local_world_size: int | None = None) -> None:
@@ -127,7 +85,7 @@ class Worker:
         self._pools: dict[str, PoolState] = dict.fromkeys(TAGS, PoolState.AWAKE)
         self._released: dict[str, ReleasedStorages] = {}
         self._weights_checkpoint: str | None = None  # set by update_weights(path)
-        self._peers: dict[int, _PeerWatch] = {}  # the other ranks on this host (check_health)
+        self._peers: dict[int, PeerWatch] = {}  # the other ranks on this host (check_health)
 
     def init_device(self) -> None:
         """Bind the device (or the CPU threads) and join the TP process group with the
@@ -138,7 +96,7 @@ class Worker:
         _, self._memory_at_init = self.platform.total_and_free_memory()
         init_distributed_environment(self.world_size, self.rank, self.distributed_init_method, self.device,
                                      self.config.parallel_config.tp_communicator, tp_collective_timeout())
-        self._peers = {r: _PeerWatch(pid) for r, pid in _local_peer_pids(self.rank, self.world_size).items()}
+        self._peers = {r: PeerWatch(pid) for r, pid in local_peer_pids(self.rank, self.world_size).items()}
         self.model_runner = ModelRunner(self.config, self.device)
         self.timings["distributed_init"] = time.perf_counter() - start
 
@@ -203,6 +161,13 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._runner().execute_model(scheduler_output)
+
+    def trim_host_memory(self) -> None:
+        """Hand this rank's C heap's free pages back to the system
+        (`models/layers/file_pages.trim_heap`): what a batch's activations freed stays
+        resident otherwise. Called on every rank by `EngineCore.trim_host_memory`, between
+        steps, as the engine goes idle."""
+        trim_heap()
 
     def wait_kv_cache_committed(self) -> float:
         """Block until every page of this rank's KV cache is backed by memory (on the CPU

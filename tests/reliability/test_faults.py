@@ -336,11 +336,11 @@ def _health_with_a_dead_peer(worker):
     import subprocess
     import sys
 
-    from worker.worker import _PeerWatch
+    from worker.peer_watch import PeerWatch
 
     if worker.rank == 0:  # rank 0 watches a real process, now gone, as its peer rank 1
         gone = subprocess.Popen([sys.executable, "-c", "pass"])
-        watch = _PeerWatch(gone.pid)
+        watch = PeerWatch(gone.pid)
         gone.wait()
         worker._peers = {1: watch}
     return worker.check_health()
