@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from config import RequestOutputKind, SamplingParams
 from engine.outputs import RequestOutput
 from engine.processor import Prompt
+from executor.errors import EngineDeadError
 
 
 class LLMMixin:
@@ -71,5 +72,8 @@ class LLMMixin:
                 if request_id not in final:
                     self.abort_request(request_id)
             raise
-        self.trim_host_memory()  # idle now: the batch's freed activations go back to the system
+        try:
+            self.trim_host_memory()  # idle now: the batch's freed activations go back to the system
+        except EngineDeadError:  # the outputs are whole; the next call meets the dead group
+            pass
         return [final[i] for i in ids]

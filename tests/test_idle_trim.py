@@ -17,6 +17,7 @@ import pytest
 from config import SamplingParams
 from engine.core import EngineCore
 from engine.tiny_model import make_tiny_model
+from executor.errors import EngineDeadError
 from models.layers.file_pages import trim_heap
 
 pytestmark = pytest.mark.slow
@@ -72,6 +73,22 @@ def test_generate_returns_with_every_ranks_freed_heap_handed_back(model: Path, t
         core.collective_rpc = lambda *a, **k: calls.append(a) or rpc(*a, **k)  # type: ignore[method-assign]
         core.trim_host_memory()  # no step since the last: nothing to ask the ranks
         assert calls == []
+
+
+def test_a_group_found_dead_at_the_trim_leaves_generate_its_outputs(model: Path) -> None:
+    """The outputs are whole by the time of the trim: a group that died after the last
+    step is the next call's error, not this one's."""
+    with make_core(model, 1) as core:
+        rpc = core.collective_rpc
+
+        def dead_at_trim(method, *args, **kwargs):  # noqa: ANN001, ANN202
+            if method == "trim_host_memory":
+                raise EngineDeadError("rank 0 (pid 1) died")
+            return rpc(method, *args, **kwargs)
+
+        core.collective_rpc = dead_at_trim  # type: ignore[method-assign]
+        outputs = core.generate(PROMPTS[:2], PARAMS)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [2, 2]
 
 
 def test_the_engine_loop_hands_it_back_before_it_waits(model: Path) -> None:

@@ -7,7 +7,8 @@ init_device(), load_model(), get_kv_cache_spec(), determine_available_memory() (
 execute_model() per step. Phase timings accumulate in `self.timings` (seconds).
 Everything that differs between CUDA and the CPU is asked of `self.platform`. Between
 steps the engine may also call sleep(level), wake_up(tags) and update_weights(source)
-(sleep mode; worker/sleep_mode.py), on every rank alike.
+(sleep mode; worker/sleep_mode.py), and trim_host_memory() as it goes idle, on every
+rank alike.
 """
 
 from __future__ import annotations
