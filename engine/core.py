@@ -248,9 +248,10 @@ class EngineCore(SleepModeMixin, LLMMixin):
         """If a step ran since the last call (and none is in flight), every rank and this
         process hand their C heap's free pages back to the system: glibc keeps what a
         batch's activations freed (about 95 MB after 16 prompts of an 853M Llama's prefill),
-        resident for as long as the process lives otherwise. Called as the engine goes idle:
-        by `generate` before it returns, by the AsyncEngine's loop before it waits for
-        requests; the next batch faults the pages it needs in again."""
+        resident for as long as the process lives otherwise. The AsyncEngine's loop calls it
+        once it has been idle a health-check interval; an offline caller may, between
+        `generate` calls (not done there: the next batch faults the pages in again, 1.6%
+        of a 2.7 s generate of 32 short prompts). Raises EngineDeadError if a rank died."""
         if not self._heap_used or self._in_flight is not None or self._sleep_level is not None:
             return
         self._heap_used = False

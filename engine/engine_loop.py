@@ -6,9 +6,9 @@ it commands through a thread-safe queue (`submit`: add a processed request, abor
 call on the core, sleep; `stop`); the loop drains the queue, calls `core.step()` while
 any request is unfinished, and posts each `RequestOutput` to its request's
 `RequestStream` on the consumer's event loop with `loop.call_soon_threadsafe` (one call
-per step and event loop, not per token). When idle it has the batches' freed memory
-handed back (`EngineCore.trim_host_memory`) and blocks on the queue, waking once per
-`health_check_interval_s` to check the workers. It keeps the metrics
+per step and event loop, not per token). When idle it blocks on the queue, waking once
+per `health_check_interval_s` to check the workers and, the first time after a busy
+spell, to have the memory the batches freed handed back (`EngineCore.trim_host_memory`). It keeps the metrics
 (engine/request_stats.py) and writes the periodic stats line (engine/stat_logger.py)
 unless `log_stats=False`.
 
@@ -144,8 +144,6 @@ class EngineLoop:
         try:
             while True:
                 idle = not self.core.has_unfinished_requests() or self.core.is_sleeping
-                if idle and not self._held:
-                    self.core.trim_host_memory()  # before waiting: what the last batches freed goes back
                 if not self._process_commands(block=idle and not self._held):
                     self._stop_accepting(EngineShutdownError("the engine was shut down before the request finished"),
                                          abort_in_core=True)
@@ -188,6 +186,7 @@ class EngineLoop:
         except queue.Empty:
             if block:
                 self.core.check_health()  # raises EngineDeadError when a worker died while idle
+                self.core.trim_host_memory()  # idle a whole interval: what the last batches freed goes back
             return True
         while True:
             if command is _SHUTDOWN:

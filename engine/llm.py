@@ -2,9 +2,8 @@
 core itself: prompts in, each request's final output out, in prompt order.
 
 `LLMMixin` is mixed into EngineCore and drives it through its request API
-(`add_request`, `step`, `abort_request`, and `trim_host_memory` once it is done; the
-sleep level only for its error), on the caller's thread, which must be the only one
-stepping the core.
+(`add_request`, `step`, `abort_request`; the sleep level only for its error), on the
+caller's thread, which must be the only one stepping the core.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from typing import TYPE_CHECKING
 from config import RequestOutputKind, SamplingParams
 from engine.outputs import RequestOutput
 from engine.processor import Prompt
-from executor.errors import EngineDeadError
 
 
 class LLMMixin:
@@ -28,7 +26,6 @@ class LLMMixin:
         def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> str: ...
         def abort_request(self, request_id: str) -> None: ...
         def step(self) -> list[RequestOutput]: ...
-        def trim_host_memory(self) -> None: ...
 
     def generate(
         self,
@@ -72,8 +69,4 @@ class LLMMixin:
                 if request_id not in final:
                     self.abort_request(request_id)
             raise
-        try:
-            self.trim_host_memory()  # idle now: the batch's freed activations go back to the system
-        except EngineDeadError:  # the outputs are whole; the next call meets the dead group
-            pass
         return [final[i] for i in ids]
