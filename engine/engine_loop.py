@@ -8,9 +8,9 @@ any request is unfinished, and posts each `RequestOutput` to its request's
 `RequestStream` on the consumer's event loop with `loop.call_soon_threadsafe` (one call
 per step and event loop, not per token). When idle it blocks on the queue, waking once
 per `health_check_interval_s` to check the workers and, the first time after a busy
-spell, to have the memory the batches freed handed back (`EngineCore.trim_host_memory`). It keeps the metrics
-(engine/request_stats.py) and writes the periodic stats line (engine/stat_logger.py)
-unless `log_stats=False`.
+spell, to have the memory the batches freed handed back (`EngineCore.trim_host_memory`).
+It keeps the metrics (engine/request_stats.py) and writes the periodic stats line
+(engine/stat_logger.py) unless `log_stats=False`.
 
 Sleep mode: a sleep waits for the running requests to finish (unless it aborts them or
 only pauses), the calls that came after it wait for the sleep, in order, and requests

@@ -7,8 +7,8 @@ init_device(), load_model(), get_kv_cache_spec(), determine_available_memory() (
 execute_model() per step. Phase timings accumulate in `self.timings` (seconds).
 Everything that differs between CUDA and the CPU is asked of `self.platform`. Between
 steps the engine may also call sleep(level), wake_up(tags) and update_weights(source)
-(sleep mode; worker/sleep_mode.py), and trim_host_memory() as it goes idle, on every
-rank alike.
+(sleep mode; worker/sleep_mode.py), and trim_host_memory() once idle, on every rank
+alike.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ class Worker:
         """Hand this rank's C heap's free pages back to the system
         (`models/layers/file_pages.trim_heap`): what a batch's activations freed stays
         resident otherwise. Called on every rank by `EngineCore.trim_host_memory`, between
-        steps, as the engine goes idle."""
+        steps, once the engine is idle."""
         trim_heap()
 
     def wait_kv_cache_committed(self) -> float:

@@ -62,7 +62,8 @@ def trim_heap() -> None:
     mmap threshold (which freeing one larger block raises, up to 32 MB): the loader's
     temporaries (40-45 MB after an 853M Llama's F16 load), a batch's activations (about
     95 MB after 16 prompts of an 853M Llama's prefill), a slept rank's weights. Its callers:
-    the loader once a load is done, the worker after a sleep, the engine going idle."""
+    the loader once a load is done, the worker after a sleep, and every rank once the
+    serving loop is idle (`EngineCore.trim_host_memory`)."""
     libc = _libc()
     try:
         if libc is not None:
