@@ -71,7 +71,8 @@ class CpuMoeKernel:
         `hidden_states` [T, H] (unit stride along H) and contiguous `w13` [E_local, 2I, H],
         `w2` [E_local, H, I], all bfloat16 or all float16; float32 `topk_weights` and int64
         `topk_ids` [T, k], contiguous; `expert_map` [num_experts] int64 or None. Raises
-        ValueError for an expert id outside the model's, MemoryError without scratch."""
+        ValueError for an expert id outside the model's (or experts too large for the
+        kernel's 32-bit count of row blocks), MemoryError without scratch."""
         tokens, hidden = hidden_states.shape
         out = torch.empty(tokens, hidden, dtype=hidden_states.dtype)
         status = self._moe(hidden_states.data_ptr(), hidden_states.stride(0), tokens, hidden, w13.data_ptr(),
