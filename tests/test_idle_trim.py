@@ -1,13 +1,13 @@
 """An idle engine hands every rank's freed C heap back to the system
 (`EngineCore.trim_host_memory`): glibc keeps what a batch's activations freed below its
 dynamic mmap threshold, which the first large free raises, so a prefill's temporaries
-stay resident for as long as the process lives otherwise. Measured on real ranks (the
-engine's own process at TP=1, worker processes at TP=2): the anonymous memory a further
-`malloc_trim(0)` would hand back, once without the trim (the retention is there to see),
-once after it (nothing left); called directly after `generate`, and by the AsyncEngine's
-loop once it has been idle a health-check interval (not before: a request that follows
-at once finds its pages still there)."""
-
+stay resident for as long as the process lives otherwise. Measured on real ranks (worker
+processes at TP 1 and 2, each a fresh engine's, and the engine's own process): the
+anonymous memory a further `malloc_trim(0)` would hand back, on one engine without the
+trim (the retention is there to see), on another after it (nothing left); called
+directly after `generate`, and by the AsyncEngine's loop once it has been idle a
+health-check interval (not before: a request that follows at once finds its pages still
+there)."""
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +22,7 @@ from models.layers.file_pages import trim_heap
 
 pytestmark = pytest.mark.slow
 
-RETAINED_KIB = 4096  # what the first batch leaves in the heap without the trim, at least
+RETAINED_KIB = 4096  # what the first batch leaves in a fresh rank's heap without the trim, at least
 LEFT_KIB = 1024  # what may be left after it
 PARAMS = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, detokenize=False)
 # 8 prompts of 256 tokens: [2048, 2048] float32 MLP activations, 16 MiB each
@@ -49,22 +49,27 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            vocab_size=2048, max_position_embeddings=1024, init_std=0.1, with_tokenizer=False, seed=3)
 
 
-def make_core(model: Path, tp: int) -> EngineCore:
-    return EngineCore(model=str(model), device="cpu", tensor_parallel_size=tp, kv_cache_memory_bytes=64 << 20,
-                      max_num_seqs=8, enable_prefix_caching=False)
+def make_core(model: Path, tp: int, backend: str = "mp") -> EngineCore:
+    """Ranks in worker processes of their own by default: a fresh process's heap holds
+    what the batch left and nothing else (pytest's own, after hundreds of tests, may have
+    served the batch from free chunks it had already)."""
+    return EngineCore(model=str(model), device="cpu", tensor_parallel_size=tp, distributed_executor_backend=backend,
+                      kv_cache_memory_bytes=64 << 20, max_num_seqs=8, enable_prefix_caching=False)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_every_ranks_freed_heap_is_handed_back(model: Path, tp: int) -> None:
-    with make_core(model, tp) as core:
-        core.generate(PROMPTS, PARAMS)
-        retained = core.collective_rpc(returnable_kib)  # generate itself leaves the heap as it is
-        assert len(retained) == tp and all(kib >= RETAINED_KIB for kib in retained), retained
+@pytest.mark.parametrize("tp, backend", [(1, "mp"), (2, "mp"), (1, "uni")])
+def test_every_ranks_freed_heap_is_handed_back(model: Path, tp: int, backend: str) -> None:
+    if backend == "mp":  # the uni rank is this pytest process: no fresh heap to see the retention in
+        with make_core(model, tp, backend) as core:
+            core.generate(PROMPTS, PARAMS)
+            retained = core.collective_rpc(returnable_kib)  # generate itself leaves the heap as it is
+            assert len(retained) == tp and all(kib >= RETAINED_KIB for kib in retained), retained
 
+    with make_core(model, tp, backend) as core:
         core.generate(PROMPTS, PARAMS)
         core.trim_host_memory()
         left = core.collective_rpc(returnable_kib)
-        assert all(kib <= LEFT_KIB for kib in left), left
+        assert len(left) == tp and all(kib <= LEFT_KIB for kib in left), left
 
         calls = []
         rpc = core.collective_rpc
@@ -73,52 +78,40 @@ def test_every_ranks_freed_heap_is_handed_back(model: Path, tp: int) -> None:
         assert calls == []
 
 
-def test_the_engine_loop_hands_it_back_once_idle_an_interval(model: Path) -> None:
+def _served(model: Path, interval_s: float, trimming: bool) -> int:
+    """KiB a further trim would hand back on the rank of a fresh TP=1 engine served through
+    the AsyncEngine (every prompt at once), measured on its loop after 0.5 s with nothing
+    to do; `trimming=False` switches the trim off."""
     from engine.async_engine import AsyncEngine
 
     with make_core(model, 1) as core:
-        trim = core.trim_host_memory
-        engine = AsyncEngine(core, health_check_interval_s=0.1, log_stats=False)
+        if not trimming:
+            core.trim_host_memory = lambda: None  # type: ignore[method-assign]
+        engine = AsyncEngine(core, health_check_interval_s=interval_s, log_stats=False)
 
-        async def run(trimming: bool) -> list[int]:
-            core.trim_host_memory = trim if trimming else lambda: None  # type: ignore[method-assign]
-            streams = [engine.generate(prompt, PARAMS) for prompt in PROMPTS]
-
-            async def last(stream):  # noqa: ANN001, ANN202
-                async for output in stream:
+        async def run() -> list[int]:
+            async def last(prompt):  # noqa: ANN001, ANN202
+                async for output in engine.generate(prompt, PARAMS):
                     final = output
                 return final
 
-            outputs = await asyncio.gather(*(last(s) for s in streams))
+            outputs = await asyncio.gather(*(last(p) for p in PROMPTS))
             assert all(o.finished and len(o.outputs[0].token_ids) == 2 for o in outputs)
-            await asyncio.sleep(0.5)  # five health-check intervals with nothing to do
+            await asyncio.sleep(0.5)
             return await engine._on_loop(lambda c: c.collective_rpc(returnable_kib))
 
         try:
-            retained = asyncio.run(run(trimming=False))
-            assert retained[0] >= RETAINED_KIB, retained
-            left = asyncio.run(run(trimming=True))
-            assert left[0] <= LEFT_KIB, left
+            return asyncio.run(run())[0]
         finally:
             engine.engine_loop.stop(timeout=30)
+
+
+def test_the_engine_loop_hands_it_back_once_idle_an_interval(model: Path) -> None:
+    assert _served(model, 0.1, trimming=False) >= RETAINED_KIB  # five intervals idle, no trim: still there
+    assert _served(model, 0.1, trimming=True) <= LEFT_KIB
 
 
 def test_requests_that_follow_at_once_find_the_heap_as_it_was(model: Path) -> None:
     """Within a health-check interval of the last request the loop has trimmed nothing:
-    back-to-back requests do not pay for faulting their pages in again."""
-    from engine.async_engine import AsyncEngine
-
-    with make_core(model, 1) as core:
-        engine = AsyncEngine(core, health_check_interval_s=60, log_stats=False)
-
-        async def run() -> list[int]:
-            for prompt in PROMPTS:
-                async for _ in engine.generate(prompt, PARAMS):
-                    pass
-            return await engine._on_loop(lambda c: c.collective_rpc(returnable_kib))
-
-        try:
-            retained = asyncio.run(run())
-            assert retained[0] >= RETAINED_KIB, retained
-        finally:
-            engine.engine_loop.stop(timeout=30)
+    requests that follow at once do not pay for faulting their pages in again."""
+    assert _served(model, 60, trimming=True) >= RETAINED_KIB
