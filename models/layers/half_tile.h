@@ -5,9 +5,9 @@
  * rows while the weight streams from memory, `half_tile_width`). Products on AVX-512
  * CPUs with no GEMM of their own for the weight's dtype: float16 on every AVX-512 CPU
  * without AVX-512 FP16 (all of AMD's, Intel's before Sapphire Rapids), and bfloat16
- * where AVX-512 BF16 is missing too (Skylake-X to Ice Lake). Their callers: cpu_sgemm.c's 2-32-row product of a dense weight (half_gemm) and
- * fused_moe/cpu_moe.c's experts of two or more tokens (float16 ones; bfloat16 ones
- * without AVX-512 BF16).
+ * where AVX-512 BF16 is missing too (Skylake-X to Ice Lake). Their callers:
+ * cpu_sgemm.c's 2-32-row product of a dense weight (half_gemm) and fused_moe/cpu_moe.c's
+ * experts of two or more tokens (float16 ones; bfloat16 ones without AVX-512 BF16).
  *
  * Each output is one 16-lane sum of exact float32 products (each lane the row's tail
  * first, then in k order), reduced across its lanes in a fixed order: the same whatever
