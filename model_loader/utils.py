@@ -10,7 +10,7 @@ from torch import nn
 
 from models.layers.build_config import LayerBuildConfig, set_layer_build_config
 from models.layers.cpu_gemm import default_packed_gemm, reusing_upcast_buffer
-from models.layers.fused_moe import FusedMoE
+from models.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod
 from models.layers.linear import LinearBase
 from models.layers.quantization import get_quantization_config
 from models.layers.unquantized import tracking_shared_weights
@@ -61,9 +61,10 @@ def _select_linear_methods_by_name(model: nn.Module, build_config: LayerBuildCon
     name (compressed-tensors' `ignore`, GPTQ's `modules_to_not_convert`) or quantise
     them differently (compressed-tensors' config groups). A layer built with
     `skip_quantization` (a MoE router) is not asked. A FusedMoE is asked again only where
-    the config `selects_moe_by_name` (GGUF's per-layer expert types). A layer whose answer is not
-    its current method gets the new one and new, empty parameters (None: the platform's
-    unquantised method); nothing is loaded yet, so nothing is lost."""
+    the config `selects_moe_by_name` (GGUF's per-layer expert types, compressed-tensors'
+    targets and ignore). A layer whose answer is not its current method gets the new one
+    and new, empty parameters (None: the platform's unquantised method, or full-precision
+    experts); nothing is loaded yet, so nothing is lost."""
     quant_config = build_config.quant_config
     packed = getattr(model, "packed_modules_mapping", {})
     for name, module in model.named_modules():
@@ -73,8 +74,10 @@ def _select_linear_methods_by_name(model: nn.Module, build_config: LayerBuildCon
                 module.set_quant_method(method or build_config.unquantized_linear_method())
         elif isinstance(module, FusedMoE) and quant_config.selects_moe_by_name:
             moe_method = quant_config.get_moe_method(module, name)
-            if moe_method is not None:
-                module.set_quant_method(moe_method)
+            if moe_method is None and isinstance(module.quant_method, UnquantizedFusedMoEMethod):
+                continue  # full precision, as built
+            if moe_method is not module.quant_method:
+                module.set_quant_method(moe_method or UnquantizedFusedMoEMethod())
 
 
 def process_weights_after_loading(model: nn.Module, after_each: Callable[[], object] | None = None) -> None:

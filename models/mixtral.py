@@ -28,7 +28,8 @@ class MixtralForCausalLM(MoEForCausalLM):
         def make_layer(layer_idx: int, rotary_emb: RotaryEmbedding, window: int | None) -> nn.Module:
             moe = SparseMoeBlock(hf_config.hidden_size, self.num_experts(hf_config), hf_config.num_experts_per_tok,
                                  hf_config.intermediate_size, renormalize=True,
-                                 enable_expert_parallel=self.enable_expert_parallel)
+                                 enable_expert_parallel=self.enable_expert_parallel,
+                                 checkpoint_proj_names=("w1", "w3", "w2"))
             attn = LlamaAttention(hf_config, False, rotary_emb, window)
             return MoEDecoderLayer(hf_config, attn, moe, "block_sparse_moe")
 

@@ -49,13 +49,15 @@ class SparseMoeBlock(nn.Module):
     this rank's partial sum; the next norm all-reduces it, as after a dense MLP."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 renormalize: bool, enable_expert_parallel: bool) -> None:
+                 renormalize: bool, enable_expert_parallel: bool,
+                 checkpoint_proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
         super().__init__()
         # The router stays in full precision whatever the checkpoint's quantisation, as vLLM
         # builds it (GPTQ and AWQ MoE checkpoints keep it float16 without naming it).
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, skip_quantization=True)
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize,
-                                enable_expert_parallel=enable_expert_parallel, reduce_results=False)
+                                enable_expert_parallel=enable_expert_parallel, reduce_results=False,
+                                checkpoint_proj_names=checkpoint_proj_names)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden_states, self.gate(hidden_states))

@@ -32,7 +32,9 @@ path. Not a test: timings on a shared machine mean little.
 every attention and expert projection float8_e4m3fn in 128x128 blocks with
 `weight_scale_inv`, routers and LM head bfloat16); --format ct-fp8: as compressed-tensors
 FP8_DYNAMIC (per-channel `weight_scale`, dynamic per-token fp8 activations); --format
-gptq-int4 / ct-w4a16: GPTQ int4 or compressed-tensors W4A16, groups of 128, symmetric.
+gptq-int4 / ct-w4a16: GPTQ int4 or compressed-tensors W4A16, groups of 128, symmetric;
+--format ct-w8a8: compressed-tensors W8A8 int8 (per-channel weights, dynamic per-token
+activations).
 Each is written once from the bfloat16 one (`ensure_quantised_model`); a side that cannot
 serve it is reported as refused.
 """
@@ -94,7 +96,7 @@ def ensure_model(root: Path, spec: dict) -> Path:
     return model_dir
 
 
-QUANTISED_FORMATS = ("fp8", "ct-fp8", "gptq-int4", "ct-w4a16")
+QUANTISED_FORMATS = ("fp8", "ct-fp8", "gptq-int4", "ct-w4a16", "ct-w8a8")
 
 
 def ensure_quantised_model(model_dir: Path, fmt: str, quick: bool) -> Path:
@@ -104,7 +106,9 @@ def ensure_quantised_model(model_dir: Path, fmt: str, quick: bool) -> Path:
     448 (`weight_scale_inv`); "ct-fp8": compressed-tensors FP8_DYNAMIC, per output row;
     "gptq-int4": GPTQ int4, groups of 128 (32 with `quick`), symmetric, no desc_act (the
     layout of Qwen's own Qwen3-MoE GPTQ-Int4 checkpoints); "ct-w4a16": compressed-tensors
-    W4A16, groups alike, symmetric (llm-compressor's W4A16 recipe)."""
+    W4A16, groups alike, symmetric (llm-compressor's W4A16 recipe); "ct-w8a8":
+    compressed-tensors W8A8 int8, int8 per output row, dynamic per-token int8 activations
+    (llm-compressor's W8A8 recipe, as RedHatAI's Qwen3-MoE `quantized.w8a8` ship)."""
     block = 32 if quick else 128
     out = model_dir.with_name(f"{model_dir.name}-{f'fp8b{block}' if fmt == 'fp8' else fmt}")
     marker = out / "bench_spec.json"
@@ -114,19 +118,21 @@ def ensure_quantised_model(model_dir: Path, fmt: str, quick: bool) -> Path:
 
     # the test suite's quantisers and configs
     from tests.test_quant_fp8_checkpoints import ct_fp8_config, quantize_fp8_blocks
+    from tests.test_quant_w8a8 import quantize_int8_channel, w8a8_config
     from tests.wna16_formats import ct_quantization_config, ct_quantizer, gptq_quantizer
 
     print(f"writing {out} ...", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     group = 32 if quick else 128
-    int4 = {"gptq-int4": gptq_quantizer(4, group, True, False), "ct-w4a16": ct_quantizer(4, group, True)}.get(fmt)
+    integer = {"gptq-int4": gptq_quantizer(4, group, True, False), "ct-w4a16": ct_quantizer(4, group, True),
+               "ct-w8a8": quantize_int8_channel}.get(fmt)
     tensors = {}
     for name, weight in load_file(str(model_dir / "model.safetensors")).items():
         if not name.endswith("_proj.weight"):
             tensors[name] = weight
-        elif int4 is not None:
+        elif integer is not None:
             module = name.removesuffix(".weight")
-            parts, _ = int4(module, weight.float())
+            parts, _ = integer(module, weight.float())
             tensors.update({f"{module}.{suffix}": t.contiguous() for suffix, t in parts.items()})
         else:
             q, scale = quantize_fp8_blocks(weight.float(), *((block, block) if fmt == "fp8" else (1, weight.shape[1])))
@@ -142,6 +148,7 @@ def ensure_quantised_model(model_dir: Path, fmt: str, quick: bool) -> Path:
         "gptq-int4": lambda: {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True, "desc_act": False,
                               "checkpoint_format": "gptq", "lm_head": False},
         "ct-w4a16": lambda: ct_quantization_config(4, group, True, ignore=["re:.*mlp.gate$"]),
+        "ct-w8a8": lambda: {**w8a8_config(), "ignore": ["lm_head", "re:.*mlp.gate$"]},
     }[fmt]()
     (out / "config.json").write_text(json.dumps(config, indent=2))
     marker.write_text((model_dir / "bench_spec.json").read_text())

@@ -20,10 +20,10 @@ scales with their rows); under expert parallelism each rank holds whole experts.
 way each rank holds its share of the checkpoint's expert bytes in fp8 with their
 scales, not a float copy (a per-tensor scale held as one per output row). Also: the
 engine's greedy tokens, sleep and wake, the dummy load format, a missing expert scale
-and a per-tensor scale of several values (named), and the refusals: experts in another
-quantised layout (int8 W8A8) at resolution, blocks that split an expert's halves or a
-rank's slice at build. GPTQ, AWQ and compressed-tensors int4/int8 experts:
-tests/test_quant_wna16_moe.py.
+and a per-tensor scale of several values (named), and the refusal of blocks that split
+an expert's halves or a rank's slice at build. GPTQ, AWQ and compressed-tensors
+int4/int8 experts: tests/test_quant_wna16_moe.py; W8A8 int8 experts, and how
+compressed-tensors' targets and ignore place the experts: tests/test_quant_w8a8_moe.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import zlib
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -39,15 +38,12 @@ from typing import Any
 import pytest
 import torch
 
-from config import ConfigError
-from engine.arg_utils import create_engine_config
 from models.layers.quantization.fp8_moe import Fp8MoEMethod
 from tests.conftest import run_tp
 from tests.moe_checkpoints import decode_with_graphs, experts_layer, grouped_apply, write_moe_checkpoint
 from tests.quant_checkpoints import assert_engine_greedy_matches, hf_logits
 from tests.quant_tp_helpers import load_case, tp_quant_cases
 from tests.test_quant_fp8_checkpoints import ct_fp8_config, dequantize_fp8_blocks, quantize_fp8_blocks
-from tests.test_quant_w8a8 import w8a8_config
 
 FP8 = torch.float8_e4m3fn
 BLOCK = (16, 16)
@@ -287,20 +283,6 @@ def test_per_tensor_expert_scale_of_several_values_is_named(fp8_cases: dict[str,
     model = variant(fp8_cases["native_tensor"], "two_value_scale", replace={name: torch.ones(2)})
     kind, message = load_case({"model": str(model), "input_ids": INPUT_IDS, "expect_error": True})["error"]
     assert kind == "WeightLoadError" and name in message and "one value" in message, message
-
-
-@pytest.mark.parametrize("fields, needles", [
-    (w8a8_config(), ("quant_method='compressed-tensors'", "CompressedTensorsW8A8Int8", "mixture-of-experts",
-                     "served as fp8 or as int4/int8")),
-], ids=["ct-w8a8-int8"])
-def test_quantised_experts_in_other_layouts_are_refused_at_resolution(fp8_moe: SimpleNamespace, fields: dict,
-                                                                      needles: tuple[str, ...]) -> None:
-    # named by the fields' values: two compressed-tensors configs share their keys
-    model = variant(fp8_moe, f"refused_{zlib.crc32(json.dumps(fields, sort_keys=True).encode()):08x}", **fields)
-    with pytest.raises(ConfigError) as raised:
-        create_engine_config(model=str(model), device="cpu")
-    for needle in needles:
-        assert needle in str(raised.value), (needle, str(raised.value))
 
 
 @pytest.mark.parametrize("intermediate, tp, sliced", [(24, 1, False), (32, 4, True)], ids=["tp1", "tp4"])

@@ -1,6 +1,7 @@
 /* What the one-call expert kernels of the quantised formats share (quantization/fp8_moe.c,
- * quantization/gguf_moe.c, quantization/kernels/wna16_moe.c): a batch's (token, k) pairs sorted by local expert, the
- * activation between an expert's two products, and its outputs added into their tokens' rows. Static inline: each includer
+ * quantization/gguf_moe.c, quantization/kernels/wna16_moe.c, quantization/kernels/int8_moe.c):
+ * a batch's (token, k) pairs sorted by local expert, the activation between an expert's two
+ * products, and its outputs added into their tokens' rows. Static inline: each includer
  * compiles its own copy. */
 #ifndef EXPERT_PAIRS_H
 #define EXPERT_PAIRS_H

@@ -11,8 +11,10 @@ each expert's gate rows (w1) then its up rows (w3); `w2_weight` [num_local_exper
 hidden, intermediate_per_rank] its down projection; a quantised method registers its
 own tensors in the same stacked layout (fp8: these in fp8 with `w13_weight_scale_inv`
 and `w2_weight_scale_inv`, or `..._weight_scale`, counted in blocks or per output row;
-int4/int8: the checkpoint's codes, scales and zero points, repacked after loading,
-quantization/wna16_moe.py; GGUF: the file's blocks, quantization/gguf_moe.py).
+int4/int8 weight-only: the checkpoint's codes, scales and zero points, repacked after
+loading, quantization/wna16_moe.py; W8A8 int8: these in int8 with `..._weight_scale`
+per output row, quantization/int8_moe.py; GGUF: the file's blocks,
+quantization/gguf_moe.py).
   - tensor parallelism (default): every rank holds every expert, its intermediate
     dimension sliced like a column-parallel w1/w3 and a row-parallel w2;
   - expert parallelism (`enable_expert_parallel`, EP size = TP size): rank r holds
@@ -62,8 +64,13 @@ class FusedMoE(nn.Module):
         renormalize: bool,
         enable_expert_parallel: bool = False,
         reduce_results: bool = False,
+        checkpoint_proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
     ) -> None:
         super().__init__()
+        # The checkpoint's names of an expert's gate, up and down projections (Mixtral's w1,
+        # w3, w2): a quantisation config that picks the experts' layout by module name
+        # (compressed-tensors' targets and ignore) asks with them.
+        self.checkpoint_proj_names = checkpoint_proj_names
         self.placement = determine_expert_placement(num_experts, enable_expert_parallel)
         self.top_k = top_k
         self.renormalize = renormalize

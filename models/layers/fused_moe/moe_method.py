@@ -54,8 +54,8 @@ def expert_parameter(layer: nn.Module, name: str, shape: tuple[int, ...], dtype:
 
 
 #: Up to this many tokens (a decode step's batch) the quantised formats' experts run in one C
-#: call (fp8_moe.c, kernels/wna16_moe.c, gguf_moe.c), which a CPU graph records; a
-#: prefill's larger batches are grouped in torch.
+#: call (fp8_moe.c, kernels/wna16_moe.c, kernels/int8_moe.c, gguf_moe.c), which a CPU graph
+#: records; a prefill's larger batches are grouped in torch.
 MAX_KERNEL_TOKENS = 64
 
 

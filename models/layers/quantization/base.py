@@ -88,7 +88,8 @@ class QuantizationConfig(ABC):
         where `get_moe_method` serves them. The engine asks once, at resolution, and
         refuses such a checkpoint with this reason before any worker starts."""
         return ("FusedMoE holds experts in full precision, fp8 (native or compressed-tensors), int4/int8 "
-                "weight-only (GPTQ, AWQ, compressed-tensors) or GGUF blocks only; this format has no experts' method")
+                "weight-only (GPTQ, AWQ, compressed-tensors), int8 (compressed-tensors W8A8) or GGUF blocks only; "
+                "this format has no experts' method")
 
     #: Whether the experts' method depends on the layer's name (GGUF: types per layer): the
     #: model loader then asks `get_moe_method` again with each FusedMoE's name before loading.

@@ -40,7 +40,6 @@ this rank's experts.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,17 +56,7 @@ from models.layers.fused_moe.moe_method import (
 )
 from models.layers.quantization.fp8 import FP8_DTYPE
 from models.layers.quantization.fp8_kernels import fp8_linear, load
-
-
-def _per_tensor_as_rows(rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A per-tensor scale (one value, [] or [1]) as the [rows, 1] per-channel scale it
-    equals. ValueError for a tensor that is not one value."""
-    def expand(scale: torch.Tensor) -> torch.Tensor:
-        if scale.numel() != 1:
-            raise ValueError(f"a per-tensor scale must be one value, the checkpoint has shape {tuple(scale.shape)}")
-        return scale.reshape(1, 1).expand(rows, 1)
-    return expand
-
+from models.layers.quantization.per_tensor_scales import per_tensor_as_rows
 
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # fp8_moe.c's x_dtype
 
@@ -123,7 +112,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
             shapes = ((experts, 2 * inter, 1), (experts, hidden, 1))
             blocks = ((1, hidden), (1, full))
         # per tensor: each projection's one value, widened to its rows as it loads
-        transforms = ((_per_tensor_as_rows(full), _per_tensor_as_rows(hidden)) if self.strategy == "tensor"
+        transforms = ((per_tensor_as_rows(full), per_tensor_as_rows(hidden)) if self.strategy == "tensor"
                       else (None, None))
         expert_parameter(layer, "w13_weight", (experts, 2 * inter, hidden), FP8_DTYPE, "weight")
         expert_parameter(layer, "w2_weight", (experts, hidden, inter), FP8_DTYPE, "weight")

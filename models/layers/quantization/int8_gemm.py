@@ -5,13 +5,15 @@ per call, nothing stored). `int8_linear(xq, x_scale, weight, weight_scale, bias,
 out_dtype)` computes `(xq @ weight.T) * x_scale * weight_scale (+ bias)` with exact
 int32 sums through `torch._int_mm`, which on x86 CPUs with VNNI or AMX is oneDNN's int8
 GEMM and on CUDA cuBLASLt's, or through int8_cpu.c's own GEMM (the same exact sums):
-- on AVX-512 VNNI CPUs for 2-32 tokens (`VNNI_GEMM_TOKENS`), where oneDNN's, reading the
+- on AVX-512 VNNI CPUs for 1-40 tokens (`VNNI_GEMM_TOKENS`), where oneDNN's, reading the
   checkpoint's [N, K] weight as the transposed operand, slows down: a 8192x1024 weight
   (in cache, 2 threads, 2026-12-06, the Zen 4 VM) took 67 us at 1 token and 367 at 2,
   and a 1024x4096 one 42 and 729 us; int8_cpu.c's (vpdpbusd on 4x4 register tiles)
   takes 84 and 50 us at 2 tokens, 2-15x less up to 24 tokens, and ties at 32 except
-  where K is large (0.43x the time at K = 4096). At 1 token oneDNN's GEMV and ours tie
-  (0.83-1.12x), and past 32 tokens its blocked GEMM gains;
+  where K is large (0.43x the time at K = 4096). Since its tiles ask for the rows 64 KiB
+  ahead, ours streams a weight from memory faster (2026-12-07, same VM, 2 threads): at 1
+  token 0.78-0.96x oneDNN's time, at 32-40 tokens 0.48-0.86x on 4096- and 11008-wide
+  weights (1536x1024: 0.99-1.04x); from 48 tokens oneDNN's blocked GEMM gains;
 - without VNNI or AMX, where torch._int_mm is a reference loop (0.6 GOP/s): int8_cpu.c's
   AVX2 GEMM (16-bit products in vpmaddwd).
 
@@ -23,7 +25,9 @@ passes compute the same bits as the torch expressions, which stay the path elsew
 (CUDA, float16, no compiler, `TP_CPU_INT8_KERNELS=0`).
 
 Called from the W8A8 int8 scheme's `apply_weights`, on every rank, with this rank's
-shard. Memory: the int8 activations and an int32 [M, N] product besides the output.
+shard, and from the W8A8 experts (int8_moe.py), whose decode steps run in one call of the
+same library (`kernels/int8_moe.c`, on int8_cpu.c's passes and GEMM tiles). Memory: the
+int8 activations and an int32 [M, N] product besides the output.
 """
 
 from __future__ import annotations
@@ -41,20 +45,24 @@ INT8_MAX = 127.0
 _MIN_SCALE = 1e-12  # an all-zero row gets this scale: its values stay exactly 0
 _CUDA_INT_MM_MIN_ROWS = 16  # cuBLASLt's int8 GEMM wants more rows than this
 #: Token counts whose products take int8_cpu.c's VNNI GEMM over oneDNN's (module docstring).
-VNNI_GEMM_TOKENS = range(2, 33)
+VNNI_GEMM_TOKENS = range(1, 41)
 
 SOURCE = Path(__file__).with_name("kernels") / "int8_cpu.c"
-SOURCES = (SOURCE, SOURCE.parent.parent.parent / "tile_sum.h", BF16_CONVERT_H)  # a change to a header rebuilds
+# int8_moe.c (a decode step's W8A8 experts, quantization/int8_moe.py) builds into the same
+# library; a change to a header rebuilds it
+SOURCES = (SOURCE, SOURCE.with_name("int8_moe.c"), SOURCE.parent.parent.parent / "tile_sum.h",
+           SOURCE.parents[2] / "fused_moe" / "expert_pairs.h", BF16_CONVERT_H)
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 _C_DTYPES = (torch.float32, torch.bfloat16)  # what the C passes read and write
 
 
 class Int8Kernel:
-    """The loaded library's two passes."""
+    """The loaded library: its two passes and its GEMM (and `lib`, where int8_moe.py binds
+    the experts' one-call entry)."""
 
     def __init__(self, lib: NativeLibrary, path: Path) -> None:
-        self.path = path
+        self.lib, self.path = lib, path  # lib: also int8_moe.c's entry (quantization/int8_moe.py binds it)
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._quantize, self._scale = lib.int8_quantize_per_token, lib.int8_scale_output
         self._quantize.restype = self._scale.restype = None

@@ -9,11 +9,16 @@ A fused layer (qkv_proj, gate_up_proj) stands for several checkpoint modules, wh
 all be ignored or all fall in the same group. What we do not serve is refused at
 resolution with a ValueError naming the field and value: an unknown format, a
 KV-cache scheme, sparsity, output activations, a quantisation status other than
-compressed/frozen. A mixture-of-experts checkpoint's experts take the scheme of the
-group that targets every Linear, served where it is FP8 per channel or in blocks
-(fp8_moe.Fp8MoEMethod, `weight_scale`: llm-compressor's FP8_DYNAMIC and FP8_BLOCK MoE
-checkpoints; per tensor too) or W4A16/W8A16 without act-order (wna16_moe.WNA16MoEMethod),
-and refused otherwise.
+compressed/frozen. A mixture-of-experts layer's experts take the scheme of the group
+their projections fall in, resolved by name as vLLM does (expert 0's gate, up and down
+projections: the group targeting every Linear unless a target or `ignore` entry names
+them; ignored, or in no group, they stay in full precision). Served: FP8 per channel,
+per tensor or in blocks (fp8_moe.Fp8MoEMethod, `weight_scale`: llm-compressor's
+FP8_DYNAMIC and FP8_BLOCK MoE checkpoints), W4A16/W8A16 without act-order
+(wna16_moe.WNA16MoEMethod), and W8A8 int8 (int8_moe.Int8MoEMethod: RedHatAI's
+`quantized.w8a8` MoE checkpoints, their activations quantised per token as the dense
+W8A8 layers' are). Other schemes are refused: the group targeting every Linear's at
+resolution, a group that names the experts as the loader names them.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from torch import nn
 
 from models.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from models.layers.quantization.compressed_tensors.schemes import CompressedTensorsScheme, get_scheme
+from models.layers.quantization.compressed_tensors.schemes.w8a8_int8 import CompressedTensorsW8A8Int8
 from models.layers.quantization.compressed_tensors.schemes.wna16 import CompressedTensorsWNA16
 from models.layers.quantization.fp8_moe import Fp8MoEMethod
+from models.layers.quantization.int8_moe import Int8MoEMethod
 from models.layers.quantization.wna16_moe import WNA16ExpertFormat, WNA16MoEMethod
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
@@ -65,6 +72,7 @@ class CompressedTensorsConfig(QuantizationConfig):
     def __init__(self, groups: dict[str, tuple[list[str], CompressedTensorsScheme]], ignore: list[str]) -> None:
         self.groups = groups
         self.ignore = ignore
+        self._moe_methods: dict[str, Any] = {}  # the experts' method of each group, made once asked
 
     @classmethod
     def from_config(cls, hf_quant_config: dict[str, Any] | None) -> CompressedTensorsConfig:
@@ -120,36 +128,67 @@ class CompressedTensorsConfig(QuantizationConfig):
         experts'), or None."""
         return next((g for g, (targets, _) in self.groups.items() if "Linear" in targets), None)
 
-    def _expert_scheme(self) -> tuple[str | None, CompressedTensorsScheme | None]:
-        """The group (and scheme) the experts fall in: the one targeting every Linear."""
-        group = self._linear_group()
-        return group, self.groups[group][1] if group is not None else None
+    #: Targets and `ignore` may name the experts' projections: the loader asks again by name.
+    selects_moe_by_name = True
+
+    def _moe_reason(self, group: str) -> str | None:
+        """Why group `group`'s scheme cannot hold experts, or None."""
+        scheme = self.groups[group][1]
+        if isinstance(scheme, CompressedTensorsWNA16):
+            return (f"config_groups.{group}.weights.actorder='group': act-order (g_idx) experts are not supported"
+                    if scheme.has_g_idx else None)
+        if isinstance(scheme, CompressedTensorsW8A8Int8):
+            return None
+        strategy = getattr(getattr(scheme, "method", None), "strategy", None)
+        if strategy in ("channel", "block", "tensor"):
+            return None
+        return (f"config_groups.{group} is {type(scheme).__name__} with strategy {strategy!r}; experts are served "
+                "as fp8, int8 (W8A8) or int4/int8 weight-only (pack-quantized) only")
 
     def moe_unsupported_reason(self) -> str | None:
-        group, scheme = self._expert_scheme()
-        if isinstance(scheme, CompressedTensorsWNA16):
-            if scheme.has_g_idx:
-                return (f"config_groups.{group}.weights.actorder='group': act-order (g_idx) experts are not "
-                        "supported")
-            return None
-        method = getattr(scheme, "method", None)
-        if getattr(method, "strategy", None) in ("channel", "block", "tensor"):
-            return None
-        what = (f"config_groups.{group} is {type(scheme).__name__} with strategy "
-                f"{getattr(method, 'strategy', None)!r}" if group is not None else "no config group targets 'Linear'")
-        return f"{what}; experts are served as fp8 or as int4/int8 weight-only (pack-quantized) only"
+        """At resolution: whether the group targeting every Linear, which holds the experts
+        unless a target or `ignore` entry names them, can hold them. Experts that a
+        name puts elsewhere are checked as the loader names them (`get_moe_method`)."""
+        group = self._linear_group()
+        return self._moe_reason(group) if group is not None else None
 
     def get_moe_method(self, layer: nn.Module, prefix: str = "") -> Any:
-        """The experts' method for the group targeting every Linear: int4/int8
-        weight-only (wna16_moe.WNA16MoEMethod) or fp8 per channel, per tensor or in
-        blocks (fp8_moe.Fp8MoEMethod, `weight_scale`); None where
-        `moe_unsupported_reason` gives a reason (refused at resolution)."""
-        if self.moe_unsupported_reason() is not None:
+        """The experts' method, or None for full precision. While the layer is built (no
+        `prefix`): that of the group targeting every Linear. Named (`prefix`
+        "model.layers.0.mlp.experts"), as vLLM resolves them: the group of expert 0's
+        projections, `<prefix>.0.<name>` for the layer's `checkpoint_proj_names`; None
+        where they are ignored or no group targets them. The methods: int4/int8
+        weight-only (wna16_moe.WNA16MoEMethod), W8A8 int8 (int8_moe.Int8MoEMethod), fp8
+        per channel, per tensor or in blocks (fp8_moe.Fp8MoEMethod, `weight_scale`);
+        one per group, so that a layer named into the group it was built with keeps its
+        method and tensors. ValueError where
+        the three projections fall in different groups (or are partly ignored), or where
+        their group cannot hold experts (naming it)."""
+        if not prefix:
+            group = self._linear_group()
+        else:
+            names = [f"{prefix}.0.{proj}" for proj in getattr(layer, "checkpoint_proj_names",
+                                                               ("gate_proj", "up_proj", "down_proj"))]
+            groups = {self._group_of(name) for name in names}
+            if len(groups) > 1:
+                raise ValueError(f"quantization_config: the experts' projections {names} fall in different groups or "
+                                 f"are only partly ignored ({sorted(map(str, groups))})")
+            group = groups.pop()
+        if group is None:
             return None
-        group, scheme = self._expert_scheme()
+        if (reason := self._moe_reason(group)) is not None:
+            raise ValueError(f"quantization_config: {reason}")
+        if group not in self._moe_methods:
+            self._moe_methods[group] = self._new_moe_method(group)
+        return self._moe_methods[group]
+
+    def _new_moe_method(self, group: str) -> Any:
+        scheme = self.groups[group][1]
         if isinstance(scheme, CompressedTensorsWNA16):
             return WNA16MoEMethod(WNA16ExpertFormat.compressed_tensors(scheme.symmetric), scheme.bits,
                                   scheme.group_size, f"config_groups.{group}.weights.group_size")
+        if isinstance(scheme, CompressedTensorsW8A8Int8):
+            return Int8MoEMethod(per_tensor=scheme.strategy == "tensor")
         method = scheme.method
         return Fp8MoEMethod(method.strategy, method.block, "weight_scale",
                             f"config_groups.{group}.weights.block_structure")

@@ -157,6 +157,11 @@ static inline __attribute__((always_inline)) void gemm_block(const int rb, const
 #include "../../tile_sum.h"
 #define VNNI_ROWS 4   /* weight rows per register tile */
 #define VNNI_TOKENS 4 /* tokens per register tile: 16 accumulators and 8 operands */
+/* The weight rows a tile asks for ahead of its own, in bytes: a tile of a few tokens
+ * streams its 4 rows faster than the hardware prefetchers fetch them (a W8A8 experts
+ * step of 8 tokens from memory, 2026-12-07, the Zen 4 VM: 1.9-2.4 ms a layer without,
+ * see docs/benchmarks.md). */
+#define PREFETCH_BYTES (64 << 10)
 
 /* The 16 int32 totals of a[r][t] (r, t < 4) in one vector, lane 4t + r (tile_sum.h). */
 static inline __m512i sum_tile(__m512i a[VNNI_ROWS][VNNI_TOKENS]) {
@@ -176,6 +181,7 @@ static inline __attribute__((always_inline)) void vnni_block(const int rb, const
                                                               int64_t k, int64_t j0, int64_t t0, int32_t *acc,
                                                               int64_t lda) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const int64_t ahead = (PREFETCH_BYTES / ldw + VNNI_ROWS) & ~(int64_t)(VNNI_ROWS - 1); /* rows, >= one tile */
     __m512i a[VNNI_ROWS][VNNI_TOKENS];
     for (int r = 0; r < VNNI_ROWS; ++r)
         for (int t = 0; t < VNNI_TOKENS; ++t) a[r][t] = _mm512_setzero_si512();
@@ -185,6 +191,9 @@ static inline __attribute__((always_inline)) void vnni_block(const int rb, const
         for (int t = 0; t < tb; ++t) xv[t] = _mm512_maskz_loadu_epi8(mask, x + (t0 + t) * ldx + kk);
         for (int r = 0; r < rb; ++r)
             wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + (j0 + r) * ldw + kk), flip);
+        if (t0 == 0) /* once per row tile, by its first token group */
+            for (int r = 0; r < VNNI_ROWS; ++r)
+                _mm_prefetch((const char *)(w + (j0 + ahead + r) * ldw + kk), _MM_HINT_T1);
         for (int r = 0; r < rb; ++r)
             for (int t = 0; t < tb; ++t) a[r][t] = _mm512_dpbusd_epi32(a[r][t], wv[r], xv[t]);
     }
@@ -194,21 +203,14 @@ static inline __attribute__((always_inline)) void vnni_block(const int rb, const
         for (int r = 0; r < rb; ++r) acc[(t0 + t) * lda + j0 + r] = out[4 * t + r] - 128 * xsum[t0 + t];
 }
 
-/* int8_gemm_s32 with AVX-512 VNNI: each thread a contiguous range of 4-row tiles, each
- * met by every 4-token group while its rows are in L1; the weight streamed once. Returns
- * 0, or 1 when the token sums cannot be allocated. */
-static int gemm_s32_vnni(const int8_t *x, int64_t ldx, int64_t m, const int8_t *w, int64_t ldw, int64_t n, int64_t k,
-                         int32_t *acc, int64_t lda, int num_threads) {
-    int32_t *xsum = malloc((size_t)m * sizeof(int32_t));
-    if (!xsum) return 1;
-    for (int64_t t = 0; t < m; ++t) {
-        int32_t s = 0;
-        for (int64_t kk = 0; kk < k; ++kk) s += x[t * ldx + kk];
-        xsum[t] = s;
-    }
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t j0 = 0; j0 < n; j0 += VNNI_ROWS) {
-        const int rb = n - j0 < VNNI_ROWS ? (int)(n - j0) : VNNI_ROWS;
+/* acc for rows [j_begin, j_end) of w against all m tokens, in 4-row tiles, each met by
+ * every 4-token group while its rows are in L1; xsum [m] holds each token's sum of x.
+ * One thread: int8_gemm_s32 shares the tiles out over its threads, and int8_moe.c the
+ * row blocks of a step's experts over its own. */
+void int8_vnni_rows(const int8_t *x, int64_t ldx, int64_t m, const int32_t *xsum, const int8_t *w, int64_t ldw,
+                    int64_t k, int64_t j_begin, int64_t j_end, int32_t *acc, int64_t lda) {
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += VNNI_ROWS) {
+        const int rb = j_end - j0 < VNNI_ROWS ? (int)(j_end - j0) : VNNI_ROWS;
         for (int64_t t0 = 0; t0 < m; t0 += VNNI_TOKENS) {
             const int tb = m - t0 < VNNI_TOKENS ? (int)(m - t0) : VNNI_TOKENS;
             if (rb < VNNI_ROWS) /* the last tile */
@@ -223,6 +225,23 @@ static int gemm_s32_vnni(const int8_t *x, int64_t ldx, int64_t m, const int8_t *
                 vnni_block(VNNI_ROWS, 1, x, ldx, xsum, w, ldw, k, j0, t0, acc, lda);
         }
     }
+}
+
+/* int8_gemm_s32 with AVX-512 VNNI: each thread a contiguous range of 4-row tiles
+ * (int8_vnni_rows); the weight streamed once. Returns 0, or 1 when the token sums cannot
+ * be allocated. */
+static int gemm_s32_vnni(const int8_t *x, int64_t ldx, int64_t m, const int8_t *w, int64_t ldw, int64_t n, int64_t k,
+                         int32_t *acc, int64_t lda, int num_threads) {
+    int32_t *xsum = malloc((size_t)m * sizeof(int32_t));
+    if (!xsum) return 1;
+    for (int64_t t = 0; t < m; ++t) {
+        int32_t s = 0;
+        for (int64_t kk = 0; kk < k; ++kk) s += x[t * ldx + kk];
+        xsum[t] = s;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t j0 = 0; j0 < n; j0 += VNNI_ROWS)
+        int8_vnni_rows(x, ldx, m, xsum, w, ldw, k, j0, j0 + VNNI_ROWS < n ? j0 + VNNI_ROWS : n, acc, lda);
     free(xsum);
     return 0;
 }
@@ -291,6 +310,11 @@ int int8_gemm_s32(const int8_t *x, int64_t ldx, int64_t m, const int8_t *w, int6
 int int8_has_gemm(void) { return 2; }
 #else
 int int8_has_gemm(void) { return 1; }
+void int8_vnni_rows(const int8_t *x, int64_t ldx, int64_t m, const int32_t *xsum, const int8_t *w, int64_t ldw,
+                    int64_t k, int64_t j_begin, int64_t j_end, int32_t *acc, int64_t lda) {
+    (void)x, (void)ldx, (void)m, (void)xsum, (void)w, (void)ldw, (void)k, (void)j_begin, (void)j_end, (void)acc;
+    (void)lda; /* without VNNI: never called (int8_has_gemm() != 2) */
+}
 #endif
 #else
 int int8_gemm_s32(const int8_t *x, int64_t ldx, int64_t m, const int8_t *w, int64_t ldw, int64_t n, int64_t k,
@@ -299,4 +323,9 @@ int int8_gemm_s32(const int8_t *x, int64_t ldx, int64_t m, const int8_t *w, int6
     return 2;
 }
 int int8_has_gemm(void) { return 0; }
+void int8_vnni_rows(const int8_t *x, int64_t ldx, int64_t m, const int32_t *xsum, const int8_t *w, int64_t ldw,
+                    int64_t k, int64_t j_begin, int64_t j_end, int32_t *acc, int64_t lda) {
+    (void)x, (void)ldx, (void)m, (void)xsum, (void)w, (void)ldw, (void)k, (void)j_begin, (void)j_end, (void)acc;
+    (void)lda; /* without AVX2: never called (int8_has_gemm() == 0) */
+}
 #endif
