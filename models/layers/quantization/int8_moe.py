@@ -23,9 +23,11 @@ silu(gate) * up), and meets the int8 weight in exact int32 sums, scaled by the t
 and the row's scales. Under tensor parallelism each rank quantises its own slice of the
 activations before w2, with its own per-token scale, as a row-parallel layer does. On
 the CPU a decode step (up to `MAX_KERNEL_TOKENS` tokens, float32 or bfloat16) runs in
-one C call (kernels/int8_moe.c: the pairs sorted by expert, each active expert's tokens
-through int8_cpu.c's GEMM, AVX-512 VNNI or AVX2), which reads the routing from tensors,
-so the step records and replays as a CPU graph. Otherwise (a prefill, float16, CUDA) the
+one C call (kernels/int8_moe.c: the pairs sorted by expert; with AVX-512 VNNI every
+active expert's row blocks shared out over the threads as they finish, on int8_cpu.c's
+register tiles; with AVX2 alone each expert's products through int8_cpu.c's GEMM in
+turn), which reads the routing from tensors, so the step records and replays as a CPU
+graph. Otherwise (a prefill, float16, CUDA) the
 experts' tokens are grouped as for full-precision experts (`grouped_moe.grouped_experts`:
 one product pair per active expert, a host read of the counts, eager), each product
 int8_gemm.py's `int8_linear` (torch._int_mm: oneDNN's int8 GEMM on VNNI or AMX CPUs,

@@ -161,9 +161,9 @@ class CompressedTensorsConfig(QuantizationConfig):
         weight-only (wna16_moe.WNA16MoEMethod), W8A8 int8 (int8_moe.Int8MoEMethod), fp8
         per channel, per tensor or in blocks (fp8_moe.Fp8MoEMethod, `weight_scale`);
         one per group, so that a layer named into the group it was built with keeps its
-        method and tensors. ValueError where
-        the three projections fall in different groups (or are partly ignored), or where
-        their group cannot hold experts (naming it)."""
+        method and tensors. ValueError where the three projections fall in different
+        groups (or are partly ignored), or where their group cannot hold experts (naming
+        it)."""
         if not prefix:
             group = self._linear_group()
         else:

@@ -6,12 +6,15 @@
  * The layer's tokens are quantised to int8 once, per token (int8_quantize_per_token:
  * each token's own scale, the same for every expert it meets). The pairs (token, k) are
  * sorted by local expert (expert_pairs.h; pairs of another rank's expert, -1 in
- * expert_map, are skipped); each active expert gathers its tokens' int8 rows, takes the
- * exact int32 products with its gate/up weight (int8_gemm_s32: AVX-512 VNNI, or AVX2),
- * scales them by token and row into float32, takes silu(gate) * up, quantises that per
- * token and multiplies it by its down weight alike; each pair's output, times its
- * routing weight, is added to its token's row of y, expert after expert in local order:
- * the sums do not depend on the thread count. The steps are the dense W8A8 layers'
+ * expert_map, are skipped) and each pair's token row gathered. Then, with AVX-512 VNNI,
+ * in one parallel region: every active expert's gate/up rows in blocks of ITEM_ROWS,
+ * handed out as threads finish (experts' token counts differ), meet its pairs' rows in
+ * exact int32 sums (int8_vnni_rows: int8_cpu.c's register tiles); each pair's products
+ * are scaled by token and row into float32, silu(gate) * up is taken and quantised per
+ * pair; the down rows likewise. With AVX2 alone each expert's two products go through
+ * int8_gemm_s32 in turn. Each pair's output, times its routing weight, is added to its
+ * token's row of y in the pairs' sorted order (expert after expert, in local order): the
+ * sums do not depend on the thread count. The steps are the dense W8A8 layers'
  * (int8_cpu.c), so an expert computes what int8_gemm.py's `int8_linear` computes on
  * per-token quantised rows, in float32.
  *
