@@ -25,8 +25,8 @@ rank holds whole experts. Either way each rank holds exactly its share of the
 checkpoint's int8 expert bytes, as the checkpoint stores them, with a float32 scale per
 row. Also: a decode step's experts in one C call (kernels/int8_moe.c) against the
 grouped path and a float64 reference (and, where a GPU exists, the CUDA path against the
-CPU's), the engine's greedy tokens, the dummy load format, a missing expert scale and a
-per-tensor scale of several values (named).
+CPU's), the engine's greedy tokens, sleep and wake, the dummy load format, a missing
+expert scale and a per-tensor scale of several values (named).
 
 And how compressed-tensors places the experts, by expert 0's projection names against
 the groups' targets and `ignore` (as vLLM resolves them): in a group of their own beside
@@ -341,6 +341,23 @@ def test_w8a8_moe_engine_greedy_matches_transformers(cases: dict[str, SimpleName
     case = cases["channel"]
     hf = w8a8_reference(_transformers(case.reference), False, 1, False)
     assert_engine_greedy_matches(case.model, hf, prompts, 8)
+
+
+@pytest.mark.slow
+def test_sleep_and_wake_keep_w8a8_experts(cases: dict[str, SimpleNamespace]) -> None:
+    """The experts' int8 weights are registered parameters: the worker counts them, level
+    2 releases them with the other weights and waking restores them, and the greedy
+    tokens stay the same."""
+    from config import SamplingParams
+    from tests.test_quant_sleep import assert_sleep_and_wake_keep
+
+    def int8_bytes(worker: Any) -> int:
+        model = worker.model_runner.model
+        return sum(t.numel() for name, t in model.named_parameters() if "experts.w" in name and t.dtype == torch.int8)
+
+    prompts = [[5, 17, 33, 71, 9], [100, 3, 250, 41, 8, 60, 77, 12, 300]]
+    assert_sleep_and_wake_keep(cases["channel_attention"].model, prompts,
+                               SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), int8_bytes)
 
 
 def test_dummy_load_format_fills_w8a8_experts(cases: dict[str, SimpleNamespace]) -> None:
