@@ -31,8 +31,9 @@ expert scale and a per-tensor scale of several values (named).
 And how compressed-tensors places the experts, by expert 0's projection names against
 the groups' targets and `ignore` (as vLLM resolves them): in a group of their own beside
 the attention's, in full precision where no group targets them or `ignore` names them,
-and refused at load (naming what) where the names split their projections or put them
-in a group whose scheme experts cannot take (act-order).
+and refused at load (naming what) where the names split their projections (as a dense
+layer's fused modules are) or put them in a group whose scheme experts cannot take
+(act-order).
 """
 
 from __future__ import annotations
@@ -497,3 +498,16 @@ def test_experts_a_name_puts_out_of_reach_are_refused_at_load(cases: dict[str, S
     assert kind == "ValueError", (kind, message)
     for needle in needles:
         assert needle in message, (needle, message)
+
+
+def test_a_fused_layer_partly_ignored_is_refused_naming_its_modules() -> None:
+    """The dense layers' rule the experts' shares: the checkpoint modules one layer fuses
+    fall in one group (or are all ignored)."""
+    from models.layers.quantization.compressed_tensors.config import CompressedTensorsConfig
+
+    config = CompressedTensorsConfig.from_config({**w8a8_config(), "ignore": ["lm_head", "re:.*q_proj$"]})
+    packed = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
+    with pytest.raises(ValueError, match=r"self_attn\.q_proj.*which model\.layers\.0\.self_attn\.qkv_proj fuses.*"
+                                         r"partly ignored"):
+        config.get_linear_method(torch.nn.Module(), "model.layers.0.self_attn.qkv_proj", packed)
+    assert config.get_linear_method(torch.nn.Module(), "model.layers.0.self_attn.o_proj", packed) is not None

@@ -123,6 +123,15 @@ class CompressedTensorsConfig(QuantizationConfig):
             return specific[0]
         return self._linear_group()
 
+    def _common_group(self, names: list[str], what: str) -> str | None:
+        """The one group (None: ignored) of checkpoint modules `names`, which one layer
+        holds; ValueError, naming them as `what`, where they fall in several."""
+        groups = {self._group_of(name) for name in names}
+        if len(groups) > 1:
+            raise ValueError(f"quantization_config: {what} fall in different groups or are only partly ignored "
+                             f"({sorted(map(str, groups))})")
+        return groups.pop()
+
     def _linear_group(self) -> str | None:
         """The first group that targets every Linear (a layer's before it is named, and the
         experts'), or None."""
@@ -169,11 +178,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         else:
             names = [f"{prefix}.0.{proj}" for proj in getattr(layer, "checkpoint_proj_names",
                                                                ("gate_proj", "up_proj", "down_proj"))]
-            groups = {self._group_of(name) for name in names}
-            if len(groups) > 1:
-                raise ValueError(f"quantization_config: the experts' projections {names} fall in different groups or "
-                                 f"are only partly ignored ({sorted(map(str, groups))})")
-            group = groups.pop()
+            group = self._common_group(names, f"the experts' projections {names}")
         if group is None:
             return None
         if (reason := self._moe_reason(group)) is not None:
@@ -202,11 +207,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         parent, _, leaf = prefix.rpartition(".")
         parts = [sub for sub, (fused, _) in (packed_modules_mapping or {}).items() if fused == leaf]
         names = [f"{parent}.{sub}" if parent else sub for sub in parts] or [prefix]
-        groups = {self._group_of(n) for n in names}
-        if len(groups) > 1:
-            raise ValueError(f"quantization_config: the checkpoint modules {names}, which {prefix} fuses, fall in "
-                             f"different groups or are only partly ignored ({sorted(map(str, groups))})")
-        group = groups.pop()
+        group = self._common_group(names, f"the checkpoint modules {names}, which {prefix} fuses,")
         if group is None:
             return None
         current = getattr(layer, "quant_method", None)
