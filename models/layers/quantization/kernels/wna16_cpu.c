@@ -17,6 +17,7 @@
 #include "wna16_blocks.h"
 
 #define TOKENS 4 /* tokens per tile: at most 8 (rows x tokens) x 2 halves = 16 accumulators */
+#define PREFETCH_BYTES (64 << 10) /* how far ahead wna16_gemv asks for the codes */
 
 #ifdef __AVX512F__
 /* Rows n0 .. n0+NR-1 (NR 1, 2 or 4) against MT tokens (1..TOKENS), NR * MT <= 8:
@@ -242,10 +243,16 @@ int wna16_gemv(int bits, const uint8_t *wq, const void *scales, int scale_dtype,
     permute_x(x, ldx, m, kp, xp);
     x = xp, ldx = kp;
 #endif
+    /* each quad asks for the quad PREFETCH_BYTES of codes ahead (into L2): a few tokens'
+     * tiles consume the codes faster than the hardware prefetchers bring them */
+    const int64_t ahead = PREFETCH_BYTES / (4 * row_bytes) + 1; /* quads */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n_rows * kp >= (1 << 15))
     for (int64_t q = 0; q < quads; ++q) {
         const int64_t n = 4 * q;
         const int nr = n + 4 <= n_rows ? 4 : (int)(n_rows - n);
+        if (q + ahead < quads)
+            for (int64_t off = 0; off < 4 * row_bytes; off += 64)
+                __builtin_prefetch(wq + 4 * (q + ahead) * row_bytes + off, 0, 2);
         for (int64_t t0 = 0; t0 < m; t0 += TOKENS) {
             const int mt = m - t0 < TOKENS ? (int)(m - t0) : TOKENS;
             rows_tile(bits, wq, row_bytes, scales, scale_dtype, zeros, block_group, n, nr, kp, g_count, x + t0 * ldx,
