@@ -159,8 +159,8 @@ static inline __attribute__((always_inline)) void gemm_block(const int rb, const
 #define VNNI_TOKENS 4 /* tokens per register tile: 16 accumulators and 8 operands */
 /* The weight rows a tile asks for ahead of its own, in bytes: a tile of a few tokens
  * streams its 4 rows faster than the hardware prefetchers fetch them (a W8A8 experts
- * step of 8 tokens from memory, 2026-12-07, the Zen 4 VM: 1.9-2.4 ms a layer without,
- * see docs/benchmarks.md). */
+ * step of 8 tokens from memory, 2026-12-07, the Zen 4 VM: 2.4-2.5 ms a layer without,
+ * 1.5-1.6 with; see docs/benchmarks.md). */
 #define PREFETCH_BYTES (64 << 10)
 
 /* The 16 int32 totals of a[r][t] (r, t < 4) in one vector, lane 4t + r (tile_sum.h). */
