@@ -397,8 +397,7 @@ def test_w8a8_moe_per_tensor_scale_of_several_values_is_named(cases: dict[str, S
 # ------------------------------------------------------------------ the experts placed by name
 
 
-def _mixed_config(attention: dict[str, Any] | None, experts: dict[str, Any] | None,
-                  ignore: list[str] | None = None) -> dict[str, Any]:
+def _mixed_config(attention: dict[str, Any] | None, experts: dict[str, Any] | None) -> dict[str, Any]:
     """A compressed-tensors config of one group per part, each with its own format:
     `attention` targets the attention projections, `experts` the experts' (each a group
     spec as `w8a8_config`'s or `ct_quantization_config`'s "group_0", or None)."""
@@ -408,7 +407,7 @@ def _mixed_config(attention: dict[str, Any] | None, experts: dict[str, Any] | No
     if experts is not None:
         groups["experts"] = {**experts, "targets": ["re:.*experts.*"]}
     return {"quant_method": "compressed-tensors", "quantization_status": "compressed", "config_groups": groups,
-            "ignore": ["lm_head", "re:.*mlp.gate$", *(ignore or [])]}
+            "ignore": ["lm_head", "re:.*mlp.gate$"]}
 
 
 def _by_part(attention: Callable | None, experts: Callable | None) -> Callable:
