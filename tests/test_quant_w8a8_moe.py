@@ -55,6 +55,7 @@ from tests.conftest import run_tp
 from tests.moe_checkpoints import experts_layer, grouped_apply, write_moe_checkpoint
 from tests.quant_checkpoints import assert_engine_greedy_matches, hf_logits
 from tests.quant_tp_helpers import load_case, tp_quant_cases
+from tests.test_quant_fp8_moe import variant
 from tests.test_quant_w8a8 import fake_quantize_inputs, quantize_int8_channel, quantize_int8_tensor, w8a8_config
 from tests.test_quant_wna16_moe import write_wna16_moe
 from tests.wna16_formats import ct_quantization_config, ct_quantizer
@@ -367,29 +368,16 @@ def test_dummy_load_format_fills_w8a8_experts(cases: dict[str, SimpleNamespace])
     check_experts(result, case.code_bytes, EXPERTS, INTER, 1)
 
 
-def _variant(case: SimpleNamespace, name: str, drop: str | None = None,
-             replace: dict[str, torch.Tensor] | None = None) -> Path:
-    """A copy of `case`'s checkpoint without tensor `drop`, or with tensors replaced."""
-    from safetensors.torch import save_file
-
-    out = case.root / name
-    out.mkdir()
-    tensors = {n: t for n, t in case.tensors.items() if n != drop}
-    save_file({**tensors, **(replace or {})}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copy(case.model / "config.json", out / "config.json")
-    return out
-
-
 def test_w8a8_moe_missing_expert_scale_is_named(cases: dict[str, SimpleNamespace]) -> None:
     name = "model.layers.1.mlp.experts.3.down_proj.weight_scale"
-    model = _variant(cases["channel"], "missing_scale", drop=name)
+    model = variant(cases["channel"], "missing_scale", drop=name)
     kind, message = load_case({"model": str(model), "input_ids": INPUT_IDS, "expect_error": True})["error"]
     assert kind == "WeightLoadError" and name in message, message
 
 
 def test_w8a8_moe_per_tensor_scale_of_several_values_is_named(cases: dict[str, SimpleNamespace]) -> None:
     name = "model.layers.0.mlp.experts.1.up_proj.weight_scale"
-    model = _variant(cases["tensor"], "two_value_scale", replace={name: torch.ones(2)})
+    model = variant(cases["tensor"], "two_value_scale", replace={name: torch.ones(2)})
     kind, message = load_case({"model": str(model), "input_ids": INPUT_IDS, "expect_error": True})["error"]
     assert kind == "WeightLoadError" and name in message and "one value" in message, message
 
