@@ -55,8 +55,9 @@ from executor.registry import get_supported_executor_backends
 from model_loader.gguf_quant import check_gguf_tensor_parallel
 from model_loader.gguf_utils import find_gguf_file, gguf_hf_config
 from model_loader.registry import get_supported_load_formats
-from models.layers.quantization import (ONLINE_QUANTIZATION_METHODS, QUANTIZATION_METHODS,
-                                       get_quantization_config)
+from models.errors import UnsupportedArchitectureError
+from models.layers.quantization import ONLINE_QUANTIZATION_METHODS, QUANTIZATION_METHODS, get_quantization_config
+from models.registry import ModelRegistry
 from worker.cpu_affinity import CpuBindError, allowed_cpus, cpu_binds
 
 _MAX_CONFIG_BYTES = 64 << 20  # config.json is a few KiB; a larger file is not a config
@@ -293,11 +294,25 @@ def _quantization(config: EngineConfig, hf_config: SimpleNamespace, source: Path
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
     is_moe = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
-    if is_moe and (reason := quant_config.moe_unsupported_reason()) is not None:
+    if is_moe and (reason := quant_config.moe_unsupported_reason(_expert_checkpoint_names(hf_config))) is not None:
         raise ConfigError(f"{source}: this quantised mixture-of-experts checkpoint is not supported "
                           f"(quantization_config.quant_method={method!r}): {reason}")
     hf_config.quantization_config = hf_quant
     return method
+
+
+def _expert_checkpoint_names(hf_config: Any) -> list[list[str]] | None:
+    """Expert 0's projection names in each sparse layer, from the architecture's class
+    (models/moe_utils.py), for a quantisation config that places experts by name; None
+    where the architecture is not ours or config.json lacks num_hidden_layers (the model
+    loader refuses them, naming them)."""
+    try:
+        model_cls, _ = ModelRegistry.resolve_model_cls(list(getattr(hf_config, "architectures", None) or []))
+    except UnsupportedArchitectureError:
+        return None
+    names = getattr(model_cls, "expert_checkpoint_names", None)
+    layers = getattr(hf_config, "num_hidden_layers", None)
+    return names(hf_config) if names is not None and isinstance(layers, int) else None
 
 
 def _check_parallel_fits_model(config: EngineConfig, model_config: ModelConfig) -> None:

@@ -23,14 +23,16 @@ from models.moe_utils import MoEDecoderLayer, MoEForCausalLM, MoEModel, SparseMo
 class MixtralForCausalLM(MoEForCausalLM):
     expert_proj_to_shard: ClassVar[dict[str, str]] = {"w1": "w1", "w2": "w2", "w3": "w3"}
     num_experts_fields = ("num_local_experts",)
+    ffn_name = "block_sparse_moe"
+    checkpoint_proj_names = ("w1", "w3", "w2")
 
     def build_model(self, hf_config: SimpleNamespace, max_positions: int) -> nn.Module:
         def make_layer(layer_idx: int, rotary_emb: RotaryEmbedding, window: int | None) -> nn.Module:
             moe = SparseMoeBlock(hf_config.hidden_size, self.num_experts(hf_config), hf_config.num_experts_per_tok,
                                  hf_config.intermediate_size, renormalize=True,
                                  enable_expert_parallel=self.enable_expert_parallel,
-                                 checkpoint_proj_names=("w1", "w3", "w2"))
+                                 checkpoint_proj_names=self.checkpoint_proj_names)
             attn = LlamaAttention(hf_config, False, rotary_emb, window)
-            return MoEDecoderLayer(hf_config, attn, moe, "block_sparse_moe")
+            return MoEDecoderLayer(hf_config, attn, moe, self.ffn_name)
 
         return MoEModel(hf_config, max_positions, make_layer, getattr(hf_config, "sliding_window", None))

@@ -29,16 +29,17 @@ if TYPE_CHECKING:
     from config import EngineConfig
 
 
-def check_expert_quantization(hf_config: SimpleNamespace) -> None:
+def check_expert_quantization(hf_config: SimpleNamespace, expert_names: list[list[str]]) -> None:
     """Refuse a checkpoint whose config.json declares a quantised format its experts
-    cannot be read in (see `QuantizationConfig.moe_unsupported_reason`): they would be
-    read as if they were plain weights. ValueError names the field."""
+    cannot be read in (see `QuantizationConfig.moe_unsupported_reason`; `expert_names`:
+    `MoEForCausalLM.expert_checkpoint_names`): they would be read as if they were plain
+    weights. ValueError names the field."""
     quant = getattr(hf_config, "quantization_config", None)
     if not quant:
         return
     method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
     config = get_quantization_config(method, quant) if isinstance(quant, dict) and isinstance(method, str) else None
-    reason = config.moe_unsupported_reason() if config is not None else "no quantisation method reads it"
+    reason = config.moe_unsupported_reason(expert_names) if config is not None else "no quantisation method reads it"
     if reason is not None:
         raise ValueError(f"quantization_config.quant_method={method!r} in config.json: this quantised "
                          f"mixture-of-experts checkpoint is not supported: {reason}")
@@ -103,10 +104,14 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     expert_proj_to_shard: ClassVar[dict[str, str]] = {}
     num_experts_fields: tuple[str, ...] = ("num_local_experts",)  # the first one config.json has
+    #: The sparse block's checkpoint name in a decoder layer, and its experts' (gate, up,
+    #: down) projection names: `model.layers.N.<ffn_name>.experts.M.<proj>`.
+    ffn_name: ClassVar[str] = "mlp"
+    checkpoint_proj_names: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         hf_config = config.model_config.hf_config
-        check_expert_quantization(hf_config)
+        check_expert_quantization(hf_config, self.expert_checkpoint_names(hf_config))
         # Read by build_model, which the base __init__ calls (plain values may be set on a
         # Module before its __init__). The placement raises now if E does not split.
         self.enable_expert_parallel = bool(config.parallel_config.enable_expert_parallel)
@@ -122,6 +127,20 @@ class MoEForCausalLM(LlamaForCausalLM):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{field}={value!r} in config.json must be a positive integer")
         return value
+
+    @classmethod
+    def is_sparse_layer(cls, hf_config: SimpleNamespace, layer_idx: int) -> bool:
+        """Whether decoder layer `layer_idx` holds experts (every one unless overridden)."""
+        return True
+
+    @classmethod
+    def expert_checkpoint_names(cls, hf_config: SimpleNamespace) -> list[list[str]]:
+        """Expert 0's (gate, up, down) checkpoint module names in each sparse layer: the
+        names the model loader later resolves each FusedMoE's method by (compressed-
+        tensors' targets and `ignore`), known from config.json alone, so the engine can
+        judge the experts' quantisation at resolution (engine/arg_utils.py)."""
+        return [[f"model.layers.{i}.{cls.ffn_name}.experts.0.{proj}" for proj in cls.checkpoint_proj_names]
+                for i in range(hf_config.num_hidden_layers) if cls.is_sparse_layer(hf_config, i)]
 
     def is_local_checkpoint_tensor(self, name: str) -> bool:
         """The model loader's name filter: False for another rank's expert tensors under

@@ -23,30 +23,31 @@ from models.moe_utils import MoEDecoderLayer, MoEForCausalLM, MoEModel, SparseMo
 from models.qwen3 import Qwen3Attention
 
 
-def is_sparse_layer(hf_config: SimpleNamespace, layer_idx: int) -> bool:
-    """transformers' rule for Qwen3-MoE: which layers hold experts."""
-    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
-    return layer_idx not in (getattr(hf_config, "mlp_only_layers", None) or []) and (layer_idx + 1) % step == 0
-
-
 class Qwen3MoeForCausalLM(MoEForCausalLM):
     expert_proj_to_shard: ClassVar[dict[str, str]] = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
     # Hub configs name it num_experts; transformers v5 writes num_local_experts.
     num_experts_fields = ("num_experts", "num_local_experts")
+
+    @classmethod
+    def is_sparse_layer(cls, hf_config: SimpleNamespace, layer_idx: int) -> bool:
+        """transformers' rule for Qwen3-MoE: which layers hold experts."""
+        step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+        return layer_idx not in (getattr(hf_config, "mlp_only_layers", None) or []) and (layer_idx + 1) % step == 0
 
     def build_model(self, hf_config: SimpleNamespace, max_positions: int) -> nn.Module:
         qkv_bias = bool(getattr(hf_config, "attention_bias", False))
 
         def make_layer(layer_idx: int, rotary_emb: RotaryEmbedding, window: int | None) -> nn.Module:
             ffn: nn.Module
-            if is_sparse_layer(hf_config, layer_idx):
+            if self.is_sparse_layer(hf_config, layer_idx):
                 ffn = SparseMoeBlock(hf_config.hidden_size, self.num_experts(hf_config),
                                      hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
                                      renormalize=bool(getattr(hf_config, "norm_topk_prob", False)),
                                      enable_expert_parallel=self.enable_expert_parallel)
             else:
                 ffn = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size)
-            return MoEDecoderLayer(hf_config, Qwen3Attention(hf_config, qkv_bias, rotary_emb, window), ffn, "mlp")
+            return MoEDecoderLayer(hf_config, Qwen3Attention(hf_config, qkv_bias, rotary_emb, window), ffn,
+                                   self.ffn_name)
 
         window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", False) else None
         return MoEModel(hf_config, max_positions, make_layer, window)

@@ -31,9 +31,10 @@ expert scale and a per-tensor scale of several values (named).
 And how compressed-tensors places the experts, by expert 0's projection names against
 the groups' targets and `ignore` (as vLLM resolves them): in a group of their own beside
 the attention's, in full precision where no group targets them or `ignore` names them,
-and refused at load (naming what) where the names split their projections (as a dense
-layer's fused modules are) or put them in a group whose scheme experts cannot take
-(act-order).
+and refused at resolution and again as the loader names them (naming what) where the
+names split their projections (as a dense layer's fused modules are) or put them in a
+group whose scheme experts cannot take (act-order); loaded where a name takes them out
+of such a group.
 """
 
 from __future__ import annotations
@@ -465,25 +466,62 @@ def test_experts_no_group_quantises_stay_in_full_precision(cases: dict[str, Simp
     assert result["dtypes"]["model.layers.0.self_attn.qkv_proj"] == "torch.int8"
 
 
-@pytest.mark.parametrize("config, needles", [
+def test_experts_named_out_of_an_act_order_linear_group_load(cases: dict[str, SimpleNamespace]) -> None:
+    """The group targeting every Linear is W4A16 with act-order (g_idx), which experts
+    cannot take, but a regex puts the experts in a W8A8 group of their own: the
+    attention loads act-order int4 and the experts int8, not refused at resolution or
+    as the model is built (which judge the experts by the architecture's names too)."""
+    config = _mixed_config(None, _int8_group())
+    config["config_groups"]["group_0"] = {**_int4_group("group"), "targets": ["Linear"]}
+    case = _write_by_name(cases, "experts_out_of_act_order",
+                          _by_part(ct_quantizer(4, 32, True, actorder_group=True), quantize_int8_channel), config)
+    result = load_case({"model": str(case.model), "input_ids": INPUT_IDS})
+    expected = hf_logits(w8a8_reference(_transformers(case.reference), False, 1, False), INPUT_IDS)
+    torch.testing.assert_close(result["logits"], expected, atol=FAKE_QUANT_ATOL[1], rtol=0)
+    code_bytes = sum(t.numel() for n, t in case.tensors.items() if _EXPERT_TENSOR.search(n) and n.endswith(".weight"))
+    check_experts(result, code_bytes, EXPERTS, INTER, 1)
+    assert result["dtypes"]["model.layers.0.self_attn.qkv_proj"] == "torch.uint8"  # 4-bit codes
+
+
+_OUT_OF_REACH = pytest.mark.parametrize("config, needles", [
     ({**w8a8_config(), "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*experts.*down_proj"]},
      ("experts.0.gate_proj", "experts.0.down_proj", "partly ignored")),
     (_mixed_config(None, _int4_group("group")), ("config_groups.experts.weights.actorder='group'", "act-order")),
 ], ids=["partly-ignored", "act-order-group"])
-def test_experts_a_name_puts_out_of_reach_are_refused_at_load(cases: dict[str, SimpleNamespace],
-                                                              config: dict[str, Any],
-                                                              needles: tuple[str, ...]) -> None:
-    """A ValueError naming the projections or the group's setting, as the loader names
-    the layer (before any tensor is read)."""
+
+
+@_OUT_OF_REACH
+def test_experts_a_name_puts_out_of_reach_are_refused_at_resolution(cases: dict[str, SimpleNamespace],
+                                                                    config: dict[str, Any],
+                                                                    needles: tuple[str, ...]) -> None:
+    """A ConfigError naming the projections or the group's setting before any worker
+    starts: the architecture's expert names (expert 0's in each sparse layer) are
+    resolved against the groups as the loader will resolve them."""
+    from config import ConfigError
+
     out = cases["channel"].root / f"refused_{needles[-1].replace(' ', '_').replace('-', '_')}"
     shutil.copytree(cases["channel"].model, out)
     written = json.loads((out / "config.json").read_text())
     written["quantization_config"] = config
     (out / "config.json").write_text(json.dumps(written))
-    kind, message = load_case({"model": str(out), "input_ids": INPUT_IDS, "expect_error": True})["error"]
-    assert kind == "ValueError", (kind, message)
+    with pytest.raises(ConfigError) as raised:
+        load_case({"model": str(out), "input_ids": INPUT_IDS, "expect_error": True})
+    for needle in ("quant_method='compressed-tensors'", *needles):
+        assert needle in str(raised.value), (needle, str(raised.value))
+
+
+@_OUT_OF_REACH
+def test_experts_a_name_puts_out_of_reach_are_refused_as_the_loader_names_them(config: dict[str, Any],
+                                                                              needles: tuple[str, ...]) -> None:
+    """The loader's own check (for an architecture the engine did not judge): a
+    ValueError naming the same, as it asks again with the layer's name."""
+    from models.layers.quantization.compressed_tensors.config import CompressedTensorsConfig
+
+    quant = CompressedTensorsConfig.from_config(config)
+    with pytest.raises(ValueError) as raised:
+        quant.get_moe_method(torch.nn.Module(), "model.layers.0.mlp.experts")
     for needle in needles:
-        assert needle in message, (needle, message)
+        assert needle in str(raised.value), (needle, str(raised.value))
 
 
 def test_a_fused_layer_partly_ignored_is_refused_naming_its_modules() -> None:

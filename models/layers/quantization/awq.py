@@ -108,7 +108,7 @@ class AWQConfig(WNA16Config):
         skip = cls.parse_modules_to_not_convert(q)
         return cls(group_size, skip)
 
-    def moe_unsupported_reason(self) -> str | None:
+    def moe_unsupported_reason(self, expert_names: list[list[str]] | None = None) -> str | None:
         return None
 
     def get_moe_method(self, layer: nn.Module, prefix: str = "") -> Any:

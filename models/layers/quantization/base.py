@@ -83,10 +83,14 @@ class QuantizationConfig(ABC):
         blocks: models/layers/vocab_parallel_embedding.py)."""
         return None
 
-    def moe_unsupported_reason(self) -> str | None:
+    def moe_unsupported_reason(self, expert_names: list[list[str]] | None = None) -> str | None:
         """Why this config cannot serve a mixture-of-experts checkpoint's experts, or None
-        where `get_moe_method` serves them. The engine asks once, at resolution, and
-        refuses such a checkpoint with this reason before any worker starts."""
+        where `get_moe_method` serves them. `expert_names`: expert 0's (gate, up, down)
+        checkpoint module names in each sparse layer, where the architecture is known
+        (models/moe_utils.py `MoEForCausalLM.expert_checkpoint_names`), for a config that
+        places experts by name. The engine asks at resolution, and refuses such a
+        checkpoint with this reason before any worker starts; the model asks again as
+        it is built."""
         return ("FusedMoE holds experts in full precision, fp8 (native or compressed-tensors), int4/int8 "
                 "weight-only (GPTQ, AWQ, compressed-tensors), int8 (compressed-tensors W8A8) or GGUF blocks only; "
                 "this format has no experts' method")

@@ -180,7 +180,7 @@ class Fp8CheckpointConfig(QuantizationConfig):
             return None
         return self.method
 
-    def moe_unsupported_reason(self) -> str | None:
+    def moe_unsupported_reason(self, expert_names: list[list[str]] | None = None) -> str | None:
         return None
 
     def get_moe_method(self, layer: nn.Module, prefix: str = "") -> Any:

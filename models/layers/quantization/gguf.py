@@ -241,7 +241,7 @@ class GGUFConfig(QuantizationConfig):
 
     selects_moe_by_name = True  # the experts' types come per layer
 
-    def moe_unsupported_reason(self) -> str | None:
+    def moe_unsupported_reason(self, expert_names: list[list[str]] | None = None) -> str | None:
         return None
 
     def get_moe_method(self, layer: nn.Module, prefix: str = "") -> GGUFMoEMethod | None:

@@ -130,7 +130,7 @@ class GPTQConfig(WNA16Config):
         skip = cls.parse_modules_to_not_convert(q)
         return cls(bits, group_size, bool(q.get("desc_act", False)), fmt, skip)
 
-    def moe_unsupported_reason(self) -> str | None:
+    def moe_unsupported_reason(self, expert_names: list[list[str]] | None = None) -> str | None:
         if self.desc_act:
             return ("quantization_config.desc_act=True: act-order (g_idx) experts are not supported; int4/int8 "
                     "experts are served without desc_act")

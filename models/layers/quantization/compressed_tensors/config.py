@@ -12,13 +12,15 @@ KV-cache scheme, sparsity, output activations, a quantisation status other than
 compressed/frozen. A mixture-of-experts layer's experts take the scheme of the group
 their projections fall in, resolved by name as vLLM does (expert 0's gate, up and down
 projections: the group targeting every Linear unless a target or `ignore` entry names
-them; ignored, or in no group, they stay in full precision). Served: FP8 per channel,
+them; ignored, or in no group, they stay in full precision; judged at resolution from
+the architecture's expert names). Served: FP8 per channel,
 per tensor or in blocks (fp8_moe.Fp8MoEMethod, `weight_scale`: llm-compressor's
 FP8_DYNAMIC and FP8_BLOCK MoE checkpoints), W4A16/W8A16 without act-order
 (wna16_moe.WNA16MoEMethod), and W8A8 int8 (int8_moe.Int8MoEMethod: RedHatAI's
 `quantized.w8a8` MoE checkpoints, their activations quantised per token as the dense
-W8A8 layers' are). Other schemes are refused: the group targeting every Linear's at
-resolution, a group that names the experts as the loader names them.
+W8A8 layers' are). Other schemes (act-order int4/int8, fp8 other than per channel,
+tensor or block) are refused where the experts fall in them, at resolution and again
+as the loader names each layer.
 """
 
 from __future__ import annotations
@@ -154,16 +156,26 @@ class CompressedTensorsConfig(QuantizationConfig):
         return (f"config_groups.{group} is {type(scheme).__name__} with strategy {strategy!r}; experts are served "
                 "as fp8, int8 (W8A8) or int4/int8 weight-only (pack-quantized) only")
 
-    def moe_unsupported_reason(self) -> str | None:
-        """At resolution: whether the group targeting every Linear, which holds the experts
-        unless a target or `ignore` entry names them, can hold them. Experts that a
-        name puts elsewhere are checked as the loader names them (`get_moe_method`)."""
-        group = self._linear_group()
-        return self._moe_reason(group) if group is not None else None
+    def moe_unsupported_reason(self, expert_names: list[list[str]] | None = None) -> str | None:
+        """Whether the experts' groups can hold them: with `expert_names` (expert 0's
+        projections in each sparse layer) the groups those names fall in, as the loader
+        will resolve them (`get_moe_method`), so experts a target or `ignore` entry moves
+        out of an unservable group are not refused; without, the group targeting every
+        Linear. Projections that fall in several groups are a reason too."""
+        if expert_names is None:
+            groups = {self._linear_group()}
+        else:
+            try:
+                groups = {self._common_group(names, f"the experts' projections {names}") for names in expert_names}
+            except ValueError as e:
+                return str(e).removeprefix("quantization_config: ")
+        return next((reason for group in sorted(g for g in groups if g is not None)
+                     if (reason := self._moe_reason(group)) is not None), None)
 
     def get_moe_method(self, layer: nn.Module, prefix: str = "") -> Any:
         """The experts' method, or None for full precision. While the layer is built (no
-        `prefix`): that of the group targeting every Linear. Named (`prefix`
+        `prefix`): that of the group targeting every Linear, None where that group cannot
+        hold experts (a name may move them elsewhere; asked again when named). Named (`prefix`
         "model.layers.0.mlp.experts"), as vLLM resolves them: the group of expert 0's
         projections, `<prefix>.0.<name>` for the layer's `checkpoint_proj_names`; None
         where they are ignored or no group targets them. The methods: int4/int8
@@ -175,6 +187,8 @@ class CompressedTensorsConfig(QuantizationConfig):
         it)."""
         if not prefix:
             group = self._linear_group()
+            if group is None or self._moe_reason(group) is not None:
+                return None
         else:
             names = [f"{prefix}.0.{proj}" for proj in getattr(layer, "checkpoint_proj_names",
                                                                ("gate_proj", "up_proj", "down_proj"))]
