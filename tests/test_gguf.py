@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.arg_utils import create_engine_config
+from engine.tiny_model import make_tiny_model
 from model_loader import UnsupportedArchitectureError, WeightLoadError, get_model
 from model_loader.gguf_reader import StringArray
 from model_loader.gguf_utils import (
@@ -397,6 +398,43 @@ def test_whole_16bit_weights_are_views_of_the_file_and_the_rest_is_handed_back(g
     ids = torch.tensor([1, 17, 250, 3, 99, 318])
     reference = load(tiny_models["llama"], load_format="auto", dtype="float16")
     assert torch.equal(compute_logits_on_rank(model, ids), compute_logits_on_rank(reference, ids))
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_the_file_pages_copies_read_are_handed_back_during_the_load(tmp_path, monkeypatch):
+    """The loader hands back the pages its copies read as it goes, not once the load is
+    done, so the load's peak holds the copies and a bounded share of the file, not the
+    whole file besides: with a hand-back after every tensor, the file's mapping never
+    holds more than its views (the weights taken whole) and about one tensor (an F16
+    llama of hidden 256: its q/k/v and gate/up copies read 2.4 MB of the file, the
+    largest tensor is 0.5 MB)."""
+    from model_loader import gguf_loader
+
+    path = write_gguf(make_tiny_model(tmp_path / "hf", "llama", hidden_size=256, intermediate_size=1024),
+                      tmp_path / "llama-F16.gguf", "F16")
+    monkeypatch.setattr(gguf_loader, "RELEASE_EVERY_BYTES", 1)
+    tensors = open_gguf(path).tensors
+    largest = max(t.n_bytes for t in tensors)
+    seen: list[tuple[int, int]] = []  # (the mapping's resident bytes, its views' bytes) at each hand-back
+    release = gguf_loader.release_file_pages_outside
+
+    def watched(mapping: torch.Tensor, keep: Any) -> int:
+        keep = list(keep)
+        start, end = mapping.data_ptr(), mapping.data_ptr() + mapping.numel()
+        rss = sum(m[2] for m in _file_mappings(path) if m[0] <= start < m[1])
+        views = sum(t.numel() * t.element_size() for t in keep if start <= t.data_ptr() < end)
+        seen.append((rss, views))
+        return release(mapping, keep)
+
+    monkeypatch.setattr(gguf_loader, "release_file_pages_outside", watched)
+    load(path, dtype="float16")
+    assert len(seen) >= len(tensors), (len(seen), len(tensors))  # one after every tensor, and one at the end
+    copied = sum(t.n_bytes for t in tensors if re.search(r"attn_[qkv]|ffn_(gate|up)", t.name))
+    assert copied > 4 * largest, (copied, largest)
+    # the page cache maps up to 16 pages around a faulting one (fault_around_bytes)
+    slack = 64 * mmap.PAGESIZE
+    for rss, views in seen:
+        assert rss <= views + largest + slack, (rss, views, largest)
 
 
 def test_model_dir_with_one_gguf(gguf_files, tiny_models, hf_logits, tmp_path):

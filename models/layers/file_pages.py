@@ -97,11 +97,17 @@ def release_file_pages(tensor: torch.Tensor) -> int:
         return 0
     begin = tensor.data_ptr()
     end = begin + tensor.numel() * tensor.element_size()
+    if not tensor.is_contiguous() or not _file_mapping_holds(begin, end):
+        return 0
+    return _drop_pages(begin, end)
+
+
+def _drop_pages(begin: int, end: int) -> int:
+    """MADV_DONTNEED over the pages lying wholly inside [begin, end), which the caller
+    found inside a file mapping. Returns the bytes released (0 where madvise fails)."""
     start = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE
     stop = end // mmap.PAGESIZE * mmap.PAGESIZE
-    if stop <= start or not tensor.is_contiguous() or not _file_mapping_holds(start, stop):
-        return 0
-    if madvise(start, stop - start, _MADV_DONTNEED) != 0:
+    if stop <= start or madvise(start, stop - start, _MADV_DONTNEED) != 0:
         return 0
     return stop - start
 
@@ -114,6 +120,8 @@ def release_file_pages_outside(mapping: torch.Tensor, keep: Iterable[torch.Tenso
     no longer needs as they are. Returns the bytes released."""
     base = mapping.data_ptr()
     end = base + mapping.numel()
+    if mapping.device.type != "cpu" or not mapping.is_contiguous() or not _file_mapping_holds(base, end):
+        return 0
     spans = []
     for tensor in keep:
         storage = tensor.untyped_storage()
@@ -123,6 +131,6 @@ def release_file_pages_outside(mapping: torch.Tensor, keep: Iterable[torch.Tenso
     released, pos = 0, base
     for lo, hi in sorted(spans) + [(end, end)]:
         if lo > pos:
-            released += release_file_pages(mapping[pos - base : lo - base])
+            released += _drop_pages(pos, lo)
         pos = max(pos, hi)
     return released
