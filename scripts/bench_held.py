@@ -47,17 +47,28 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return [[rng.randrange(4, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def serve_held(run: Callable[[dict, Callable[[dict], None]], None]) -> None:
+IDLE_LINE = "idle"  # parent -> child: go idle as a server would, then answer IDLE_DONE
+IDLE_DONE = "IDLE"
+
+
+def serve_held(run: Callable[..., None]) -> None:
     """Read the workload (one JSON line on stdin) and call `run(workload, hold)`, which
-    measures and then, still holding its model and cache, calls `hold(result)` once:
-    that prints the RESULT line and blocks until the parent writes the release line (or
-    closes stdin). Raises RuntimeError if `run` returns without calling `hold`."""
+    measures and then, still holding its model and cache, calls `hold(result, idle=None)`
+    once: that prints the RESULT line and blocks until the parent writes the release
+    line (or closes stdin). The parent may first write IDLE_LINE: the child then runs
+    `idle` (what its server does once idle: ours hands the heap's free pages back),
+    answers IDLE_DONE and waits for the release line. Raises RuntimeError if `run`
+    returns without calling `hold`."""
     workload = json.loads(sys.stdin.readline())
     held = []
 
-    def hold(result: dict) -> None:
+    def hold(result: dict, idle: Callable[[], object] | None = None) -> None:
         print(RESULT_PREFIX + json.dumps(result), flush=True)
-        sys.stdin.readline()
+        if sys.stdin.readline().strip() == IDLE_LINE:
+            if idle is not None:
+                idle()
+            print(IDLE_DONE, flush=True)
+            sys.stdin.readline()
         held.append(True)
 
     run(workload, hold)
@@ -153,13 +164,15 @@ class HeldChildError(RuntimeError):
 
 
 def run_held_child(cmd: list[str], workload: dict[str, Any], env: dict[str, str], timeout: float,
-                   what: str) -> tuple[dict[str, Any], dict[int, dict[str, int]]]:
+                   what: str, idle_s: float | None = None) -> tuple[dict[str, Any], dict[int, dict[str, int]]]:
     """Run a bench_held.serve_held child alone: send it `workload`, read its RESULT,
     read the resident memory (`proc_memory`) of the pids it names in `rank_pids` (default:
-    its own) while it still holds everything, then release it. Returns (result, memory per
-    pid). Raises HeldChildError, naming `what` with the ends of the child's output, for a
-    child that printed no RESULT within `timeout` s; the child is gone when this returns
-    (it also dies with this process: `die_with_parent`)."""
+    its own) while it still holds everything, then release it. With `idle_s`, before the
+    release: the child goes idle as its server would (serve_held's `idle`), then after
+    `idle_s` more seconds the memory is read again, as `idle_<key>` beside each key.
+    Returns (result, memory per pid). Raises HeldChildError, naming `what` with the ends
+    of the child's output, for a child that printed no RESULT within `timeout` s; the
+    child is gone when this returns (it also dies with this process: `die_with_parent`)."""
     from bench_common import REPO, die_with_parent, parse_result  # our package: the parent side only
 
     with tempfile.TemporaryFile("w+") as err:
@@ -184,6 +197,17 @@ def run_held_child(cmd: list[str], workload: dict[str, Any], env: dict[str, str]
             except RuntimeError as e:
                 raise HeldChildError(str(e), stderr) from None
             memory = {pid: proc_memory(pid) for pid in result.get("rank_pids") or [proc.pid]}
+            if idle_s is not None:
+                proc.stdin.write(IDLE_LINE + "\n")
+                proc.stdin.flush()
+                watchdog = threading.Timer(timeout, proc.kill)
+                watchdog.start()
+                if not any(line.strip() == IDLE_DONE for line in proc.stdout):
+                    raise HeldChildError(f"{what}: the child ended before going idle", "")
+                watchdog.cancel()
+                time.sleep(idle_s)
+                for pid, held in memory.items():
+                    held.update({f"idle_{key}": value for key, value in proc_memory(pid).items()})
             proc.stdin.write("\n")
             proc.stdin.close()
             proc.wait(timeout=120)
