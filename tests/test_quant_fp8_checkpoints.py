@@ -30,7 +30,7 @@ from config import ConfigError
 from engine.arg_utils import create_engine_config
 from models.layers import cpu_bf16_gemm, cpu_sgemm
 from models.layers.cpu_gemm import widens_half_dtype
-from models.layers.quantization.fp8_kernels import dequant_rows_torch, fp8_linear
+from models.layers.quantization.fp8_kernels import BF16_MAX_ROWS, dequant_rows_torch, fp8_linear
 from models.layers.quantization.fp8_kernels import load as load_fp8_kernel
 from tests.conftest import run_tp
 from tests.quant_checkpoints import (
@@ -228,15 +228,16 @@ def test_fp8_linear_matches_float64(shape, block, rows, monkeypatch):
 
 @pytest.mark.parametrize("switch", ["1", "0"], ids=["kernel-on", "TP_CPU_BF16_GEMM=0"])
 def test_fp8_tiles_in_16_bits_take_the_product_a_dense_layer_takes(monkeypatch, switch):
-    """bf16 tiles (batches past the GEMV) go through our kernel where a bf16 dense layer
-    does, one call per tile: the AVX2 one on a CPU whose oneDNN has no bf16 GEMM (torch's
-    product converts each tile on every call there), cpu_bf16_gemm on AVX-512 BF16 CPUs
-    (oneDNN's reorders each tile); F.linear elsewhere, and wherever `TP_CPU_BF16_GEMM=0`
-    turns the dense layers' kernel off. The products as above."""
+    """bf16 tiles (batches past the GEMV and past fp8_bf16.c's rows) go through our kernel
+    where a bf16 dense layer does, one call per tile: the AVX2 one on a CPU whose oneDNN
+    has no bf16 GEMM (torch's product converts each tile on every call there),
+    cpu_bf16_gemm on AVX-512 BF16 CPUs (oneDNN's reorders each tile); F.linear elsewhere,
+    and wherever `TP_CPU_BF16_GEMM=0` turns the dense layers' kernel off. The products as
+    above."""
     monkeypatch.setenv("TP_CPU_BF16_GEMM", switch)
     gen = torch.Generator().manual_seed(4)
     q, scale = quantize_fp8_blocks(torch.randn(1000, 600, generator=gen), 128, 96)
-    x = torch.randn(40, 600, generator=gen)
+    x = torch.randn(BF16_MAX_ROWS + 8, 600, generator=gen)
     calls, bf16_calls = [], []
     real_half, real_bf16 = cpu_sgemm.linear_half, cpu_bf16_gemm.linear
     monkeypatch.setattr(cpu_sgemm, "linear_half", lambda a, w, *r: calls.append(w.shape[0]) or real_half(a, w, *r))

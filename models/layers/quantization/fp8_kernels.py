@@ -3,24 +3,28 @@
 `fp8_linear(x, weight, scale, block_n, block_k, bias)` computes x @ dequant(weight)^T
 where dequant(weight)[r, c] = weight[r, c] * scale[r // block_n, c // block_k]
 (per-channel scales: block_n = 1, block_k = in; 128x128 blocks: 128, 128). It never
-dequantises the whole weight. Up to `GEMV_MAX_ROWS` rows of x (decode; a MoE step's
-tokens per expert; `GEMV_MAX_BF16_TILE_ROWS` for bfloat16 x on AVX-512 BF16 CPUs), the
-C kernel reads the fp8 bytes straight into its float32 dot products (x in float32, one
-pass over the weight). Larger batches dequantise rows a tile at a time (about
+dequantises the whole weight. bfloat16 x on AVX-512 BF16 CPUs, up to `BF16_MAX_ROWS`
+rows (decode, a concurrent decode, short prefills): fp8_bf16.c, whose bfloat16 dot
+products read the fp8 bytes as their exact bfloat16 values, 4 weight rows at a time for
+every token. Otherwise up to `GEMV_MAX_ROWS` rows of x (decode; a MoE step's tokens per
+expert), the C kernel reads the fp8 bytes straight into its float32 dot products (x in
+float32, one pass over the weight). Larger batches dequantise rows a tile at a time (about
 `TILE_ELEMENTS` values) into a scratch buffer in x's dtype and write each tile's
 F.linear product into its columns of the output (16-bit tiles through our kernels where
 they beat oneDNN's: `cpu_sgemm.linear_half` on AVX2 CPUs, `cpu_bf16_gemm.linear` for
 bfloat16 on AVX-512 BF16 ones, as the dense layers there): each value rounded once, to
 x's dtype, so float32 activations see the exact products q * s.
 
-The GEMV and the tile dequantiser are fp8_kernels.c (compiled for this CPU on first use
-by distributed/native_build.py); where it cannot be built (or `TP_CPU_FP8_DEQUANT=0`),
+The GEMV and the tile dequantiser are fp8_kernels.c, built into one library with
+fp8_bf16.c and fp8_moe.c (compiled for this CPU on first use by
+distributed/native_build.py); where it cannot be built (or `TP_CPU_FP8_DEQUANT=0`),
 every batch takes the tiles, dequantised by plain torch (`q.to(float32) * s`: on the
 CPU ~7 ns per element, several times slower). On CUDA, every batch goes through one
 Triton GEMM that reads the fp8 bytes (`kernels/fp8_triton.py`; the torch tiles where
 the triton package is missing). The path is chosen once per process and logged.
 Called from the fp8 methods' `apply` (checkpoint and online), on every rank, with this
-rank's shard. Memory: x in float32 (decode) or one tile of scratch, plus the output.
+rank's shard. Memory: x in float32 (decode), a panel of 4 bfloat16 weight rows per
+thread (fp8_bf16.c) or one tile of scratch, plus the output.
 """
 
 from __future__ import annotations
@@ -46,13 +50,21 @@ logger = logging.getLogger(__name__)
 # layer measured 9.9 ms at batch 32, 16 of 2^20 6.2 ms, the whole weight 5.9 ms).
 TILE_ELEMENTS = 1 << 20
 GEMV_MAX_ROWS = 16  # up to this many rows (decode batches, an expert's tokens) the C kernel reads the fp8 bytes
-#: ... but 8 for bfloat16 rows on AVX-512 BF16 CPUs, whose tiles go through cpu_bf16_gemm (`_tile_product`):
-#: a 4096x4096 weight in 128x128 blocks from memory, 2 threads (2026-12-06, the Zen 4 VM): 8 rows 3.8 ms
-#: in the GEMV and 3.6 in tiles, 16 rows 7.0 and 4.9.
-GEMV_MAX_BF16_TILE_ROWS = 8
+#: bfloat16 rows on AVX-512 BF16 CPUs: up to BF16_MAX_ROWS through fp8_bf16.c (`Fp8DequantKernel.bf16_linear`),
+#: exact (as the float32 GEMV) with one scale per row (channel, tensor) and, with blocks along the input, up
+#: to BF16_EXACT_MAX_ROWS, whose per-block sums cost more above than rounding q * s to bfloat16 first (as the
+#: tiles do). A 4096x4096 weight from memory, 2 threads, ms (2026-12-07, the Zen 4 VM), float32 GEMV (up to 16
+#: rows) or tiles through cpu_bf16_gemm / exact / rounded / the bf16 weight: 128x128 blocks, 1 row 1.85 / 1.04
+#: / 1.57 / 1.46; 8 rows 3.56 / 1.73 / 1.80 / 1.26; 16 rows 6.53 (tiles 5.31) / 3.61 / 2.80 / 1.67; 32 rows
+#: 5.99 / 4.83 / 3.73 / 2.96; 64 rows 8.82 / 8.71 / 6.60 / 5.73; per channel, 32 rows 5.98 / 3.42 / 3.76 /
+#: 3.07, 64 rows 8.37 / 6.10 / 6.25 / 6.03.
+BF16_EXACT_MAX_ROWS = 8
+BF16_MAX_ROWS = 64
 SOURCE = Path(__file__).with_name("fp8_kernels.c")
 # with a mixture of experts' decode step (fp8_moe.c, fp8_moe.py's); a change to a header rebuilds
-SOURCES = (SOURCE, SOURCE.with_name("fp8_moe.c"), SOURCE.parent.parent / "fused_moe" / "expert_pairs.h", BF16_CONVERT_H)
+SOURCES = (SOURCE, SOURCE.with_name("fp8_moe.c"), SOURCE.with_name("fp8_bf16.c"),
+           SOURCE.parent.parent / "fused_moe" / "expert_pairs.h", BF16_CONVERT_H, SOURCE.parent.parent / "bf16_tile.h",
+           SOURCE.parent.parent / "tile_sum.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -70,6 +82,12 @@ class Fp8DequantKernel:
         self._gemv = lib.fp8_gemv
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, i64, i64, i32, p, i64, i32]
+        lib.fp8_has_bf16_linear.restype = ctypes.c_int
+        self.has_bf16_linear = bool(lib.fp8_has_bf16_linear())  # built with AVX-512 BF16
+        if self.has_bf16_linear:
+            self._bf16_linear = lib.fp8_bf16_linear
+            self._bf16_linear.restype = ctypes.c_int
+            self._bf16_linear.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, i64, i64, i32, p, i64, i32]
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
              out_dtype: torch.dtype) -> torch.Tensor:
@@ -82,6 +100,22 @@ class Fp8DequantKernel:
         if status:
             raise ValueError(f"fp8 GEMV takes at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}")
         return out
+
+    def bf16_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int,
+                    block_k: int, round_weights: bool) -> torch.Tensor | None:
+        """x [M, in] bfloat16 (unit stride along in) @ dequant(weight)^T by bfloat16 dot
+        products of the weight's values (fp8_bf16.c; `has_bf16_linear` only): exact, each
+        k-block's sums times its scale, or with q * s rounded to bfloat16 first
+        (`round_weights`: fewer instructions at more rows). [M, out] bfloat16; None where
+        block_k is neither a multiple of 32 nor the whole input. MemoryError where a
+        thread's panel (8 bytes an input) could not be allocated."""
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+        status = self._bf16_linear(x.data_ptr(), x.stride(0), x.shape[0], weight.data_ptr(), weight.stride(0),
+                                   weight.shape[0], weight.shape[1], scale.data_ptr(), scale.stride(0), block_n,
+                                   block_k, int(round_weights), out.data_ptr(), out.stride(0), torch.get_num_threads())
+        if status == 1:
+            raise MemoryError(f"fp8 bf16 product: no memory for a {weight.shape[1]}-wide panel per thread")
+        return out if status == 0 else None
 
     def dequant_rows(self, weight: torch.Tensor, r0: int, rows: int, scale: torch.Tensor, block_n: int,
                      block_k: int, out: torch.Tensor) -> None:
@@ -163,10 +197,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         return out.reshape(*x.shape[:-1], out_features)
     kernel = load() if (weight.device.type == "cpu" and dtype in _OUT_DTYPES and weight.stride(1) == 1
                         and scale.is_contiguous() and scale.dtype == torch.float32) else None
-    gemv_rows = GEMV_MAX_BF16_TILE_ROWS if _bf16_tiles(dtype, x.device) else GEMV_MAX_ROWS
-    if kernel is not None and x2.shape[0] <= gemv_rows:
+    rows = x2.shape[0]
+    out = None
+    if kernel is not None and kernel.has_bf16_linear and _bf16_tiles(dtype, x.device) and rows <= BF16_MAX_ROWS:
+        out = kernel.bf16_linear(x2 if x2.stride(1) == 1 else x2.contiguous(), weight, scale, block_n, block_k,
+                                 round_weights=rows > BF16_EXACT_MAX_ROWS and block_k < in_features)
+    elif kernel is not None and rows <= GEMV_MAX_ROWS:
         x32 = x2.to(torch.float32)
         out = kernel.gemv(x32 if x32.stride(1) == 1 else x32.contiguous(), weight, scale, block_n, block_k, dtype)
+    if out is not None:
         if bias is not None:
             out = out + bias.to(dtype)
         return out.reshape(*x.shape[:-1], out_features)

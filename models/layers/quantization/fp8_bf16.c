@@ -1,0 +1,180 @@
+/* fp8 (e4m3) weights times bfloat16 activations by bfloat16 dot products (AVX-512 BF16):
+ *
+ *     y[m, n] = sum_c x[m, c] * fp8(w[n, c]) * scale[n / block_n, c / block_k]
+ *
+ * for x [M, K] and y [M, N] bfloat16. An e4m3 value is exactly a bfloat16 (3 mantissa
+ * bits fit in 7), converted 32 at a time by a few integer ops (fp8x32_to_bf16), so the
+ * weight is read once, as bytes, and never dequantised whole. Each thread takes 4-row
+ * blocks of w in turn, converts a block into its own panel (prefetching the block two
+ * ahead) and runs every 4-token group of x over the panel while it is in L1 (with one
+ * group, up to 4 tokens, the tile converts the bytes itself: no panel), in one of two
+ * ways:
+ *
+ *   exact (`round_weights` 0): the panel holds the values unscaled; each k-block's
+ *   float32 sums are multiplied by the rows' scales (`scaled_tile`), so no product is
+ *   rounded but the output, as fp8_kernels.c's float32 GEMV gives;
+ *   rounded (1): the panel holds q * s rounded to bfloat16 and the tile is the plain
+ *   bfloat16 one (bf16_tile.h), the values fp8_dequant_rows' tiles hold, in fewer
+ *   instructions: the per-block sums cost more than the rounding once there are more
+ *   than a few tokens (4096x4096 in 128x128 blocks, 32 tokens: 4.7 against 3.8 ms).
+ *
+ * Called from fp8_kernels.py only (`Fp8DequantKernel.bf16_linear`), which checks shapes,
+ * strides and dtypes; built into the same library as fp8_kernels.c. Each output's sum
+ * runs in a fixed order, whatever the thread count.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "../bf16_tile.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* bfloat16 bits of m * 2^-9, e4m3's subnormals (exponent 0, mantissa m), by m. */
+static const uint16_t SUBNORMAL_BF16[32] = {0x0000, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
+
+/* The e4m3 bytes of v (one per 16-bit lane) as bfloat16, exactly, in 10 integer ops:
+ * normals have the exponent rebiased in place (+120), subnormals come from SUBNORMAL_BF16
+ * (a permute indexed by the byte, whose low 5 bits are m there), NaN (0x7f, 0xff) stays
+ * NaN, the sign moves to bit 15. */
+INLINE __m512i fp8x32_to_bf16(__m256i bytes) {
+    const __m512i v = _mm512_cvtepu8_epi16(bytes);
+    const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7f));
+    __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+    const __mmask32 sub = _mm512_testn_epi16_mask(v, _mm512_set1_epi16(0x78));
+    bits = _mm512_mask_permutexvar_epi16(bits, sub, v, _mm512_loadu_si512((const void *)SUBNORMAL_BF16));
+    bits = _mm512_mask_mov_epi16(bits, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)),
+                                 _mm512_set1_epi16(0x7fc0));
+    /* bits | ((v << 8) & 0x8000): imm 0xf8 is A | (B & C) */
+    return _mm512_ternarylogic_epi32(bits, _mm512_slli_epi16(v, 8), _mm512_set1_epi16((short)0x8000), 0xf8);
+}
+
+/* 32 bfloat16 values times s, rounded to bfloat16 (to nearest even) once. */
+INLINE __m512i scale_bf16x32(__m512i v, __m512 s) {
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)),
+                                                            16));
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s), _mm512_mul_ps(lo, s));
+}
+
+/* Row `src` (K bytes) into panel row `dst`: its exact values, or (srow != NULL) each
+ * times its k-block's scale srow[c / block_k], rounded to bfloat16. */
+INLINE void convert_row(const uint8_t *src, int64_t K, const float *srow, int64_t block_k, bf16 *dst) {
+    for (int64_t k = 0; k < K; k += 32) {
+        const __mmask32 mask = k + 32 <= K ? (__mmask32)~0u : (__mmask32)((1ull << (K - k)) - 1);
+        __m512i v = fp8x32_to_bf16(_mm256_maskz_loadu_epi8(mask, src + k));
+        if (srow != NULL) v = scale_bf16x32(v, _mm512_set1_ps(srow[k / block_k]));
+        _mm512_mask_storeu_epi16(dst + k, mask, v);
+    }
+}
+
+/* The R x T sums of panel rows (the exact values, rows K apart), or of the fp8 rows at
+ * `direct` (w_stride bytes apart) converted as they are read, with tokens x (ldx apart),
+ * each k-block of `block_k` values (a multiple of 32, or all of K) summed apart and then
+ * times its row's scale (srow[r * kblocks + kb]) into the total: lane 4t + r. */
+INLINE __m512 scaled_tile(const bf16 *panel, int64_t K, const bf16 *x, int64_t ldx, const int R, const int T,
+                          const float *srow, int64_t kblocks, int64_t block_k, const uint8_t *direct,
+                          int64_t w_stride) {
+    __m512 total[BF16_TILE_ROWS][BF16_TILE_TOKENS];
+    for (int r = 0; r < BF16_TILE_ROWS; r++)
+        for (int t = 0; t < BF16_TILE_TOKENS; t++) total[r][t] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < kblocks; kb++) {
+        const int64_t k0 = kb * block_k, k1 = k0 + block_k < K ? k0 + block_k : K;
+        __m512 part[BF16_TILE_ROWS][BF16_TILE_TOKENS];
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++) part[r][t] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k += 32) {
+            const __mmask32 mask = k + 32 <= k1 ? (__mmask32)~0u : (__mmask32)((1ull << (k1 - k)) - 1);
+            __m512i wv[BF16_TILE_ROWS], xv[BF16_TILE_TOKENS];
+            for (int r = 0; r < R; r++)
+                wv[r] = direct ? fp8x32_to_bf16(_mm256_maskz_loadu_epi8(mask, direct + r * w_stride + k))
+                               : bf16_load32(panel + r * K + k, mask);
+            for (int t = 0; t < T; t++) xv[t] = bf16_load32(x + t * ldx + k, mask);
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < T; t++) part[r][t] = bf16_dot(part[r][t], wv[r], xv[t]);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512 s = _mm512_set1_ps(srow[r * kblocks + kb]);
+            for (int t = 0; t < T; t++) total[r][t] = _mm512_fmadd_ps(part[r][t], s, total[r][t]);
+        }
+    }
+    return bf16_reduce_tile(total);
+}
+
+#define SCALED_TILE_CASE(R, T) \
+    case (R) * 8 + (T): return scaled_tile(panel, K, x, ldx, R, T, srow, kblocks, block_k, direct, w_stride);
+
+static __m512 run_scaled_tile(const bf16 *panel, int64_t K, const bf16 *x, int64_t ldx, int rows, int tokens,
+                              const float *srow, int64_t kblocks, int64_t block_k, const uint8_t *direct,
+                              int64_t w_stride) {
+    switch (rows * 8 + tokens) {
+        SCALED_TILE_CASE(4, 4) SCALED_TILE_CASE(4, 3) SCALED_TILE_CASE(4, 2) SCALED_TILE_CASE(4, 1)
+        SCALED_TILE_CASE(3, 4) SCALED_TILE_CASE(3, 3) SCALED_TILE_CASE(3, 2) SCALED_TILE_CASE(3, 1)
+        SCALED_TILE_CASE(2, 4) SCALED_TILE_CASE(2, 3) SCALED_TILE_CASE(2, 2) SCALED_TILE_CASE(2, 1)
+        SCALED_TILE_CASE(1, 4) SCALED_TILE_CASE(1, 3) SCALED_TILE_CASE(1, 2) default:
+        return scaled_tile(panel, K, x, ldx, 1, 1, srow, kblocks, block_k, direct, w_stride);
+    }
+}
+
+/* y [M, N] (rows ldy apart) = x [M, K] (rows ldx apart) times w [N, K] (rows w_stride
+ * bytes apart) dequantised with float32 `scale` (rows scale_stride apart, one value per
+ * block_n x block_k), exact or with the weights rounded (see the top). Returns 0; 2
+ * (nothing computed) where block_k is neither a multiple of 32 nor all of K; 1 where a
+ * thread's panel (8 K bytes) could not be allocated. */
+int fp8_bf16_linear(const bf16 *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
+                    const float *scale, int64_t scale_stride, int64_t block_n, int64_t block_k, int round_weights,
+                    bf16 *y, int64_t ldy, int num_threads) {
+    if (block_k < K && block_k % 32 != 0) return 2;
+    const int64_t kblocks = (K + block_k - 1) / block_k;
+    const int64_t blocks = (N + BF16_TILE_ROWS - 1) / BF16_TILE_ROWS;
+    const int64_t groups = (M + BF16_TILE_TOKENS - 1) / BF16_TILE_TOKENS;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        bf16 *panel = malloc(sizeof(bf16) * BF16_TILE_ROWS * (size_t)K);
+        float *srow = malloc(sizeof(float) * BF16_TILE_ROWS * (size_t)kblocks);
+        if (panel == NULL || srow == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t n0 = b * BF16_TILE_ROWS;
+                const int rows = (int)(N - n0 < BF16_TILE_ROWS ? N - n0 : BF16_TILE_ROWS);
+                for (int r = 0; r < rows; r++) {
+                    const uint8_t *src = w + (n0 + r) * w_stride;
+                    const float *row_scales = scale + ((n0 + r) / block_n) * scale_stride;
+                    if (n0 + 2 * BF16_TILE_ROWS + r < N) /* the block two ahead, into L2 */
+                        for (int64_t c = 0; c < K; c += 64)
+                            __builtin_prefetch(src + 2 * BF16_TILE_ROWS * w_stride + c, 0, 2);
+                    if (groups > 1 || round_weights)
+                        convert_row(src, K, round_weights ? row_scales : NULL, block_k, panel + r * K);
+                    memcpy(srow + r * kblocks, row_scales, sizeof(float) * (size_t)kblocks);
+                }
+                for (int64_t g = 0; g < groups; g++) {
+                    const int64_t m0 = g * BF16_TILE_TOKENS;
+                    const int tokens = (int)(M - m0 < BF16_TILE_TOKENS ? M - m0 : BF16_TILE_TOKENS);
+                    const __m512 sums =
+                        round_weights ? bf16_run_tile(panel, K, x + m0 * ldx, ldx, K, rows, tokens, NULL, 0, 0)
+                                      : run_scaled_tile(panel, K, x + m0 * ldx, ldx, rows, tokens, srow, kblocks,
+                                                        block_k, groups > 1 ? NULL : w + n0 * w_stride, w_stride);
+                    bf16 out[BF16_TILE_ROWS * BF16_TILE_TOKENS];
+                    _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(sums));
+                    for (int t = 0; t < tokens; t++)
+                        for (int r = 0; r < rows; r++) y[(m0 + t) * ldy + n0 + r] = out[t * BF16_TILE_ROWS + r];
+                }
+            }
+        }
+        free(panel);
+        free(srow);
+    }
+    return failed;
+}
+
+int fp8_has_bf16_linear(void) { return 1; }
+#else
+int fp8_has_bf16_linear(void) { return 0; }
+#endif
