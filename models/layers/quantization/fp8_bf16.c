@@ -117,18 +117,60 @@ static __m512 run_scaled_tile(const bf16 *panel, int64_t K, const bf16 *x, int64
     }
 }
 
-/* y [M, N] (rows ldy apart) = x [M, K] (rows ldx apart) times w [N, K] (rows w_stride
- * bytes apart) dequantised with float32 `scale` (rows scale_stride apart, one value per
- * block_n x block_k), exact or with the weights rounded (see the top). Returns 0; 2
- * (nothing computed) where block_k is neither a multiple of 32 nor all of K; 1 where a
- * thread's panel (8 K bytes) could not be allocated. */
+/* Rows [n0, n1) of y (M tokens, float32 where y_f32, else bfloat16, rows ldy apart) =
+ * x [M, K] bfloat16 (rows ldx apart) times w [N, K] (rows w_stride bytes apart)
+ * dequantised with float32 `scale` (rows scale_stride apart, one value per block_n x
+ * block_k; block_k a multiple of 32 or all of K), exact or with the weights rounded (see
+ * the top), on the calling thread, 4 rows at a time. `panel` holds BF16_TILE_ROWS * K
+ * values, `srow` BF16_TILE_ROWS * ceil(K / block_k): the caller's scratch. Called by
+ * fp8_bf16_linear's threads and by fp8_moe.c's, each on its own rows. */
+void fp8_bf16_rows(const bf16 *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
+                   const float *scale, int64_t scale_stride, int64_t block_n, int64_t block_k, int round_weights,
+                   int64_t n0, int64_t n1, void *y, int y_f32, int64_t ldy, bf16 *panel, float *srow) {
+    const int64_t kblocks = (K + block_k - 1) / block_k;
+    const int64_t groups = (M + BF16_TILE_TOKENS - 1) / BF16_TILE_TOKENS;
+    for (int64_t nb = n0; nb < n1; nb += BF16_TILE_ROWS) {
+        const int rows = (int)(n1 - nb < BF16_TILE_ROWS ? n1 - nb : BF16_TILE_ROWS);
+        for (int r = 0; r < rows; r++) {
+            const uint8_t *src = w + (nb + r) * w_stride;
+            const float *row_scales = scale + ((nb + r) / block_n) * scale_stride;
+            if (nb + 2 * BF16_TILE_ROWS + r < N) /* the block two ahead, into L2 */
+                for (int64_t c = 0; c < K; c += 64) __builtin_prefetch(src + 2 * BF16_TILE_ROWS * w_stride + c, 0, 2);
+            if (groups > 1 || round_weights)
+                convert_row(src, K, round_weights ? row_scales : NULL, block_k, panel + r * K);
+            memcpy(srow + r * kblocks, row_scales, sizeof(float) * (size_t)kblocks);
+        }
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t m0 = g * BF16_TILE_TOKENS;
+            const int tokens = (int)(M - m0 < BF16_TILE_TOKENS ? M - m0 : BF16_TILE_TOKENS);
+            const __m512 sums = round_weights
+                                    ? bf16_run_tile(panel, K, x + m0 * ldx, ldx, K, rows, tokens, NULL, 0, 0)
+                                    : run_scaled_tile(panel, K, x + m0 * ldx, ldx, rows, tokens, srow, kblocks,
+                                                      block_k, groups > 1 ? NULL : w + nb * w_stride, w_stride);
+            float out[BF16_TILE_ROWS * BF16_TILE_TOKENS]; /* lane 4t + r */
+            _mm512_storeu_ps(out, sums);
+            for (int t = 0; t < tokens; t++)
+                for (int r = 0; r < rows; r++) {
+                    const float v = out[t * BF16_TILE_ROWS + r];
+                    if (y_f32)
+                        ((float *)y)[(m0 + t) * ldy + nb + r] = v;
+                    else
+                        ((bf16 *)y)[(m0 + t) * ldy + nb + r] = float_to_bf16(v);
+                }
+        }
+    }
+}
+
+/* y [M, N] bfloat16 (rows ldy apart) = x [M, K] times dequant(w)^T (fp8_bf16_rows), the
+ * rows shared out over `num_threads` threads 4 at a time. Returns 0; 2 (nothing
+ * computed) where block_k is neither a multiple of 32 nor all of K; 1 where a thread's
+ * panel (8 K bytes) could not be allocated. */
 int fp8_bf16_linear(const bf16 *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
                     const float *scale, int64_t scale_stride, int64_t block_n, int64_t block_k, int round_weights,
                     bf16 *y, int64_t ldy, int num_threads) {
     if (block_k < K && block_k % 32 != 0) return 2;
     const int64_t kblocks = (K + block_k - 1) / block_k;
     const int64_t blocks = (N + BF16_TILE_ROWS - 1) / BF16_TILE_ROWS;
-    const int64_t groups = (M + BF16_TILE_TOKENS - 1) / BF16_TILE_TOKENS;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -142,30 +184,9 @@ int fp8_bf16_linear(const bf16 *x, int64_t ldx, int64_t M, const uint8_t *w, int
         if (!failed) {
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) {
-                const int64_t n0 = b * BF16_TILE_ROWS;
-                const int rows = (int)(N - n0 < BF16_TILE_ROWS ? N - n0 : BF16_TILE_ROWS);
-                for (int r = 0; r < rows; r++) {
-                    const uint8_t *src = w + (n0 + r) * w_stride;
-                    const float *row_scales = scale + ((n0 + r) / block_n) * scale_stride;
-                    if (n0 + 2 * BF16_TILE_ROWS + r < N) /* the block two ahead, into L2 */
-                        for (int64_t c = 0; c < K; c += 64)
-                            __builtin_prefetch(src + 2 * BF16_TILE_ROWS * w_stride + c, 0, 2);
-                    if (groups > 1 || round_weights)
-                        convert_row(src, K, round_weights ? row_scales : NULL, block_k, panel + r * K);
-                    memcpy(srow + r * kblocks, row_scales, sizeof(float) * (size_t)kblocks);
-                }
-                for (int64_t g = 0; g < groups; g++) {
-                    const int64_t m0 = g * BF16_TILE_TOKENS;
-                    const int tokens = (int)(M - m0 < BF16_TILE_TOKENS ? M - m0 : BF16_TILE_TOKENS);
-                    const __m512 sums =
-                        round_weights ? bf16_run_tile(panel, K, x + m0 * ldx, ldx, K, rows, tokens, NULL, 0, 0)
-                                      : run_scaled_tile(panel, K, x + m0 * ldx, ldx, rows, tokens, srow, kblocks,
-                                                        block_k, groups > 1 ? NULL : w + n0 * w_stride, w_stride);
-                    bf16 out[BF16_TILE_ROWS * BF16_TILE_TOKENS];
-                    _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(sums));
-                    for (int t = 0; t < tokens; t++)
-                        for (int r = 0; r < rows; r++) y[(m0 + t) * ldy + n0 + r] = out[t * BF16_TILE_ROWS + r];
-                }
+                const int64_t n0 = b * BF16_TILE_ROWS, n1 = n0 + BF16_TILE_ROWS < N ? n0 + BF16_TILE_ROWS : N;
+                fp8_bf16_rows(x, ldx, M, w, w_stride, N, K, scale, scale_stride, block_n, block_k, round_weights, n0,
+                              n1, y, 0, ldy, panel, srow);
             }
         }
         free(panel);

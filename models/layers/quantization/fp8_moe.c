@@ -4,12 +4,18 @@
  * bfloat16 experts).
  *
  * The pairs (token, k) are sorted by local expert (fused_moe/expert_pairs.h; pairs of
- * another rank's expert, -1 in expert_map, are skipped); each active expert's tokens are
- * gathered once as float32 and multiplied by its gate/up bytes and, after silu(gate) *
- * up, by its down bytes with fp8_gemv (fp8_kernels.c, at most GEMV_MAX_ROWS tokens a
- * call: more in chunks), and each pair's output, times its routing weight, is added to
- * its token's row of y, expert after expert in local order: the sums do not depend on
- * the thread count.
+ * another rank's expert, -1 in expert_map, are skipped). bfloat16 tokens on an AVX-512
+ * BF16 build (`experts_bf16`): the pairs' rows gathered once, then in one parallel region
+ * every active expert's gate/up rows in blocks of ITEM_ROWS, handed out as threads
+ * finish, meet its pairs' rows by bfloat16 dot products of the bytes' exact values
+ * (fp8_bf16.c, exact: each k-block's float32 sums times its scale), silu(gate) * up is
+ * taken and rounded to bfloat16, the down rows likewise. Otherwise each active expert's
+ * tokens are gathered as float32 and multiplied by its gate/up bytes and, after
+ * silu(gate) * up, by its down bytes with fp8_gemv (fp8_kernels.c, at most
+ * GEMV_MAX_ROWS tokens a call: more in chunks), one expert after another. Each pair's
+ * output, times its routing weight, is added to its token's row of y in the pairs'
+ * sorted order (expert after expert, in local order): the sums do not depend on the
+ * thread count.
  *
  * Returns 0; -1 for an expert id outside [0, num_experts) or one the map sends past
  * num_local; -3 when scratch cannot be allocated. Memory for the call: the pairs'
@@ -37,12 +43,86 @@ typedef struct {
     int64_t s_stride, s_row, bn, bk, rows, cols;
 } fp8_stack_t;
 
+int fp8_has_bf16_linear(void);
+void fp8_bf16_rows(const uint16_t *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
+                   const float *scale, int64_t scale_stride, int64_t block_n, int64_t block_k, int round_weights,
+                   int64_t n0, int64_t n1, void *y, int y_f32, int64_t ldy, uint16_t *panel, float *srow);
+
+#define ITEM_ROWS 32 /* weight rows per work item of the bfloat16 path */
+
 /* y [m, rows] = x [m, cols] times expert e's weight, GEMV_ROWS tokens a call. */
 static void product(const fp8_stack_t *w, int64_t e, const float *x, int64_t m, float *y, int threads) {
     for (int64_t t0 = 0; t0 < m; t0 += GEMV_ROWS)
         fp8_gemv(x + t0 * w->cols, w->cols, m - t0 < GEMV_ROWS ? m - t0 : GEMV_ROWS, w->w + e * w->w_stride, w->cols,
                  w->rows, w->cols, w->s + e * w->s_stride, w->s_row, w->bn, w->bk, 0, y + t0 * w->rows, w->rows,
                  threads);
+}
+
+/* Whether fp8_bf16_rows takes stack w: an AVX-512 BF16 build, and k-blocks of a multiple
+ * of 32 inputs (or one a row). */
+static int bf16_rows_take(const fp8_stack_t *w) { return w->bk % 32 == 0 || w->bk >= w->cols; }
+
+/* The bfloat16 path's products of one stack: every active expert's rows in blocks of
+ * ITEM_ROWS, handed out as threads finish (experts' token counts differ), each block
+ * against its expert's pairs' bfloat16 rows x (fp8_bf16_rows, exact), into out [pairs,
+ * rows] float32 (pairs in sorted order). Inside a parallel region; panel and srow are
+ * the thread's scratch. */
+static void stack_products_bf16(const fp8_stack_t *w, const int64_t *start, const int64_t *item_e, int64_t items,
+                                const uint16_t *x, float *out, uint16_t *panel, float *srow) {
+    const int64_t blocks = (w->rows + ITEM_ROWS - 1) / ITEM_ROWS;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items * blocks; ++item) {
+        const int64_t e = item_e[item / blocks], j0 = (item % blocks) * ITEM_ROWS, first = start[e];
+        const int64_t j1 = j0 + ITEM_ROWS < w->rows ? j0 + ITEM_ROWS : w->rows;
+        fp8_bf16_rows(x + first * w->cols, w->cols, start[e + 1] - first, w->w + e * w->w_stride, w->cols, w->rows,
+                      w->cols, w->s + e * w->s_stride, w->s_row, w->bn, w->bk, 0, j0, j1, out + first * w->rows, 1,
+                      w->rows, panel, srow);
+    }
+}
+
+/* The step with bfloat16 tokens on an AVX-512 BF16 build: the pairs' rows gathered once,
+ * then in one parallel region every active expert's gate/up rows (stack_products_bf16),
+ * silu(gate) * up rounded to bfloat16 (the input of the down product, as between a
+ * dense MLP's two layers), and the down rows; the outputs in sc->out. Returns 0, or -3
+ * without memory. */
+static int experts_bf16(const fp8_stack_t *g13, const fp8_stack_t *g2, const expert_scratch_t *sc,
+                        const uint16_t *x, int64_t ldx, int64_t top_k, int64_t num_local, int num_threads) {
+    const int64_t hidden = g13->cols, inter = g2->cols, active = sc->start[num_local];
+    uint16_t *rows = sc->x, *act = malloc(sizeof(uint16_t) * (size_t)(active * inter));
+    int64_t *item_e = malloc(sizeof(int64_t) * (size_t)num_local), items = 0;
+    if (!act || !item_e) {
+        free(act), free(item_e);
+        return -3;
+    }
+    for (int64_t e = 0; e < num_local; ++e) {
+        if (sc->start[e + 1] > sc->start[e]) item_e[items++] = e;
+        for (int64_t i = sc->start[e]; i < sc->start[e + 1]; ++i)
+            memcpy(rows + i * hidden, x + (sc->order[i] / top_k) * ldx, sizeof(uint16_t) * (size_t)hidden);
+    }
+    const int64_t widest = hidden > inter ? hidden : inter;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        uint16_t *panel = malloc(sizeof(uint16_t) * 4 * (size_t)widest);
+        float *srow = malloc(sizeof(float) * 4 * (size_t)widest); /* 4 rows of at most `widest` k-blocks */
+        if (!panel || !srow) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            stack_products_bf16(g13, sc->start, item_e, items, rows, sc->gu, panel, srow);
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < active; ++i) {
+                silu_and_mul(sc->gu + i * 2 * inter, 1, inter, sc->act + i * inter);
+                for (int64_t j = 0; j < inter; ++j) act[i * inter + j] = float_to_bf16(sc->act[i * inter + j]);
+            }
+            stack_products_bf16(g2, sc->start, item_e, items, act, sc->out, panel, srow);
+        }
+        free(panel), free(srow);
+    }
+    free(act), free(item_e);
+    return failed ? -3 : 0;
 }
 
 /* w13 [2 * inter, hidden] and w2 [hidden, inter] e4m3 bytes per expert with their scales
@@ -61,6 +141,15 @@ int fp8_moe(const uint8_t *w13, int64_t w13_stride, const float *s13, int64_t s1
     const int failed = expert_scratch(&sc, topk_ids, tokens * top_k, expert_map, num_experts, num_local, hidden,
                                       inter, sizeof(float));
     if (failed) return failed;
+    if (x_dtype == 1 && fp8_has_bf16_linear() && bf16_rows_take(&g13) && bf16_rows_take(&g2)) {
+        const int status = experts_bf16(&g13, &g2, &sc, (const uint16_t *)x, ldx, top_k, num_local, num_threads);
+        if (status == 0) {
+            memset(y, 0, sizeof(float) * (size_t)tokens * (size_t)hidden);
+            add_expert_outputs(sc.order, sc.start[num_local], top_k, topk_weights, sc.out, hidden, y);
+        }
+        free_expert_scratch(&sc);
+        return status;
+    }
     float *xg = sc.x;
     memset(y, 0, sizeof(float) * (size_t)tokens * (size_t)hidden);
     for (int64_t e = 0; e < num_local; ++e) {

@@ -24,9 +24,12 @@ setting, moe_intermediate_size and tensor_parallel_size otherwise (as vLLM refus
 a TP size). The weights stay fp8 in memory: one byte a weight plus the scales.
 
 Compute, on the CPU: a decode step (up to `MAX_KERNEL_TOKENS` tokens, float32 or bfloat16)
-in one C call (fp8_moe.c: the pairs sorted by expert, each active expert's tokens through
-the fp8 GEMV, 16 a call, gate/up and the activation in float32), which reads the routing
-from tensors, so the step records and replays as a CPU graph. Otherwise (a prefill, CUDA)
+in one C call (fp8_moe.c: the pairs sorted by expert; bfloat16 tokens on AVX-512 BF16
+CPUs: every active expert's rows shared out over the threads in one parallel region,
+bfloat16 dot products of the bytes' exact values (fp8_bf16.c), the activation rounded to
+bfloat16 between the two products; otherwise each active expert's tokens through the
+float32 fp8 GEMV, 16 a call, gate/up and the activation in float32), which reads the
+routing from tensors, so the step records and replays as a CPU graph. Otherwise (a prefill, CUDA)
 the experts' tokens are grouped as for full-precision experts
 (`grouped_moe.grouped_experts`: one product pair per active expert, a host read of the
 counts, eager), each product `fp8_kernels.fp8_linear` on the expert's fp8 bytes and
