@@ -40,7 +40,7 @@ class GGUFModelLoader(BaseModelLoader):
         read are handed back (`release_file_pages_outside`) as the load goes, every
         `RELEASE_EVERY_BYTES` of tensors read, not once at its end: the load's peak
         holds the copies and at most that much of the file they were read from, not all
-        of it (an F16 853M Llama: 2.1 -> 1.3 GiB). Called on every rank."""
+        of it (an F16 853M Llama: 2.0-2.1 -> 1.3 GiB). Called on every rank."""
         path = find_gguf_file(model_config.model)
         reader = open_gguf(path)
         mapping = torch.from_numpy(reader.data)
