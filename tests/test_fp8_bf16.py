@@ -103,14 +103,19 @@ def test_the_thread_count_changes_nothing(kernel, round_weights: bool) -> None:
     assert torch.equal(one, many)
 
 
-def test_a_k_block_not_a_multiple_of_32_is_declined(kernel) -> None:
-    """block_k 100 of 600 inputs: declined (None), and fp8_linear then takes the GEMV or
-    the tiles, with the same products."""
+@pytest.mark.parametrize("rows", [12, 40])
+def test_a_k_block_not_a_multiple_of_32_is_declined(kernel, monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    """block_k 100 of 600 inputs: declined (None), and fp8_linear then takes the GEMV (up
+    to GEMV_MAX_ROWS rows) or the tiles, with the same products."""
     q, scale = _case(200, 600, (128, 100))
-    x = torch.randn(12, 600).to(torch.bfloat16)
+    x = torch.randn(rows, 600).to(torch.bfloat16)
     assert kernel.bf16_linear(x, q, scale, 128, 100, False) is None
+    gemv_rows: list[int] = []
+    real = kernel.gemv
+    monkeypatch.setattr(kernel, "gemv", lambda x32, *rest: gemv_rows.append(x32.shape[0]) or real(x32, *rest))
     ref = x.double() @ dequantize_fp8_blocks(q, scale, 128, 100).double().t()
     got = fp8_linear(x, q, scale, 128, 100)
+    assert gemv_rows == ([rows] if rows <= fp8_kernels.GEMV_MAX_ROWS else [])
     assert got.dtype == torch.bfloat16 and ((got.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 

@@ -202,7 +202,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     if kernel is not None and kernel.has_bf16_linear and _bf16_tiles(dtype, x.device) and rows <= BF16_MAX_ROWS:
         out = kernel.bf16_linear(x2 if x2.stride(1) == 1 else x2.contiguous(), weight, scale, block_n, block_k,
                                  round_weights=rows > BF16_EXACT_MAX_ROWS and block_k < in_features)
-    elif kernel is not None and rows <= GEMV_MAX_ROWS:
+    if out is None and kernel is not None and rows <= GEMV_MAX_ROWS:  # also where bf16_linear declines
         x32 = x2.to(torch.float32)
         out = kernel.gemv(x32 if x32.stride(1) == 1 else x32.contiguous(), weight, scale, block_n, block_k, dtype)
     if out is not None:
