@@ -432,12 +432,27 @@ def _int4_group(actorder: str | None = None) -> dict[str, Any]:
     return ct_quantization_config(4, 32, True, actorder)["config_groups"]["group_0"]
 
 
-def test_experts_in_a_group_of_their_own(cases: dict[str, SimpleNamespace]) -> None:
+def _act_order_linear_group() -> dict[str, Any]:
+    """The experts' W8A8 group (by regex) beside a W4A16 act-order group targeting every Linear."""
+    config = _mixed_config(None, _int8_group())
+    config["config_groups"]["group_0"] = {**_int4_group("group"), "targets": ["Linear"]}
+    return config
+
+
+@pytest.mark.parametrize("name, act_order, config", [
+    ("experts_group", False, _mixed_config(_int4_group(), _int8_group())),
+    ("experts_out_of_act_order", True, _act_order_linear_group()),
+], ids=["beside-the-attention's", "out-of-an-act-order-linear-group"])
+def test_experts_in_a_group_of_their_own(cases: dict[str, SimpleNamespace], name: str, act_order: bool,
+                                         config: dict[str, Any]) -> None:
     """A group targeting the experts by regex (W8A8 int8) beside one for the attention
-    (W4A16, groups of 32), and none targeting every Linear: each part takes its group's
-    layout, as vLLM resolves the experts by expert 0's projection names."""
-    case = _write_by_name(cases, "experts_group", _by_part(ct_quantizer(4, 32, True), quantize_int8_channel),
-                          _mixed_config(_int4_group(), _int8_group()))
+    (W4A16, groups of 32), or beside a W4A16 act-order group targeting every Linear, which
+    experts cannot take: each part takes its group's layout, as vLLM resolves the experts
+    by expert 0's projection names, and the act-order group does not refuse experts it
+    does not hold (the engine's resolution and the model's build judge the experts by
+    the architecture's names too)."""
+    case = _write_by_name(cases, name, _by_part(ct_quantizer(4, 32, True, actorder_group=act_order),
+                                                quantize_int8_channel), config)
     result = load_case({"model": str(case.model), "input_ids": INPUT_IDS})
     # the attention weight-only, the experts rounding their inputs as at TP 1
     expected = hf_logits(w8a8_reference(_transformers(case.reference), False, 1, False), INPUT_IDS)
@@ -464,23 +479,6 @@ def test_experts_no_group_quantises_stay_in_full_precision(cases: dict[str, Simp
         assert held == {"w13_weight": ("torch.float32", (EXPERTS, 2 * INTER, HIDDEN)),
                         "w2_weight": ("torch.float32", (EXPERTS, HIDDEN, INTER))}
     assert result["dtypes"]["model.layers.0.self_attn.qkv_proj"] == "torch.int8"
-
-
-def test_experts_named_out_of_an_act_order_linear_group_load(cases: dict[str, SimpleNamespace]) -> None:
-    """The group targeting every Linear is W4A16 with act-order (g_idx), which experts
-    cannot take, but a regex puts the experts in a W8A8 group of their own: the
-    attention loads act-order int4 and the experts int8, not refused at resolution or
-    as the model is built (which judge the experts by the architecture's names too)."""
-    config = _mixed_config(None, _int8_group())
-    config["config_groups"]["group_0"] = {**_int4_group("group"), "targets": ["Linear"]}
-    case = _write_by_name(cases, "experts_out_of_act_order",
-                          _by_part(ct_quantizer(4, 32, True, actorder_group=True), quantize_int8_channel), config)
-    result = load_case({"model": str(case.model), "input_ids": INPUT_IDS})
-    expected = hf_logits(w8a8_reference(_transformers(case.reference), False, 1, False), INPUT_IDS)
-    torch.testing.assert_close(result["logits"], expected, atol=FAKE_QUANT_ATOL[1], rtol=0)
-    code_bytes = sum(t.numel() for n, t in case.tensors.items() if _EXPERT_TENSOR.search(n) and n.endswith(".weight"))
-    check_experts(result, code_bytes, EXPERTS, INTER, 1)
-    assert result["dtypes"]["model.layers.0.self_attn.qkv_proj"] == "torch.uint8"  # 4-bit codes
 
 
 _OUT_OF_REACH = pytest.mark.parametrize("config, needles", [
