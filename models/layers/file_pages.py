@@ -97,6 +97,8 @@ def release_file_pages(tensor: torch.Tensor) -> int:
         return 0
     begin = tensor.data_ptr()
     end = begin + tensor.numel() * tensor.element_size()
+    if end // mmap.PAGESIZE * mmap.PAGESIZE <= -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE:
+        return 0  # no whole page: not worth reading /proc/self/maps for
     if not tensor.is_contiguous() or not _file_mapping_holds(begin, end):
         return 0
     return _drop_pages(begin, end)
