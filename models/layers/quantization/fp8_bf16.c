@@ -24,7 +24,6 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "../bf16_tile.h"
@@ -72,10 +71,10 @@ INLINE void convert_row(const uint8_t *src, int64_t K, const float *srow, int64_
 /* The R x T sums of panel rows (the exact values, rows K apart), or of the fp8 rows at
  * `direct` (w_stride bytes apart) converted as they are read, with tokens x (ldx apart),
  * each k-block of `block_k` values (a multiple of 32, or all of K) summed apart and then
- * times its row's scale (srow[r * kblocks + kb]) into the total: lane 4t + r. */
+ * times its row's scale (row_scales[r][kb]) into the total: lane 4t + r. */
 INLINE __m512 scaled_tile(const bf16 *panel, int64_t K, const bf16 *x, int64_t ldx, const int R, const int T,
-                          const float *srow, int64_t kblocks, int64_t block_k, const uint8_t *direct,
-                          int64_t w_stride) {
+                          const float *const *row_scales, int64_t kblocks, int64_t block_k,
+                          const uint8_t *direct, int64_t w_stride) {
     __m512 total[BF16_TILE_ROWS][BF16_TILE_TOKENS];
     for (int r = 0; r < BF16_TILE_ROWS; r++)
         for (int t = 0; t < BF16_TILE_TOKENS; t++) total[r][t] = _mm512_setzero_ps();
@@ -95,7 +94,7 @@ INLINE __m512 scaled_tile(const bf16 *panel, int64_t K, const bf16 *x, int64_t l
                 for (int t = 0; t < T; t++) part[r][t] = bf16_dot(part[r][t], wv[r], xv[t]);
         }
         for (int r = 0; r < R; r++) {
-            const __m512 s = _mm512_set1_ps(srow[r * kblocks + kb]);
+            const __m512 s = _mm512_set1_ps(row_scales[r][kb]);
             for (int t = 0; t < T; t++) total[r][t] = _mm512_fmadd_ps(part[r][t], s, total[r][t]);
         }
     }
@@ -103,17 +102,17 @@ INLINE __m512 scaled_tile(const bf16 *panel, int64_t K, const bf16 *x, int64_t l
 }
 
 #define SCALED_TILE_CASE(R, T) \
-    case (R) * 8 + (T): return scaled_tile(panel, K, x, ldx, R, T, srow, kblocks, block_k, direct, w_stride);
+    case (R) * 8 + (T): return scaled_tile(panel, K, x, ldx, R, T, row_scales, kblocks, block_k, direct, w_stride);
 
 static __m512 run_scaled_tile(const bf16 *panel, int64_t K, const bf16 *x, int64_t ldx, int rows, int tokens,
-                              const float *srow, int64_t kblocks, int64_t block_k, const uint8_t *direct,
-                              int64_t w_stride) {
+                              const float *const *row_scales, int64_t kblocks, int64_t block_k,
+                              const uint8_t *direct, int64_t w_stride) {
     switch (rows * 8 + tokens) {
         SCALED_TILE_CASE(4, 4) SCALED_TILE_CASE(4, 3) SCALED_TILE_CASE(4, 2) SCALED_TILE_CASE(4, 1)
         SCALED_TILE_CASE(3, 4) SCALED_TILE_CASE(3, 3) SCALED_TILE_CASE(3, 2) SCALED_TILE_CASE(3, 1)
         SCALED_TILE_CASE(2, 4) SCALED_TILE_CASE(2, 3) SCALED_TILE_CASE(2, 2) SCALED_TILE_CASE(2, 1)
         SCALED_TILE_CASE(1, 4) SCALED_TILE_CASE(1, 3) SCALED_TILE_CASE(1, 2) default:
-        return scaled_tile(panel, K, x, ldx, 1, 1, srow, kblocks, block_k, direct, w_stride);
+        return scaled_tile(panel, K, x, ldx, 1, 1, row_scales, kblocks, block_k, direct, w_stride);
     }
 }
 
@@ -121,31 +120,31 @@ static __m512 run_scaled_tile(const bf16 *panel, int64_t K, const bf16 *x, int64
  * x [M, K] bfloat16 (rows ldx apart) times w [N, K] (rows w_stride bytes apart)
  * dequantised with float32 `scale` (rows scale_stride apart, one value per block_n x
  * block_k; block_k a multiple of 32 or all of K), exact or with the weights rounded (see
- * the top), on the calling thread, 4 rows at a time. `panel` holds BF16_TILE_ROWS * K
- * values, `srow` BF16_TILE_ROWS * ceil(K / block_k): the caller's scratch. Called by
+ * the top), on the calling thread, 4 rows at a time. `panel` (BF16_TILE_ROWS * K
+ * values) is the caller's scratch. Called by
  * fp8_bf16_linear's threads and by fp8_moe.c's, each on its own rows. */
 void fp8_bf16_rows(const bf16 *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
                    const float *scale, int64_t scale_stride, int64_t block_n, int64_t block_k, int round_weights,
-                   int64_t n0, int64_t n1, void *y, int y_f32, int64_t ldy, bf16 *panel, float *srow) {
+                   int64_t n0, int64_t n1, void *y, int y_f32, int64_t ldy, bf16 *panel) {
     const int64_t kblocks = (K + block_k - 1) / block_k;
     const int64_t groups = (M + BF16_TILE_TOKENS - 1) / BF16_TILE_TOKENS;
     for (int64_t nb = n0; nb < n1; nb += BF16_TILE_ROWS) {
         const int rows = (int)(n1 - nb < BF16_TILE_ROWS ? n1 - nb : BF16_TILE_ROWS);
+        const float *row_scales[BF16_TILE_ROWS]; /* each row's k-blocks' scales */
         for (int r = 0; r < rows; r++) {
             const uint8_t *src = w + (nb + r) * w_stride;
-            const float *row_scales = scale + ((nb + r) / block_n) * scale_stride;
+            row_scales[r] = scale + ((nb + r) / block_n) * scale_stride;
             if (nb + 2 * BF16_TILE_ROWS + r < N) /* the block two ahead, into L2 */
                 for (int64_t c = 0; c < K; c += 64) __builtin_prefetch(src + 2 * BF16_TILE_ROWS * w_stride + c, 0, 2);
             if (groups > 1 || round_weights)
-                convert_row(src, K, round_weights ? row_scales : NULL, block_k, panel + r * K);
-            memcpy(srow + r * kblocks, row_scales, sizeof(float) * (size_t)kblocks);
+                convert_row(src, K, round_weights ? row_scales[r] : NULL, block_k, panel + r * K);
         }
         for (int64_t g = 0; g < groups; g++) {
             const int64_t m0 = g * BF16_TILE_TOKENS;
             const int tokens = (int)(M - m0 < BF16_TILE_TOKENS ? M - m0 : BF16_TILE_TOKENS);
             const __m512 sums = round_weights
                                     ? bf16_run_tile(panel, K, x + m0 * ldx, ldx, K, rows, tokens, NULL, 0, 0)
-                                    : run_scaled_tile(panel, K, x + m0 * ldx, ldx, rows, tokens, srow, kblocks,
+                                    : run_scaled_tile(panel, K, x + m0 * ldx, ldx, rows, tokens, row_scales, kblocks,
                                                       block_k, groups > 1 ? NULL : w + nb * w_stride, w_stride);
             float out[BF16_TILE_ROWS * BF16_TILE_TOKENS]; /* lane 4t + r */
             _mm512_storeu_ps(out, sums);
@@ -169,14 +168,12 @@ int fp8_bf16_linear(const bf16 *x, int64_t ldx, int64_t M, const uint8_t *w, int
                     const float *scale, int64_t scale_stride, int64_t block_n, int64_t block_k, int round_weights,
                     bf16 *y, int64_t ldy, int num_threads) {
     if (block_k < K && block_k % 32 != 0) return 2;
-    const int64_t kblocks = (K + block_k - 1) / block_k;
     const int64_t blocks = (N + BF16_TILE_ROWS - 1) / BF16_TILE_ROWS;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
         bf16 *panel = malloc(sizeof(bf16) * BF16_TILE_ROWS * (size_t)K);
-        float *srow = malloc(sizeof(float) * BF16_TILE_ROWS * (size_t)kblocks);
-        if (panel == NULL || srow == NULL) {
+        if (panel == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -186,11 +183,10 @@ int fp8_bf16_linear(const bf16 *x, int64_t ldx, int64_t M, const uint8_t *w, int
             for (int64_t b = 0; b < blocks; b++) {
                 const int64_t n0 = b * BF16_TILE_ROWS, n1 = n0 + BF16_TILE_ROWS < N ? n0 + BF16_TILE_ROWS : N;
                 fp8_bf16_rows(x, ldx, M, w, w_stride, N, K, scale, scale_stride, block_n, block_k, round_weights, n0,
-                              n1, y, 0, ldy, panel, srow);
+                              n1, y, 0, ldy, panel);
             }
         }
         free(panel);
-        free(srow);
     }
     return failed;
 }

@@ -46,7 +46,7 @@ typedef struct {
 int fp8_has_bf16_linear(void);
 void fp8_bf16_rows(const uint16_t *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
                    const float *scale, int64_t scale_stride, int64_t block_n, int64_t block_k, int round_weights,
-                   int64_t n0, int64_t n1, void *y, int y_f32, int64_t ldy, uint16_t *panel, float *srow);
+                   int64_t n0, int64_t n1, void *y, int y_f32, int64_t ldy, uint16_t *panel);
 
 #define ITEM_ROWS 32 /* weight rows per work item of the bfloat16 path */
 
@@ -65,10 +65,10 @@ static int bf16_rows_take(const fp8_stack_t *w) { return w->bk % 32 == 0 || w->b
 /* The bfloat16 path's products of one stack: every active expert's rows in blocks of
  * ITEM_ROWS, handed out as threads finish (experts' token counts differ), each block
  * against its expert's pairs' bfloat16 rows x (fp8_bf16_rows, exact), into out [pairs,
- * rows] float32 (pairs in sorted order). Inside a parallel region; panel and srow are
- * the thread's scratch. */
+ * rows] float32 (pairs in sorted order). Inside a parallel region; panel is the
+ * thread's scratch. */
 static void stack_products_bf16(const fp8_stack_t *w, const int64_t *start, const int64_t *item_e, int64_t items,
-                                const uint16_t *x, float *out, uint16_t *panel, float *srow) {
+                                const uint16_t *x, float *out, uint16_t *panel) {
     const int64_t blocks = (w->rows + ITEM_ROWS - 1) / ITEM_ROWS;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items * blocks; ++item) {
@@ -76,7 +76,7 @@ static void stack_products_bf16(const fp8_stack_t *w, const int64_t *start, cons
         const int64_t j1 = j0 + ITEM_ROWS < w->rows ? j0 + ITEM_ROWS : w->rows;
         fp8_bf16_rows(x + first * w->cols, w->cols, start[e + 1] - first, w->w + e * w->w_stride, w->cols, w->rows,
                       w->cols, w->s + e * w->s_stride, w->s_row, w->bn, w->bk, 0, j0, j1, out + first * w->rows, 1,
-                      w->rows, panel, srow);
+                      w->rows, panel);
     }
 }
 
@@ -104,22 +104,21 @@ static int experts_bf16(const fp8_stack_t *g13, const fp8_stack_t *g2, const exp
 #pragma omp parallel num_threads(num_threads)
     {
         uint16_t *panel = malloc(sizeof(uint16_t) * 4 * (size_t)widest);
-        float *srow = malloc(sizeof(float) * 4 * (size_t)widest); /* 4 rows of at most `widest` k-blocks */
-        if (!panel || !srow) {
+        if (!panel) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
         if (!failed) {
-            stack_products_bf16(g13, sc->start, item_e, items, rows, sc->gu, panel, srow);
+            stack_products_bf16(g13, sc->start, item_e, items, rows, sc->gu, panel);
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < active; ++i) {
                 silu_and_mul(sc->gu + i * 2 * inter, 1, inter, sc->act + i * inter);
                 for (int64_t j = 0; j < inter; ++j) act[i * inter + j] = float_to_bf16(sc->act[i * inter + j]);
             }
-            stack_products_bf16(g2, sc->start, item_e, items, act, sc->out, panel, srow);
+            stack_products_bf16(g2, sc->start, item_e, items, act, sc->out, panel);
         }
-        free(panel), free(srow);
+        free(panel);
     }
     free(act), free(item_e);
     return failed ? -3 : 0;
