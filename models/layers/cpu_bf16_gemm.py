@@ -6,8 +6,15 @@ oneDNN's bf16 product wants the weight reordered into its blocked layout: done p
 the 2-core Zen 5 VM, 2026-12-04) and a full rewrite of every weight. `cpu_bf16_gemm.c`
 needs neither: with AVX-512 BF16's VDPBF16PS each output is a dot product of two
 contiguous runs (a weight row and an activation row), so the [out, in] weight is used
-where it was loaded. Up to `MAX_ROWS` rows it is the product; above, where the reorder
-is a few per cent of the work, F.linear is.
+where it was loaded. On CPUs with AMX (Sapphire Rapids and later), whose tiles multiply
+several times faster than VDPBF16PS, `amx_bf16.c` takes a 16 x 32 block of the weight as
+it lies as a tile operand (the tokens are rearranged instead, once a call).
+
+Which product, by rows of input (`dot_max_rows`): VDPBF16PS up to MAX_ROWS (a CPU
+without AMX: above, oneDNN's reorder is a few per cent of the work) or up to
+AMX_DOT_MAX_ROWS (while both are bound by reading the weight) then our AMX tiles up to
+AMX_MAX_ROWS where this library has them, or up to ONEDNN_AMX_MAX_ROWS where only
+oneDNN's GEMM runs on AMX; F.linear above.
 
 Built on first use like the other CPU kernels (distributed/native_build.py), only on CPUs
 with AVX-512 BF16; `TP_CPU_BF16_GEMM=0` turns it off for the weights loaded after (the
@@ -30,14 +37,23 @@ from distributed.native_build import BF16_CONVERT_H, cpu_flags, load_kernel
 from distributed.native_calls import NativeLibrary
 
 SOURCE = Path(__file__).with_name("cpu_bf16_gemm.c")
-# The headers it includes: a change to one rebuilds the library.
-SOURCES = (SOURCE, SOURCE.with_name("bf16_tile.h"), SOURCE.with_name("tile_sum.h"), SOURCE.with_name("half_dot.h"),
-           SOURCE.with_name("bf16_row_dot.h"), BF16_CONVERT_H)
+# With the AMX tiles' file, one library; the headers they include: a change to one rebuilds it.
+SOURCES = (SOURCE, SOURCE.with_name("amx_bf16.c"), SOURCE.with_name("bf16_tile.h"), SOURCE.with_name("tile_sum.h"),
+           SOURCE.with_name("half_dot.h"), SOURCE.with_name("bf16_row_dot.h"), BF16_CONVERT_H)
 SWITCH = "TP_CPU_BF16_GEMM"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
-# Up to this many rows the kernel is the product; see the module docstring.
+# Rows of input per product (see the module docstring). Time against F.linear's, whole
+# calls, 2 threads of an Intel Xeon VM with AMX (2026-12-07), weights cycled through
+# 2304x768 and 2048x768 / 4096x4096, 11008x4096, 4096x11008: VDPBF16PS 1-4 rows
+# 0.41-0.60 / 0.60-1.08, 6 rows 0.74-0.90 / 0.94-1.05, 8 rows 0.92-1.09 / 1.15-1.25, 32
+# rows 3.1-3.2 / 3.5-3.6; our AMX tiles 1-4 rows 0.56-0.66 / 0.65-0.80, 6-32 rows
+# 0.55-0.70 / 0.58-0.74, 64 rows 0.75-0.86 / 0.74-0.77, 128 rows 1.10-1.31 / 0.84-1.18.
+# From memory (weights cycled past the L3), 1-4 rows both read 17-27 GB/s.
 MAX_ROWS = 64
+AMX_DOT_MAX_ROWS = 4
+AMX_MAX_ROWS = 64
+ONEDNN_AMX_MAX_ROWS = 8  # ours (VDPBF16PS) / F.linear at 8 rows 0.80-1.05, 12 rows 1.16-1.50
 
 
 class Bf16GemmKernel:
@@ -49,6 +65,11 @@ class Bf16GemmKernel:
         self._linear = lib.bf16_linear
         self._linear.restype = None
         self._linear.argtypes = [p, i64, i64, p, i64, i64, i64, p, p, i64, i32]
+        self._amx_linear = lib.bf16_amx_linear
+        self._amx_linear.restype = ctypes.c_int
+        self._amx_linear.argtypes = [p, i64, i64, p, i64, i64, i64, p, p, i64, i32]
+        lib.bf16_amx_available.restype = ctypes.c_int
+        self.has_amx = bool(lib.bf16_amx_available())  # built with AMX-BF16, and this process may use the tiles
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] @ weight [N, K]^T (+ bias [N]), all bfloat16 CPU tensors with unit
@@ -60,10 +81,38 @@ class Bf16GemmKernel:
                      None if bias is None else bias.data_ptr(), out.data_ptr(), n, torch.get_num_threads())
         return out
 
+    def amx_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """`linear` on AMX tiles (amx_bf16.c; `has_amx` only), or None where the input width
+        is not a multiple of 32 or the tiles are refused. MemoryError where its scratch (the
+        tokens, 2 bytes an input, padded to 32 tokens) cannot be allocated."""
+        m, k = x.shape
+        n = weight.shape[0]
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        status = self._amx_linear(x.data_ptr(), x.stride(0), m, weight.data_ptr(), weight.stride(0), n, k,
+                                  None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                                  torch.get_num_threads())
+        if status == 1:
+            raise MemoryError(f"bf16 AMX product: no memory for {m} tokens of {k} inputs")
+        return out if status == 0 else None
+
 
 def cpu_has_avx512_bf16() -> bool:
     flags = cpu_flags().split()
     return "avx512_bf16" in flags and "avx512bw" in flags and "avx512vl" in flags
+
+
+@functools.cache
+def dot_max_rows() -> int:
+    """The most rows `linear` gives the VDPBF16PS kernel: AMX_DOT_MAX_ROWS where the loaded
+    library has AMX tiles (`Bf16GemmKernel.has_amx`), ONEDNN_AMX_MAX_ROWS where only
+    oneDNN's bf16 GEMM uses AMX (the CPU and torch allow its tiles, and
+    `ONEDNN_MAX_CPU_ISA`, read once, does not stop below them), else MAX_ROWS."""
+    kernel = load()
+    if kernel is not None and kernel.has_amx:
+        return AMX_DOT_MAX_ROWS
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    amx = "amx_bf16" in cpu_flags().split() and bool(getattr(torch.cpu, "_is_amx_tile_supported", bool)())
+    return ONEDNN_AMX_MAX_ROWS if amx and (isa == "ALL" or "AMX" in isa) else MAX_ROWS
 
 
 @functools.cache
@@ -86,12 +135,15 @@ def serves(weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias): the kernel for up to MAX_ROWS rows of bfloat16 input
-    and a weight that `serves`, F.linear otherwise (any other input, or a weight a
-    caller replaced since)."""
+    """F.linear(x, weight, bias): for bfloat16 input and a weight that `serves`, the
+    VDPBF16PS kernel up to `dot_max_rows()` rows, then (where the library has them) our
+    AMX tiles up to AMX_MAX_ROWS; F.linear otherwise (more rows, an input width the tiles
+    do not take, any other input, or a weight a caller replaced since)."""
     kernel = load()
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (kernel is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not 0 < rows <= MAX_ROWS
+    dot = rows <= dot_max_rows()
+    if (kernel is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or rows <= 0
+            or not (dot or (kernel.has_amx and rows <= AMX_MAX_ROWS))
             or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.stride(1) != 1
             or weight.device.type != "cpu"
             or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()))):
@@ -99,4 +151,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    return kernel.linear(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    out = kernel.linear(x2, weight, bias) if dot else kernel.amx_linear(x2, weight, bias)
+    if out is None:  # the tiles declined (an input width not a multiple of 32)
+        return F.linear(x, weight, bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
