@@ -3,8 +3,9 @@ dequantise-then-matmul reference:
 
 - the layout holds exactly the codes, scales and zero points it was given (contiguous
   groups, act-order permutations, groups padded to whole 32-input blocks);
-- the C GEMV (1-8 tokens) and the tiled dequantise + GEMM (more tokens), the torch
-  fallback, and the Triton kernel (under Triton's interpreter here) all give x W^T;
+- the C GEMV (1-8 tokens) and the tiled dequantise + GEMM (more tokens), the AMX tiles
+  (bfloat16 tokens from AMX_MIN_TOKENS on, where the CPU has them), the torch fallback,
+  and the Triton kernel (under Triton's interpreter here) all give x W^T;
 - float16 / bfloat16 / float32 scales (float16 subnormals included) read exactly;
 - the formats' int32 packing matches AutoGPTQ's and AutoAWQ's documented bit order,
   and compressed-tensors' own unpacking when that library is installed;
@@ -147,6 +148,7 @@ def test_bfloat16_batches_use_weight_tiles_rounded_to_bfloat16(bits: int, switch
     (`cpu_sgemm.linear_half`) where torch's is emulated, unless `TP_CPU_BF16_GEMM=0` turns
     it off as for the dense layers; float32 tiles (the exact weights) where neither is."""
     monkeypatch.setenv("TP_CPU_BF16_GEMM", switch)
+    monkeypatch.setattr(wna16_cpu, "AMX_MIN_TOKENS", 1 << 30)  # the tiles, also where AMX would take the batch
     assert wna16_cpu.tile_dtype(torch.float32) == torch.float32
     kernel_on = (switch == "1" and cpu_sgemm.load() is not None
                  and lacks_native_gemm(torch.zeros(2, 2, dtype=torch.bfloat16)))
@@ -173,6 +175,43 @@ def test_bfloat16_batches_use_weight_tiles_rounded_to_bfloat16(bits: int, switch
     else:
         # float32 throughout: only the output is rounded, by at most one bfloat16 unit
         torch.testing.assert_close(y.float(), reference, atol=1e-5, rtol=2.0**-8)
+
+
+_KERNEL = wna16_cpu.load()
+
+
+@pytest.mark.skipif(_KERNEL is None or not _KERNEL.has_amx, reason="no AMX tiles on this CPU (or its compiler)")
+@pytest.mark.parametrize("grouping", sorted(GROUPINGS))
+@pytest.mark.parametrize("bits", [4, 8])
+def test_amx_tiles_sum_the_exact_weights(bits: int, grouping: str) -> None:
+    """bfloat16 batches of AMX_MIN_TOKENS tokens and more on AMX CPUs: q - z exact in the
+    tiles, each run of a group's blocks summed in float32 and times its scale, so the
+    float32 output is the exact product up to float32 rounding, for every token count
+    (partial 16- and 32-token groups), a partial last 32-row block, ragged and act-order
+    groups, and any thread count."""
+    layer, weight = _layer(77, 320, bits, GROUPINGS[grouping](320), scale_dtype=torch.bfloat16, seed=bits)
+    layout = get_wna16_layout(layer)
+    w = weight.double()
+    for m in (wna16_cpu.AMX_MIN_TOKENS, 16, 17, 33, 70):
+        x = torch.randn(m, 320, generator=torch.Generator().manual_seed(m)).bfloat16()
+        xp = x if layout.input_perm is None else (  # the layout's order
+            torch.nn.functional.pad(x, (0, 1)).index_select(1, layout.input_perm).contiguous())
+        y = wna16_cpu.wna16_matmul(xp, layout, _KERNEL)
+        assert y.dtype == torch.float32 and torch.equal(y, _KERNEL.amx_matmul(xp, layout))
+        exact = x.double() @ w.t()
+        bound = 1e-5 * (x.double().abs() @ w.abs().t()).max().item()  # float32 sums
+        assert (y.double() - exact).abs().max().item() <= bound
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _KERNEL.amx_matmul(xp, layout)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, y)
+    # and through the layer: x in its own order, bfloat16 out (rounded once)
+    x = torch.randn(40, 320).bfloat16()
+    torch.testing.assert_close(apply_wna16(layer, x, None).float(), x.float() @ weight.t(), atol=1e-4,
+                               rtol=2.0**-7)
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])

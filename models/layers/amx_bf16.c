@@ -6,11 +6,12 @@
  * reorders it into its blocked layout on every F.linear call). The tokens are the B
  * operand, which TDPBF16PS wants as pairs of inputs side by side: `x` is rewritten once
  * a call into that layout (tokens in groups of 16, zero-padded to a multiple of 32; 2 K x
- * 32 bytes per 32 tokens), a small cost against the weight's. A work item is 32 weight
- * rows (two A tiles) by 32 tokens (two B tiles) into four 16 x 16 float32 C tiles, all 8
- * tile registers (16 tokens or fewer: one B tile, two C tiles); the last item of a weight whose N is not a multiple of 32 is copied into a
- * zero-padded 32-row panel first. Threads split the 32-row blocks, each running every token
- * pair over its block while the block is in L2, so W is streamed from memory once a call.
+ * 32 bytes per 32 tokens), a small cost against the weight's. A work item is amx_tiles.h's
+ * 32 weight rows by 32 tokens (16 tokens or fewer: one B tile, two C tiles); the last
+ * block of a weight whose N is not a multiple of 32 is copied into a zero-padded 32-row
+ * panel first. Each A row is prefetched PREFETCH_AHEAD inputs ahead. Threads split the
+ * 32-row blocks, each running every 32 tokens over its block while the block is in L2,
+ * so W is streamed from memory once a call.
  *
  * Needs AMX-TILE and AMX-BF16 (built with -march=native on such a CPU; elsewhere it
  * compiles to `bf16_amx_available` returning 0) and the kernel's permission for the tile
@@ -24,84 +25,12 @@
 
 #include "../../distributed/bf16_convert.h"
 
-typedef uint16_t bf16;
-
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-#define ROWS 32   /* weight rows a work item: two A tiles */
-#define TOKENS 32 /* tokens a work item: two B tiles */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 256
 #endif
-
-/* The 64-byte operand of LDTILECFG (palette 1): every tile 16 rows of 64 bytes. */
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Whether this process may use the tile registers: asked of the kernel once per process
- * (a forked child inherits the answer, and asking again is harmless). */
-static int tiles_permitted(void) {
-    static pid_t asked = 0;
-    static int ok = 0;
-    const pid_t pid = getpid();
-    if (asked != pid) {
-        ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-        asked = pid;
-    }
-    return ok;
-}
-
-static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-    _tile_loadconfig(&cfg);
-}
-
-/* x [M, K] (rows ldx apart) into TDPBF16PS's B layout: for each group of 16 tokens, K / 2
- * rows of 16 (input pair) dwords, token t's inputs 2p, 2p + 1 at dword t of row p; groups
- * past M zero. `xv` holds groups * K * 16 values. */
-static void tokens_to_pairs(const bf16 *x, int64_t ldx, int64_t M, int64_t K, int64_t groups, uint32_t *xv) {
-    memset(xv, 0, sizeof(uint32_t) * (size_t)groups * (size_t)(K / 2) * 16);
-    for (int64_t m = 0; m < M; m++) {
-        uint32_t *dst = xv + (m / 16) * (K / 2) * 16 + m % 16;
-        const bf16 *src = x + m * ldx;
-        for (int64_t p = 0; p < K / 2; p++) {
-            uint32_t pair;
-            memcpy(&pair, src + 2 * p, sizeof pair);
-            dst[p * 16] = pair;
-        }
-    }
-}
-
-/* C tile `c` (16 weight rows from n0, `rows` of them real, by 16 tokens from t0, `tokens`
- * of them real) to y as bfloat16, plus the rows' bias: each token's 16 sums gathered from
- * the tile's column, rounded and stored side by side. */
-static void store_tile(const float c[16][16], int64_t n0, int rows, int64_t t0, int tokens, __m512 bias, bf16 *y,
-                       int64_t ldy) {
-    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(16));
-    const __mmask16 mask = (__mmask16)((1u << rows) - 1);
-    for (int t = 0; t < tokens; t++) {
-        const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, &c[0][t], 4), bias);
-        _mm256_mask_storeu_epi16(y + (t0 + t) * ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
-    }
-}
-
-static __m512 bias_of(const bf16 *bias, int64_t n0, int rows) {
-    if (bias == NULL) return _mm512_setzero_ps();
-    const __m256i b = _mm256_maskz_loadu_epi16((__mmask16)((1u << rows) - 1), bias + n0);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
 
 /* One 32-row block (A rows at `a`, `lda` values apart; `rows` of them real, from n0)
  * against every 32 tokens (16 where only 16 are left: two products a step, not four). */
@@ -186,6 +115,8 @@ int bf16_amx_linear(const bf16 *x, int64_t ldx, int64_t M, const bf16 *w, int64_
 
 int bf16_amx_available(void) { return tiles_permitted(); }
 #else
+typedef uint16_t bf16;
+
 int bf16_amx_linear(const bf16 *x, int64_t ldx, int64_t M, const bf16 *w, int64_t ldw, int64_t N, int64_t K,
                     const bf16 *bias, bf16 *y, int64_t ldy, int threads) {
     (void)x, (void)ldx, (void)M, (void)w, (void)ldw, (void)N, (void)K, (void)bias, (void)y, (void)ldy, (void)threads;

@@ -38,8 +38,9 @@ from distributed.native_calls import NativeLibrary
 
 SOURCE = Path(__file__).with_name("cpu_bf16_gemm.c")
 # With the AMX tiles' file, one library; the headers they include: a change to one rebuilds it.
-SOURCES = (SOURCE, SOURCE.with_name("amx_bf16.c"), SOURCE.with_name("bf16_tile.h"), SOURCE.with_name("tile_sum.h"),
-           SOURCE.with_name("half_dot.h"), SOURCE.with_name("bf16_row_dot.h"), BF16_CONVERT_H)
+SOURCES = (SOURCE, SOURCE.with_name("amx_bf16.c"), SOURCE.with_name("amx_tiles.h"), SOURCE.with_name("bf16_tile.h"),
+           SOURCE.with_name("tile_sum.h"), SOURCE.with_name("half_dot.h"), SOURCE.with_name("bf16_row_dot.h"),
+           BF16_CONVERT_H)
 SWITCH = "TP_CPU_BF16_GEMM"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")

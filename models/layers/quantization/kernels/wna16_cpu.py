@@ -1,5 +1,6 @@
 """The CPU kernels of weight-only int4/int8 layers (`wna16_cpu.c`: the GEMVs; `wna16_dequant.c`:
-the tiles; both decode blocks with `wna16_blocks.h`), and their torch fallback.
+the tiles; `wna16_amx.c`: the AMX product; all decode blocks with `wna16_blocks.h`), and
+their torch fallback.
 
 `wna16_matmul(x, layout)` computes y = x W^T from the WNA16 layout
 (models/layers/quantization/kernels/wna16_layout.py) without ever dequantising the
@@ -12,7 +13,11 @@ whole weight:
   bfloat16 tokens on an AVX512-BF16 CPU (a bfloat16 model's decode) int4 codes go
   straight into bfloat16 dot products (`gemv_bf16`), about half the instructions of
   the float32 GEMV;
-- more tokens (prefill, large batches): rows are dequantised a tile at a time
+- bfloat16 tokens from `AMX_MIN_TOKENS` on, on CPUs with AMX (`wna16_amx.c`): each
+  32-row block decoded once into a panel of exact q - z values, the tiles' operands, and
+  each group's float32 sums times its scale: the weight is never rounded, and there is
+  no dequantised tile to write and read back (3x the tiles at 32 tokens);
+- more tokens (prefill, large batches) elsewhere: rows are dequantised a tile at a time
   (`_TILE_BYTES` of scratch; bfloat16 tiles for a bfloat16 model, whose GEMM is 2-4x
   float32's on an AVX512-BF16 CPU, and which our AVX2 kernel reads where torch's
   bfloat16 GEMM is emulated: `tile_dtype`) and multiplied by a GEMM, which is
@@ -35,7 +40,7 @@ import torch
 
 from distributed.native_build import BF16_CONVERT_H, FP16_CONVERT_H, load_kernel
 from distributed.native_calls import NativeLibrary
-from models.layers import cpu_sgemm
+from models.layers import cpu_bf16_gemm, cpu_sgemm
 from models.layers.cpu_bf16_gemm import cpu_has_avx512_bf16
 from models.layers.cpu_gemm import widens_half_dtype
 
@@ -43,11 +48,11 @@ if TYPE_CHECKING:
     from models.layers.quantization.kernels.wna16_layout import WNA16Layout
 
 SOURCE = Path(__file__).with_name("wna16_cpu.c")
-# The GEMVs, the tile dequantiser, a mixture of experts' decode step (wna16_moe.c) and the block
-# decoders they share; a change to a header rebuilds.
+# The GEMVs, the tile dequantiser, a mixture of experts' decode step (wna16_moe.c), the AMX
+# product and the block decoders and tile helpers they share; a change to a header rebuilds.
 SOURCES = (SOURCE, SOURCE.with_name("wna16_dequant.c"), SOURCE.with_name("wna16_moe.c"),
-           SOURCE.with_name("wna16_blocks.h"), SOURCE.parents[2] / "fused_moe" / "expert_pairs.h", BF16_CONVERT_H,
-           FP16_CONVERT_H)
+           SOURCE.with_name("wna16_amx.c"), SOURCE.parents[2] / "amx_tiles.h", SOURCE.with_name("wna16_blocks.h"),
+           SOURCE.parents[2] / "fused_moe" / "expert_pairs.h", BF16_CONVERT_H, FP16_CONVERT_H)
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBS = ("-lm",)
@@ -63,6 +68,13 @@ LINK_LIBS = ("-lm",)
 # the time of bfloat16 tiles with the AVX2 GEMM at 24 tokens and 1.04-1.27x at 32; float32
 # tiles (torch's GEMM) take 1.1-2.0x the GEMV's time at 32 tokens.
 BF16_DOT_MAX_TOKENS = 16
+# From this many bfloat16 tokens on, where the library has AMX tiles (wna16_amx.c), they are
+# the product: the GEMVs / the tiles against them, int4 in groups of 128, 2 threads of an
+# Intel Xeon VM with AMX (2026-12-07), 8192x1024, 1024x4096, 4096x4096: 4 tokens 0.65 /
+# 0.70, 0.33 / 0.50, 1.18 / 1.39 ms; 8 tokens 1.28 / 0.71, 0.57 / 0.50, 2.20 / 1.43; 32
+# tokens (dequantised tiles) 2.81 / 1.02, 1.63 / 0.63, 6.07 / 2.04; 64 tokens 3.05 / 1.29,
+# 2.03 / 1.14, 7.48 / 2.47.
+AMX_MIN_TOKENS = 8
 GEMV_MAX_TOKENS = {torch.bfloat16: 6, torch.float32: 8}
 AVX2_GEMV_MAX_TOKENS = {torch.bfloat16: 24, torch.float32: 32}
 SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C kernel's scale_dtype
@@ -84,6 +96,11 @@ class Wna16Kernel:
         self._gemv_bf16.argtypes = [p, p, i32, p, p, i64, i64, i64, p, i64, i64, p, i64, i32]
         # bfloat16 dot products (AVX512-BF16): the int4 decode path of bfloat16 models
         self.has_bf16_gemv = bool(lib.wna16_has_gemv_int4_bf16())
+        self._amx = lib.wna16_amx_matmul
+        self._amx.restype = ctypes.c_int
+        self._amx.argtypes = [i32, p, p, i32, p, p, i64, i64, i64, p, i64, i64, p, i64, i32]
+        lib.wna16_has_amx.restype = ctypes.c_int
+        self.has_amx = bool(lib.wna16_has_amx())  # built with AMX-BF16, and this process may use the tiles
 
     def gemv(self, x: torch.Tensor, layout: WNA16Layout) -> torch.Tensor:
         """x [M, Kp] float32, rows contiguous -> y [M, N] float32. MemoryError if the AVX2
@@ -114,6 +131,21 @@ class Wna16Kernel:
         if status:
             raise MemoryError("int4 GEMV could not allocate its scratch")
         return y
+
+    def amx_matmul(self, x: torch.Tensor, layout: WNA16Layout) -> torch.Tensor | None:
+        """bfloat16 tokens x [M, Kp] (unit stride along Kp) -> y [M, N] float32 on AMX tiles
+        (wna16_amx.c; `has_amx` only), q - z exact in the tiles and each group's sums times
+        its scale; None where the tiles are refused. MemoryError where its scratch (the
+        tokens, 2 bytes an input padded to 32 tokens; 64 bytes an input a thread) cannot be
+        allocated."""
+        y = torch.empty(x.shape[0], layout.out_features, dtype=torch.float32)
+        status = self._amx(layout.bits, layout.qweight.data_ptr(), layout.scales.data_ptr(),
+                           SCALE_DTYPES[layout.scales.dtype], layout.zeros.data_ptr(), layout.block_group.data_ptr(),
+                           layout.out_features, layout.padded_in_features, layout.scales.shape[1], x.data_ptr(),
+                           x.stride(0), x.shape[0], y.data_ptr(), y.stride(0), torch.get_num_threads())
+        if status == 1:
+            raise MemoryError("int4/int8 AMX product could not allocate its scratch")
+        return y if status == 0 else None
 
     def dequant_rows(self, layout: WNA16Layout, start: int, out: torch.Tensor) -> None:
         """out [rows, Kp] (float32, or bfloat16: rounded; rows contiguous) = rows
@@ -179,6 +211,10 @@ def wna16_matmul(x: torch.Tensor, layout: WNA16Layout, kernel: Wna16Kernel | Non
     where they have a fast GEMM: the weight rounded to bfloat16, as a bfloat16 model's
     weights are), at most `_TILE_BYTES` (or 64 rows) of scratch."""
     m = x.shape[0]
+    if kernel is not None and kernel.has_amx and x.dtype == torch.bfloat16 and m >= AMX_MIN_TOKENS:
+        y = kernel.amx_matmul(x, layout)
+        if y is not None:
+            return y
     if kernel is not None and x.dtype == torch.bfloat16 and m <= BF16_DOT_MAX_TOKENS:
         y = kernel.gemv_bf16(x, layout)
         if y is not None:
@@ -199,7 +235,8 @@ def wna16_matmul(x: torch.Tensor, layout: WNA16Layout, kernel: Wna16Kernel | Non
         rows = min(tile_rows, n - start)
         tile = scratch[:rows]
         dequant(layout, start, tile)
-        y[:, start : start + rows] = cpu_sgemm.load().linear_half(x, tile) if widen else x @ tile.t()
+        y[:, start : start + rows] = (cpu_sgemm.load().linear_half(x, tile) if widen
+                                      else cpu_bf16_gemm.linear(x, tile) if dtype == torch.bfloat16 else x @ tile.t())
     return y
 
 

@@ -33,14 +33,19 @@ int wna16_dequant(int bits, const uint8_t *wq, const void *scales, int scale_dty
         for (int64_t b = 0; b < kp / BLOCK; ++b) {
             const int32_t g = block_group[b];
 #if defined(__AVX512F__)
-            float w[BLOCK];
             __m512 w0, w1;
             const __m512i zv = _mm512_set1_epi32(zeros[n * g_count + g]);
             const __m512 sv = _mm512_set1_ps(load_scale(scales, n * g_count + g, scale_dtype));
             decode_block(bits, wq + n * row_bytes, b, zv, sv, int4_table(zv, sv), &w0, &w1);
-            _mm512_storeu_ps(w, w0);
-            _mm512_storeu_ps(w + 16, w1);
-            store_block(w, row_out, b * BLOCK, out_bf16);
+            if (out_bf16) { /* float_to_bf16 8 lanes at a time (its rounding, NaN and subnormals) */
+                const __m256 v[4] = {_mm512_castps512_ps256(w0), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w0), 1)),
+                                     _mm512_castps512_ps256(w1), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w1), 1))};
+                for (int i = 0; i < 4; ++i)
+                    _mm_storeu_si128((__m128i *)((uint16_t *)row_out + b * BLOCK + 8 * i), float_to_bf16x8(v[i]));
+            } else {
+                _mm512_storeu_ps((float *)row_out + b * BLOCK, w0);
+                _mm512_storeu_ps((float *)row_out + b * BLOCK + 16, w1);
+            }
 #elif defined(__AVX2__)
             __m256 v[4];
             decode_block_avx2(bits, wq + n * row_bytes, b, _mm256_set1_epi32(zeros[n * g_count + g]),

@@ -1,0 +1,93 @@
+/* What our AMX kernels share (amx_bf16.c: bfloat16 weights; wna16_amx.c: int4/int8 ones):
+ * the process's permission for the tile state, the tile configuration (8 tiles of 16 rows
+ * of 64 bytes), the tokens rearranged into TDPBF16PS's B layout, and a C tile's columns
+ * stored as output rows. A work item is 32 weight rows (two A tiles: tmm0, tmm1) by 32
+ * tokens (two B tiles: tmm2, tmm3) into four C tiles (tmm4: rows 0-15 x tokens 0-15, tmm5:
+ * rows 0-15 x tokens 16-31, tmm6, tmm7 the same for rows 16-31). Needs AMX-TILE, AMX-BF16
+ * and AVX-512 (each includer checks). Static inline: each includer compiles its own copy.
+ */
+#ifndef AMX_TILES_H
+#define AMX_TILES_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define ROWS 32   /* weight rows a work item: two A tiles */
+#define TOKENS 32 /* tokens a work item: two B tiles */
+
+typedef uint16_t bf16;
+
+/* The 64-byte operand of LDTILECFG (palette 1): every tile 16 rows of 64 bytes. */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Whether this process may use the tile registers: asked of the kernel once per process
+ * (a forked child inherits the answer, and asking again is harmless). */
+static inline int tiles_permitted(void) {
+    static pid_t asked = 0;
+    static int ok = 0;
+    const pid_t pid = getpid();
+    if (asked != pid) {
+        ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        asked = pid;
+    }
+    return ok;
+}
+
+static inline void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* x [M, K] (rows ldx apart) into TDPBF16PS's B layout: for each group of 16 tokens, K / 2
+ * rows of 16 (input pair) dwords, token t's inputs 2p, 2p + 1 at dword t of row p; groups
+ * past M zero. `xv` holds groups * K * 16 values. */
+static inline void tokens_to_pairs(const bf16 *x, int64_t ldx, int64_t M, int64_t K, int64_t groups, uint32_t *xv) {
+    memset(xv, 0, sizeof(uint32_t) * (size_t)groups * (size_t)(K / 2) * 16);
+    for (int64_t m = 0; m < M; m++) {
+        uint32_t *dst = xv + (m / 16) * (K / 2) * 16 + m % 16;
+        const bf16 *src = x + m * ldx;
+        for (int64_t p = 0; p < K / 2; p++) {
+            uint32_t pair;
+            memcpy(&pair, src + 2 * p, sizeof pair);
+            dst[p * 16] = pair;
+        }
+    }
+}
+
+/* Column t of a 16 x 16 float32 tile (its 16 rows' values for token t). */
+static inline __m512 tile_column(const float c[16][16], int t) {
+    const __m512i rows = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+    return _mm512_i32gather_ps(rows, &c[0][t], 4);
+}
+
+/* C tile `c` (16 weight rows from n0, `rows` of them real, by 16 tokens from t0, `tokens`
+ * of them real) to y as bfloat16, plus the rows' bias: each token's 16 sums gathered from
+ * the tile's column, rounded and stored side by side. */
+static inline void store_tile(const float c[16][16], int64_t n0, int rows, int64_t t0, int tokens, __m512 bias,
+                              bf16 *y, int64_t ldy) {
+    const __mmask16 mask = (__mmask16)((1u << rows) - 1);
+    for (int t = 0; t < tokens; t++) {
+        const __m512 v = _mm512_add_ps(tile_column(c, t), bias);
+        _mm256_mask_storeu_epi16(y + (t0 + t) * ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+static inline __m512 bias_of(const bf16 *bias, int64_t n0, int rows) {
+    if (bias == NULL) return _mm512_setzero_ps();
+    const __m256i b = _mm256_maskz_loadu_epi16((__mmask16)((1u << rows) - 1), bias + n0);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+#endif

@@ -1,0 +1,181 @@
+/* y = x W^T for bfloat16 tokens x [M, Kp] and an int4/int8 WNA16 weight (wna16_blocks.h's
+ * layout) on AMX tiles (TDPBF16PS), without dequantising the weight:
+ *
+ *     y[t, n] = sum over runs of blocks of one group g:  s[n, g] * sum_k (q[n, k] - z[n, g]) x[t, k]
+ *
+ * q - z is an integer of at most 8 bits and a sign, so it is exactly a bfloat16: each
+ * 32-row block of W is decoded once a call into a panel of those exact values (32 rows x
+ * Kp, in L2), whose 16 x 32 blocks are the tiles' A operands; the tokens are the B
+ * operands (amx_tiles.h's layout). Each run of consecutive 32-input blocks in one group is
+ * summed in the C tiles in float32 (every product exact), then times the rows' scales into
+ * the item's float32 total; so the weight is rounded nowhere, and each output once, to
+ * float32. Work items are amx_tiles.h's 32 rows by 32 tokens; threads split the 32-row
+ * blocks (a partial last block is zero-padded).
+ *
+ * Called from wna16_cpu.py only (`Wna16Kernel.amx_matmul`), which checks shapes, strides
+ * and dtypes; built into its library. Needs AMX-TILE, AMX-BF16 and AVX-512 BW (elsewhere
+ * `wna16_has_amx` is 0) and the process's permission for the tiles.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "wna16_blocks.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+#include "../../amx_tiles.h"
+
+/* 32 bfloat16 values q - z of block b of `row` (4 or 8 bits) into dst, exactly: for 4 bits
+ * `table` holds bf16(j - z) in word j (j < 16) and the codes index it (vpermw reads 5 bits:
+ * the nibbles are masked); for 8 bits q - z is converted through float32 (exact). */
+static inline void decode_exact(int bits, const uint8_t *row, int64_t b, __m512i table, __m512i zv, bf16 *dst) {
+    if (bits == 4) {
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + b * 16)));
+        const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(15)), hi = _mm256_srli_epi16(v, 4);
+        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); /* inputs 0-15, then 16-31 */
+        _mm512_storeu_si512((void *)dst, _mm512_permutexvar_epi16(idx, table));
+        return;
+    }
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + b * BLOCK))), zv));
+    const __m512 c = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + b * BLOCK + 16))), zv));
+    _mm512_storeu_si512((void *)dst, (__m512i)_mm512_cvtne2ps_pbh(c, a));
+}
+
+/* Rows [n0, n0 + 32) of W (those < N; the rest zero) as exact q - z into panel [32, kp]. */
+static void decode_panel(int bits, const uint8_t *wq, const uint8_t *zeros, const int32_t *block_group,
+                         int64_t n0, int64_t N, int64_t kp, int64_t g_count, bf16 *panel) {
+    const int64_t row_bytes = kp * bits / 8;
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int r = 0; r < ROWS; r++) {
+        bf16 *dst = panel + r * kp;
+        if (n0 + r >= N) {
+            memset(dst, 0, sizeof(bf16) * (size_t)kp);
+            continue;
+        }
+        const uint8_t *row = wq + (n0 + r) * row_bytes;
+        int32_t g = -1;
+        __m512i table = _mm512_setzero_si512(), zv = _mm512_setzero_si512();
+        for (int64_t b = 0; b < kp / BLOCK; b++) {
+            if (block_group[b] != g) { /* a new group: its zero point, and the 16 values a code stands for */
+                g = block_group[b];
+                zv = _mm512_set1_epi32(zeros[(n0 + r) * g_count + g]);
+                table = _mm512_castsi256_si512(
+                    (__m256i)_mm512_cvtneps_pbh(_mm512_cvtepi32_ps(_mm512_sub_epi32(iota, zv))));
+            }
+            decode_exact(bits, row, b, table, zv, dst + b * BLOCK);
+        }
+    }
+}
+
+/* total[r][t] += scale[r] * c[r][t] for one C tile's 16 rows (scale 0 past N). */
+static inline void add_scaled(float total[16][32], int t_off, const float c[16][16], const float *scale) {
+    for (int r = 0; r < 16; r++) {
+        const __m512 acc = _mm512_loadu_ps(&total[r][t_off]);
+        _mm512_storeu_ps(&total[r][t_off], _mm512_fmadd_ps(_mm512_loadu_ps(c[r]), _mm512_set1_ps(scale[r]), acc));
+    }
+}
+
+/* One 32-row block (its panel) against every 32 tokens, into y (float32, rows ldy apart). */
+static void panel_times_tokens(const bf16 *panel, const uint32_t *xv, const void *scales, int scale_dtype,
+                               const int32_t *block_group, int64_t n0, int64_t N, int64_t kp, int64_t g_count,
+                               int64_t M, float *y, int64_t ldy) {
+    float c[4][16][16], total[ROWS][TOKENS], scale[ROWS];
+    const int64_t group_stride = (kp / 2) * 16;
+    const int rows = (int)(N - n0 < ROWS ? N - n0 : ROWS);
+    for (int64_t t0 = 0; t0 < M; t0 += TOKENS) {
+        const uint32_t *b0 = xv + (t0 / 16) * group_stride, *b1 = b0 + group_stride;
+        const int two = M - t0 > 16; /* a second B tile */
+        memset(total, 0, sizeof total);
+        for (int64_t b = 0; b < kp / BLOCK;) {
+            const int32_t g = block_group[b];
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+            for (; b < kp / BLOCK && block_group[b] == g; b++) {
+                _tile_loadd(0, panel + b * BLOCK, kp * sizeof(bf16));
+                _tile_loadd(1, panel + 16 * kp + b * BLOCK, kp * sizeof(bf16));
+                _tile_loadd(2, b0 + b * BLOCK / 2 * 16, 64);
+                _tile_dpbf16ps(4, 0, 2);
+                _tile_dpbf16ps(6, 1, 2);
+                if (two) {
+                    _tile_loadd(3, b1 + b * BLOCK / 2 * 16, 64);
+                    _tile_dpbf16ps(5, 0, 3);
+                    _tile_dpbf16ps(7, 1, 3);
+                }
+            }
+            for (int r = 0; r < ROWS; r++) scale[r] = r < rows ? load_scale(scales, (n0 + r) * g_count + g, scale_dtype) : 0.f;
+            _tile_stored(4, c[0], 64);
+            _tile_stored(6, c[2], 64);
+            add_scaled(total, 0, c[0], scale);
+            add_scaled(total + 16, 0, c[2], scale + 16);
+            if (two) {
+                _tile_stored(5, c[1], 64);
+                _tile_stored(7, c[3], 64);
+                add_scaled(total, 16, c[1], scale);
+                add_scaled(total + 16, 16, c[3], scale + 16);
+            }
+        }
+        const __m512i across = _mm512_set_epi32(15 * TOKENS, 14 * TOKENS, 13 * TOKENS, 12 * TOKENS, 11 * TOKENS,
+                                                10 * TOKENS, 9 * TOKENS, 8 * TOKENS, 7 * TOKENS, 6 * TOKENS,
+                                                5 * TOKENS, 4 * TOKENS, 3 * TOKENS, 2 * TOKENS, TOKENS, 0);
+        for (int t = 0; t < TOKENS && t0 + t < M; t++)
+            for (int h = 0; h < 2 && 16 * h < rows; h++) {
+                const int real = rows - 16 * h < 16 ? rows - 16 * h : 16;
+                _mm512_mask_storeu_ps(y + (t0 + t) * ldy + n0 + 16 * h, (__mmask16)((1u << real) - 1),
+                                      _mm512_i32gather_ps(across, &total[16 * h][t], 4));
+            }
+    }
+}
+
+/* y [M, N] float32 (rows ldy apart) = x [M, kp] bfloat16 (rows ldx apart) times W^T, on
+ * `num_threads` threads. Returns 0; 2 where the process may not use the tiles (nothing
+ * computed); 1 where scratch (the tokens, 2 bytes an input padded to 32 tokens; a 32 x kp
+ * bfloat16 panel a thread) could not be allocated. */
+int wna16_amx_matmul(int bits, const uint8_t *wq, const void *scales, int scale_dtype, const uint8_t *zeros,
+                     const int32_t *block_group, int64_t N, int64_t kp, int64_t g_count, const bf16 *x, int64_t ldx,
+                     int64_t M, float *y, int64_t ldy, int num_threads) {
+    if (M <= 0 || !tiles_permitted()) return 2;
+    const int64_t groups = (M + TOKENS - 1) / TOKENS * 2;
+    uint32_t *xv = malloc(sizeof(uint32_t) * (size_t)groups * (size_t)(kp / 2) * 16);
+    if (xv == NULL) return 1;
+    tokens_to_pairs(x, ldx, M, kp, groups, xv);
+    const int64_t blocks = (N + ROWS - 1) / ROWS;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        bf16 *panel = malloc(sizeof(bf16) * ROWS * (size_t)kp);
+        if (panel == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            configure_tiles();
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                decode_panel(bits, wq, zeros, block_group, b * ROWS, N, kp, g_count, panel);
+                panel_times_tokens(panel, xv, scales, scale_dtype, block_group, b * ROWS, N, kp, g_count, M, y, ldy);
+            }
+            _tile_release();
+        }
+        free(panel);
+    }
+    free(xv);
+    return failed;
+}
+
+int wna16_has_amx(void) { return tiles_permitted(); }
+#else
+int wna16_amx_matmul(int bits, const uint8_t *wq, const void *scales, int scale_dtype, const uint8_t *zeros,
+                     const int32_t *block_group, int64_t N, int64_t kp, int64_t g_count, const uint16_t *x,
+                     int64_t ldx, int64_t M, float *y, int64_t ldy, int num_threads) {
+    (void)bits, (void)wq, (void)scales, (void)scale_dtype, (void)zeros, (void)block_group, (void)N, (void)kp;
+    (void)g_count, (void)x, (void)ldx, (void)M, (void)y, (void)ldy, (void)num_threads;
+    return 2;
+}
+
+int wna16_has_amx(void) { return 0; }
+#endif
