@@ -26,11 +26,14 @@ import torch.nn.functional as F
 from engine.arg_utils import create_engine_config
 from engine.tiny_model import make_tiny_model
 from model_loader import get_model
-from models.layers import cpu_bf16_gemm
+from models.layers import cpu_bf16_gemm, cpu_sgemm
 from models.layers.cpu_gemm import (
+    NATIVE_HALF_MAX_ROWS,
     PACKED_MAX_ROWS,
     PackedWeight,
     default_packed_gemm,
+    half_linear_rows,
+    lacks_native_gemm,
     mkl_packing_available,
     native_half_gemm,
     onednn_rows,
@@ -176,6 +179,28 @@ def test_16bit_weights_stay_in_the_checkpoint_layout_where_a_row_major_kernel_ru
     stored = sum(p.untyped_storage().nbytes() for p in {id(p): p for p in model.parameters()}.values())
     assert stored == sum(p.numel() * 2 for p in plain.parameters())
     assert_bf16_logits_close(model, plain, dtype)
+
+
+def test_float16_weights_read_in_place_leave_large_batches_to_onednn_where_it_has_an_fp16_gemm(tiny_models,
+                                                                                             monkeypatch):
+    """Where oneDNN has no FP16 GEMM our widening kernel takes every row count; where it has
+    one (AVX512-FP16), up to NATIVE_HALF_MAX_ROWS rows, and F.linear more."""
+    if row_major_kernel_here(torch.float16) != "avx2":
+        pytest.skip("float16 weights are packed on this CPU (no kernel builds)")
+    limit = half_linear_rows(torch.float16)
+    assert limit == (None if lacks_native_gemm(torch.zeros(2, 2, dtype=torch.float16)) else NATIVE_HALF_MAX_ROWS)
+    model = load(tiny_models["llama"], dtype="float16")
+    layer = linears(model)[0]
+    calls: list[str] = []
+    real_half, real_linear = cpu_sgemm.linear_half, F.linear
+    monkeypatch.setattr(cpu_sgemm, "linear_half", lambda *a: calls.append("ours") or real_half(*a))
+    monkeypatch.setattr(F, "linear", lambda *a: calls.append("F.linear") or real_linear(*a))
+    for rows in (1, NATIVE_HALF_MAX_ROWS, NATIVE_HALF_MAX_ROWS + 1):
+        calls.clear()
+        x = torch.randn(rows, layer.weight.shape[1]).half()
+        got = layer.quant_method.apply(layer, x)
+        assert calls == ["F.linear" if limit is not None and rows > limit else "ours"], rows
+        torch.testing.assert_close(got.float(), x.float() @ layer.weight.float().t(), rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.skipif(row_major_kernel_here(torch.bfloat16) is None or sys.platform != "linux",

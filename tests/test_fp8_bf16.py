@@ -123,7 +123,9 @@ def test_a_k_block_not_a_multiple_of_32_is_declined(kernel, monkeypatch: pytest.
 def test_each_batch_takes_its_path(kernel, monkeypatch: pytest.MonkeyPatch) -> None:
     """bfloat16 rows: exact up to BF16_EXACT_MAX_ROWS (blocks along the input) and at any
     count with one scale per row, rounded above, the tiles past BF16_MAX_ROWS; float32
-    rows never come here (the float32 GEMV). Each result against float64."""
+    rows never come here (the float32 GEMV). Each result against float64. (Where the CPU
+    has AMX, fp8_amx.c takes AMX_MIN_ROWS rows and more first: tests/test_fp8_amx.py.)"""
+    monkeypatch.setattr(kernel, "has_amx", False)
     seen: list[tuple[int, bool]] = []
     real = kernel.bf16_linear
 

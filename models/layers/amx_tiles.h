@@ -1,7 +1,8 @@
-/* What our AMX kernels share (amx_bf16.c: bfloat16 weights; wna16_amx.c: int4/int8 ones):
- * the process's permission for the tile state, the tile configuration (8 tiles of 16 rows
- * of 64 bytes), the tokens rearranged into TDPBF16PS's B layout, and a C tile's columns
- * stored as output rows. A work item is 32 weight rows (two A tiles: tmm0, tmm1) by 32
+/* What our AMX kernels share (amx_bf16.c: bfloat16 weights; wna16_amx.c: int4/int8 ones;
+ * fp8_amx.c: fp8 ones): the process's permission for the tile state, the tile
+ * configuration (8 tiles of 16 rows of 64 bytes), the tokens rearranged into TDPBF16PS's
+ * B layout, a C tile's columns stored as output rows, and the product of a panel of exact
+ * weight values whose runs of inputs each carry their own scale (`amx_scaled_runs`). A work item is 32 weight rows (two A tiles: tmm0, tmm1) by 32
  * tokens (two B tiles: tmm2, tmm3) into four C tiles (tmm4: rows 0-15 x tokens 0-15, tmm5:
  * rows 0-15 x tokens 16-31, tmm6, tmm7 the same for rows 16-31). Needs AMX-TILE, AMX-BF16
  * and AVX-512 (each includer checks). Static inline: each includer compiles its own copy.
@@ -88,6 +89,72 @@ static inline __m512 bias_of(const bf16 *bias, int64_t n0, int rows) {
     if (bias == NULL) return _mm512_setzero_ps();
     const __m256i b = _mm256_maskz_loadu_epi16((__mmask16)((1u << rows) - 1), bias + n0);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+/* y[t, n0 + r] = sum over runs j of run_scale[j * 32 + r] * sum over the run's inputs of
+ * panel[r][k] x[t][k], for r < rows and every token t < M: `panel` 32 rows of kp exact
+ * bfloat16 values (rows past `rows` zero), `xv` the tokens in tokens_to_pairs' layout,
+ * run j the 32-input blocks [run_end[j - 1], run_end[j]) (run_end[-1] = 0; the last
+ * run_end kp / 32). Each run is summed in the C tiles (float32; products of bfloat16
+ * values are exact), then times its rows' scales into a float32 total; y is float32
+ * (y_f32) or bfloat16, rows ldy apart, each output rounded once. Runs on the calling
+ * thread, whose tiles are configured. */
+static inline void amx_scaled_runs(const bf16 *panel, int64_t kp, const uint32_t *xv, int64_t M, int64_t n0, int rows,
+                                   int64_t nruns, const int64_t *run_end, const float *run_scale, void *y, int y_f32,
+                                   int64_t ldy) {
+    float c[4][16][16], total[ROWS][TOKENS];
+    const int64_t group_stride = (kp / 2) * 16;
+    const __m512i across = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(TOKENS));
+    for (int64_t t0 = 0; t0 < M; t0 += TOKENS) {
+        const uint32_t *b0 = xv + (t0 / 16) * group_stride, *b1 = b0 + group_stride;
+        const int two = M - t0 > 16; /* a second B tile */
+        memset(total, 0, sizeof total);
+        for (int64_t j = 0, b = 0; j < nruns; j++) {
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+            for (; b < run_end[j]; b++) {
+                _tile_loadd(0, panel + b * 32, kp * sizeof(bf16));
+                _tile_loadd(1, panel + 16 * kp + b * 32, kp * sizeof(bf16));
+                _tile_loadd(2, b0 + b * 16 * 16, 64);
+                _tile_dpbf16ps(4, 0, 2);
+                _tile_dpbf16ps(6, 1, 2);
+                if (two) {
+                    _tile_loadd(3, b1 + b * 16 * 16, 64);
+                    _tile_dpbf16ps(5, 0, 3);
+                    _tile_dpbf16ps(7, 1, 3);
+                }
+            }
+            _tile_stored(4, c[0], 64);
+            _tile_stored(6, c[2], 64);
+            if (two) {
+                _tile_stored(5, c[1], 64);
+                _tile_stored(7, c[3], 64);
+            }
+            const float *scale = run_scale + j * ROWS;
+            for (int r = 0; r < ROWS; r++) { /* total[r][t] += scale[r] * c[r][t] */
+                const __m512 s = _mm512_set1_ps(scale[r]);
+                const float *lo = c[r < 16 ? 0 : 2][r % 16], *hi = c[r < 16 ? 1 : 3][r % 16];
+                _mm512_storeu_ps(total[r], _mm512_fmadd_ps(_mm512_loadu_ps(lo), s, _mm512_loadu_ps(total[r])));
+                if (two)
+                    _mm512_storeu_ps(total[r] + 16,
+                                     _mm512_fmadd_ps(_mm512_loadu_ps(hi), s, _mm512_loadu_ps(total[r] + 16)));
+            }
+        }
+        for (int t = 0; t < TOKENS && t0 + t < M; t++)
+            for (int h = 0; h < 2 && 16 * h < rows; h++) {
+                const int real = rows - 16 * h < 16 ? rows - 16 * h : 16;
+                const __mmask16 mask = (__mmask16)((1u << real) - 1);
+                const __m512 v = _mm512_i32gather_ps(across, &total[16 * h][t], 4);
+                if (y_f32)
+                    _mm512_mask_storeu_ps((float *)y + (t0 + t) * ldy + n0 + 16 * h, mask, v);
+                else
+                    _mm256_mask_storeu_epi16((bf16 *)y + (t0 + t) * ldy + n0 + 16 * h, mask,
+                                             (__m256i)_mm512_cvtneps_pbh(v));
+            }
+    }
 }
 
 #endif

@@ -50,6 +50,13 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 # at 100 rows, 24.8 vs 30.7 at 256 and 136 vs 161 at 1536 (the mixed decode+prefill
 # steps of a server, and prefill chunks), so it serves every row count.
 PACKED_MAX_ROWS = 96
+# A float16 weight read in place where oneDNN has an FP16 GEMM (AVX512-FP16 CPUs): our
+# widening kernel up to this many rows, F.linear above. Ours / oneDNN's packed weight /
+# F.linear, ms, 2 threads of an Intel Xeon VM with AMX and AVX512-FP16 (2026-12-07), 2048x2048
+# and 5632x2048: 1 row 0.45 / 0.55 / 0.55, 0.86 / 1.17 / 1.23; 4 rows 0.26 / 0.54 / 0.60,
+# 0.60 / 1.27 / 1.44; 16 rows 0.69 / 0.97 / 0.96, 1.78 / 2.05 / 2.24; 32 rows 1.28 / 1.31 /
+# 1.34, 3.31 / 3.46 / 3.53; 64 rows 3.25 / 2.02 / 1.99, 8.47 / 5.47 / 5.36.
+NATIVE_HALF_MAX_ROWS = 32
 # The row count the library is told when packing. The packed layout of the weight does not
 # depend on it (checked once per shape class, see PackedWeight.verify), only the op's
 # bookkeeping does, so every call passes its own row count.
@@ -126,19 +133,33 @@ def widens_half_weights(weight: torch.Tensor) -> bool:
     """Whether a bfloat16/float16 CPU weight is multiplied where it was loaded by the AVX2
     kernel (`cpu_sgemm.linear_half`, widening it to float32) rather than packed: the CPU's
     oneDNN has no GEMM for its dtype (`lacks_native_gemm`: AVX2 CPUs, and AVX-512 ones
-    without BF16/FP16), the kernel builds here, and neither `TP_CPU_BF16_GEMM=0` nor
-    `TP_CPU_PACKED_GEMM` asks for another kernel (which then packs a float32 copy). Asked
-    once per weight, at load."""
+    without BF16/FP16), or the weight is float16 (where oneDNN has an FP16 GEMM, ours
+    still leads up to `NATIVE_HALF_MAX_ROWS` rows and F.linear takes more: see there), the
+    kernel builds here, and neither `TP_CPU_BF16_GEMM=0` nor `TP_CPU_PACKED_GEMM` asks for
+    another kernel (which then packs a float32 copy). Asked once per weight, at load."""
     return (weight.device.type == "cpu" and weight.dim() == 2 and weight.stride(1) == 1
-            and widens_half_dtype(weight.dtype))
+            and (widens_half_dtype(weight.dtype) or (weight.dtype == torch.float16 and _widening_allowed())))
+
+
+def _widening_allowed() -> bool:
+    """Neither switch asks for another kernel, and ours builds here."""
+    return (os.environ.get(cpu_bf16_gemm.SWITCH, "1") != "0" and os.environ.get("TP_CPU_PACKED_GEMM", "avx2") == "avx2"
+            and packing_available("avx2"))
+
+
+def half_linear_rows(dtype: torch.dtype) -> int | None:
+    """The most rows of input our widening kernel multiplies for a `dtype` weight it reads in
+    place (`widens_half_weights`): all (None) where oneDNN has no GEMM for the dtype,
+    NATIVE_HALF_MAX_ROWS where it has one (F.linear, its reorder a small part of the
+    work, above)."""
+    return None if _lacks_native_gemm(dtype) else NATIVE_HALF_MAX_ROWS
 
 
 def widens_half_dtype(dtype: torch.dtype) -> bool:
-    """`widens_half_weights` for any 2-D CPU weight of `dtype` with unit stride along k:
-    what a kernel asks of the 16-bit tiles it dequantises (fp8, MoE experts).
-    `TP_CPU_BF16_GEMM=0` answers False here as for the dense weights (read on each call)."""
-    return (os.environ.get(cpu_bf16_gemm.SWITCH, "1") != "0" and _lacks_native_gemm(dtype)
-            and os.environ.get("TP_CPU_PACKED_GEMM", "avx2") == "avx2" and packing_available("avx2"))
+    """Whether 16-bit tiles of `dtype` a kernel dequantises (fp8, MoE experts) go through our
+    widening kernel: where oneDNN has no GEMM for the dtype (`lacks_native_gemm`), as for
+    the dense weights. `TP_CPU_BF16_GEMM=0` answers False here as there (read on each call)."""
+    return _lacks_native_gemm(dtype) and _widening_allowed()
 
 
 def onednn_packing_available() -> bool:

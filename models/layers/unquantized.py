@@ -2,15 +2,17 @@
 
 `UnquantizedLinearMethod` is plain `F.linear` (CUDA, and the CPU with packing off).
 `CPUUnquantizedLinearMethod` packs the weight after loading (`models/layers/cpu_gemm.py`):
-a float32 weight by oneDNN or our AVX2 kernel (by CPU), a float16 one (and a bfloat16 one
-where our row-major kernel cannot run) by oneDNN in its own dtype where the CPU has a GEMM
-for it: the CPU counterpart of what vLLM's CPU backend does with oneDNN in
-`process_weights_after_loading`. Two kinds of 16-bit weight are not packed at all, so
+a float32 weight by oneDNN or our AVX2 kernel (by CPU), a 16-bit one our row-major kernels
+cannot read by oneDNN in its own dtype where the CPU has a GEMM for it: the CPU
+counterpart of what vLLM's CPU backend does with oneDNN in
+`process_weights_after_loading`. Three kinds of 16-bit weight are not packed at all, so
 loading them is reading them: a bfloat16 weight on a CPU with AVX-512 BF16
-(`models/layers/cpu_bf16_gemm.py` multiplies it in the checkpoint's layout), and a
+(`models/layers/cpu_bf16_gemm.py` multiplies it in the checkpoint's layout), a
 bfloat16/float16 weight on a CPU whose oneDNN has no GEMM for its dtype (AVX2 CPUs, and
 AVX-512 ones without BF16/FP16: `cpu_sgemm.linear_half` widens it to float32 inside the
-kernel). Both methods serve the
+kernel), and a float16 weight where oneDNN has an FP16 GEMM (AVX512-FP16 CPUs): the same
+widening kernel up to `cpu_gemm.NATIVE_HALF_MAX_ROWS` rows, where it leads oneDNN's, and
+F.linear above. Both methods serve the
 parallel linear layers and the LM head; `LayerBuildConfig` picks one per layer.
 
 Memory: the packed layout replaces the weight. The layer's `weight` becomes a
@@ -45,9 +47,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.layers import cpu_bf16_gemm, cpu_sgemm
-from models.layers.cpu_gemm import (PackedWeight, can_pack, lacks_native_gemm, layout_verified, native_half_gemm,
-                                    packing_available, reusing_upcast_buffer, upcast_float32, upcast_gemm,
-                                    widens_half_weights)
+from models.layers.cpu_gemm import (
+    PackedWeight,
+    can_pack,
+    half_linear_rows,
+    lacks_native_gemm,
+    layout_verified,
+    native_half_gemm,
+    packing_available,
+    reusing_upcast_buffer,
+    upcast_float32,
+    upcast_gemm,
+    widens_half_weights,
+)
 from models.layers.file_pages import release_file_pages
 from models.layers.packed_rows import rows_readable
 from models.layers.packed_tensor import PackedTensor
@@ -134,8 +146,9 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
     def _row_major_kernel(self, weight: torch.Tensor) -> str | None:
         """The kernel that multiplies `weight` where it was loaded, unpacked: "bf16" (AVX-512
         BF16, `cpu_bf16_gemm`), "avx2" (a 16-bit weight on a CPU whose oneDNN has no GEMM for
-        it, widened inside our AVX2 kernel: `cpu_gemm.widens_half_weights`), or None: pack
-        it. `TP_CPU_BF16_GEMM=0` turns both off (read per weight, at load)."""
+        it, or a float16 one, widened inside our AVX2 kernel: `cpu_gemm.widens_half_weights`;
+        F.linear past `half_linear_rows` where oneDNN has a GEMM for it), or None: pack it.
+        `TP_CPU_BF16_GEMM=0` turns both off (read per weight, at load)."""
         if cpu_bf16_gemm.serves(weight):
             return "bf16"
         if widens_half_weights(weight):
@@ -190,6 +203,9 @@ class CPUUnquantizedLinearMethod(UnquantizedLinearMethod):
         if self.row_major == "bf16":
             return cpu_bf16_gemm.linear(x, weight, bias)
         if self.row_major == "avx2":
+            limit = half_linear_rows(weight.dtype)
+            if limit is not None and x.numel() > limit * x.shape[-1]:  # more rows: oneDNN's GEMM
+                return F.linear(x, weight, bias)
             return cpu_sgemm.linear_half(x, weight, bias)
         if isinstance(weight, PackedTensor):  # (no tensor property of it is read: each is a torch function)
             packed = weight.packed_weight

@@ -3,10 +3,13 @@
 `fp8_linear(x, weight, scale, block_n, block_k, bias)` computes x @ dequant(weight)^T
 where dequant(weight)[r, c] = weight[r, c] * scale[r // block_n, c // block_k]
 (per-channel scales: block_n = 1, block_k = in; 128x128 blocks: 128, 128). It never
-dequantises the whole weight. bfloat16 x on AVX-512 BF16 CPUs, up to `BF16_MAX_ROWS`
-rows (decode, a concurrent decode, short prefills): fp8_bf16.c, whose bfloat16 dot
-products read the fp8 bytes as their exact bfloat16 values, 4 weight rows at a time for
-every token. Otherwise up to `GEMV_MAX_ROWS` rows of x (decode; a MoE step's tokens per
+dequantises the whole weight. bfloat16 x on CPUs with AMX, from `AMX_MIN_ROWS` rows on:
+fp8_amx.c, whose tiles multiply a panel of each 32 weight rows' exact bfloat16 values,
+each k-block's float32 sums times its scale. bfloat16 x on AVX-512 BF16 CPUs, up to
+`BF16_MAX_ROWS` rows (decode, a concurrent decode, short prefills; on AMX CPUs the
+fewer rows): fp8_bf16.c, whose bfloat16 dot products read the fp8 bytes as their exact
+bfloat16 values, 4 weight rows at a time for every token. Otherwise up to
+`GEMV_MAX_ROWS` rows of x (decode; a MoE step's tokens per
 expert), the C kernel reads the fp8 bytes straight into its float32 dot products (x in
 float32, one pass over the weight). Larger batches dequantise rows a tile at a time (about
 `TILE_ELEMENTS` values) into a scratch buffer in x's dtype and write each tile's
@@ -16,7 +19,7 @@ bfloat16 on AVX-512 BF16 ones, as the dense layers there): each value rounded on
 x's dtype, so float32 activations see the exact products q * s.
 
 The GEMV and the tile dequantiser are fp8_kernels.c, built into one library with
-fp8_bf16.c and fp8_moe.c (compiled for this CPU on first use by
+fp8_bf16.c, fp8_amx.c and fp8_moe.c (compiled for this CPU on first use by
 distributed/native_build.py); where it cannot be built (or `TP_CPU_FP8_DEQUANT=0`),
 every batch takes the tiles, dequantised by plain torch (`q.to(float32) * s`: on the
 CPU ~7 ns per element, several times slower). On CUDA, every batch goes through one
@@ -24,7 +27,8 @@ Triton GEMM that reads the fp8 bytes (`kernels/fp8_triton.py`; the torch tiles w
 the triton package is missing). The path is chosen once per process and logged.
 Called from the fp8 methods' `apply` (checkpoint and online), on every rank, with this
 rank's shard. Memory: x in float32 (decode), a panel of 4 bfloat16 weight rows per
-thread (fp8_bf16.c) or one tile of scratch, plus the output.
+thread (fp8_bf16.c), of 32 (fp8_amx.c, with the tokens rearranged) or one tile of
+scratch, plus the output.
 """
 
 from __future__ import annotations
@@ -60,11 +64,13 @@ GEMV_MAX_ROWS = 16  # up to this many rows (decode batches, an expert's tokens) 
 #: 3.07, 64 rows 8.37 / 6.10 / 6.25 / 6.03.
 BF16_EXACT_MAX_ROWS = 8
 BF16_MAX_ROWS = 64
+AMX_MIN_ROWS = 5
 SOURCE = Path(__file__).with_name("fp8_kernels.c")
 # with a mixture of experts' decode step (fp8_moe.c, fp8_moe.py's); a change to a header rebuilds
-SOURCES = (SOURCE, SOURCE.with_name("fp8_moe.c"), SOURCE.with_name("fp8_bf16.c"),
-           SOURCE.parent.parent / "fused_moe" / "expert_pairs.h", BF16_CONVERT_H, SOURCE.parent.parent / "bf16_tile.h",
-           SOURCE.parent.parent / "tile_sum.h")
+SOURCES = (SOURCE, SOURCE.with_name("fp8_moe.c"), SOURCE.with_name("fp8_bf16.c"), SOURCE.with_name("fp8_amx.c"),
+           SOURCE.with_name("fp8_convert.h"), SOURCE.parent.parent / "fused_moe" / "expert_pairs.h", BF16_CONVERT_H,
+           SOURCE.parent.parent / "bf16_tile.h", SOURCE.parent.parent / "tile_sum.h",
+           SOURCE.parent.parent / "amx_tiles.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -88,6 +94,11 @@ class Fp8DequantKernel:
             self._bf16_linear = lib.fp8_bf16_linear
             self._bf16_linear.restype = ctypes.c_int
             self._bf16_linear.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, i64, i64, i32, p, i64, i32]
+        self._amx_linear = lib.fp8_amx_linear
+        self._amx_linear.restype = ctypes.c_int
+        self._amx_linear.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, i64, i64, p, i64, i32]
+        lib.fp8_has_amx.restype = ctypes.c_int
+        self.has_amx = bool(lib.fp8_has_amx())  # built with AMX-BF16, and this process may use the tiles
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
              out_dtype: torch.dtype) -> torch.Tensor:
@@ -115,6 +126,21 @@ class Fp8DequantKernel:
                                    block_k, int(round_weights), out.data_ptr(), out.stride(0), torch.get_num_threads())
         if status == 1:
             raise MemoryError(f"fp8 bf16 product: no memory for a {weight.shape[1]}-wide panel per thread")
+        return out if status == 0 else None
+
+    def amx_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int,
+                   block_k: int) -> torch.Tensor | None:
+        """x [M, in] bfloat16 (unit stride along in) @ dequant(weight)^T on AMX tiles
+        (fp8_amx.c; `has_amx` only): the bytes' exact values, each k-block's float32 sums
+        times its scale. [M, out] bfloat16; None where the input width is not a multiple of
+        32, block_k neither a multiple of 32 nor the whole input, or the tiles are refused.
+        MemoryError where its scratch cannot be allocated."""
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+        status = self._amx_linear(x.data_ptr(), x.stride(0), x.shape[0], weight.data_ptr(), weight.stride(0),
+                                  weight.shape[0], weight.shape[1], scale.data_ptr(), scale.stride(0), block_n,
+                                  block_k, out.data_ptr(), out.stride(0), torch.get_num_threads())
+        if status == 1:
+            raise MemoryError(f"fp8 AMX product: no memory for a {weight.shape[1]}-wide panel per thread")
         return out if status == 0 else None
 
     def dequant_rows(self, weight: torch.Tensor, r0: int, rows: int, scale: torch.Tensor, block_n: int,
@@ -199,7 +225,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
                         and scale.is_contiguous() and scale.dtype == torch.float32) else None
     rows = x2.shape[0]
     out = None
-    if kernel is not None and kernel.has_bf16_linear and _bf16_tiles(dtype, x.device) and rows <= BF16_MAX_ROWS:
+    if kernel is not None and kernel.has_amx and dtype == torch.bfloat16 and rows >= AMX_MIN_ROWS:
+        out = kernel.amx_linear(x2 if x2.stride(1) == 1 else x2.contiguous(), weight, scale, block_n, block_k)
+    if (out is None and kernel is not None and kernel.has_bf16_linear and _bf16_tiles(dtype, x.device)
+            and rows <= BF16_MAX_ROWS):
         out = kernel.bf16_linear(x2 if x2.stride(1) == 1 else x2.contiguous(), weight, scale, block_n, block_k,
                                  round_weights=rows > BF16_EXACT_MAX_ROWS and block_k < in_features)
     if out is None and kernel is not None and rows <= GEMV_MAX_ROWS:  # also where bf16_linear declines

@@ -8,9 +8,9 @@
  * Kp, in L2), whose 16 x 32 blocks are the tiles' A operands; the tokens are the B
  * operands (amx_tiles.h's layout). Each run of consecutive 32-input blocks in one group is
  * summed in the C tiles in float32 (every product exact), then times the rows' scales into
- * the item's float32 total; so the weight is rounded nowhere, and each output once, to
- * float32. Work items are amx_tiles.h's 32 rows by 32 tokens; threads split the 32-row
- * blocks (a partial last block is zero-padded).
+ * the item's float32 total (amx_tiles.h's `amx_scaled_runs`); so the weight is rounded
+ * nowhere, and each output once, to float32. Threads split the 32-row blocks (a partial
+ * last block is zero-padded).
  *
  * Called from wna16_cpu.py only (`Wna16Kernel.amx_matmul`), which checks shapes, strides
  * and dtypes; built into its library. Needs AMX-TILE, AMX-BF16 and AVX-512 BW (elsewhere
@@ -69,64 +69,13 @@ static void decode_panel(int bits, const uint8_t *wq, const uint8_t *zeros, cons
     }
 }
 
-/* total[r][t] += scale[r] * c[r][t] for one C tile's 16 rows (scale 0 past N). */
-static inline void add_scaled(float total[16][32], int t_off, const float c[16][16], const float *scale) {
-    for (int r = 0; r < 16; r++) {
-        const __m512 acc = _mm512_loadu_ps(&total[r][t_off]);
-        _mm512_storeu_ps(&total[r][t_off], _mm512_fmadd_ps(_mm512_loadu_ps(c[r]), _mm512_set1_ps(scale[r]), acc));
-    }
-}
-
-/* One 32-row block (its panel) against every 32 tokens, into y (float32, rows ldy apart). */
-static void panel_times_tokens(const bf16 *panel, const uint32_t *xv, const void *scales, int scale_dtype,
-                               const int32_t *block_group, int64_t n0, int64_t N, int64_t kp, int64_t g_count,
-                               int64_t M, float *y, int64_t ldy) {
-    float c[4][16][16], total[ROWS][TOKENS], scale[ROWS];
-    const int64_t group_stride = (kp / 2) * 16;
-    const int rows = (int)(N - n0 < ROWS ? N - n0 : ROWS);
-    for (int64_t t0 = 0; t0 < M; t0 += TOKENS) {
-        const uint32_t *b0 = xv + (t0 / 16) * group_stride, *b1 = b0 + group_stride;
-        const int two = M - t0 > 16; /* a second B tile */
-        memset(total, 0, sizeof total);
-        for (int64_t b = 0; b < kp / BLOCK;) {
-            const int32_t g = block_group[b];
-            _tile_zero(4);
-            _tile_zero(5);
-            _tile_zero(6);
-            _tile_zero(7);
-            for (; b < kp / BLOCK && block_group[b] == g; b++) {
-                _tile_loadd(0, panel + b * BLOCK, kp * sizeof(bf16));
-                _tile_loadd(1, panel + 16 * kp + b * BLOCK, kp * sizeof(bf16));
-                _tile_loadd(2, b0 + b * BLOCK / 2 * 16, 64);
-                _tile_dpbf16ps(4, 0, 2);
-                _tile_dpbf16ps(6, 1, 2);
-                if (two) {
-                    _tile_loadd(3, b1 + b * BLOCK / 2 * 16, 64);
-                    _tile_dpbf16ps(5, 0, 3);
-                    _tile_dpbf16ps(7, 1, 3);
-                }
-            }
-            for (int r = 0; r < ROWS; r++) scale[r] = r < rows ? load_scale(scales, (n0 + r) * g_count + g, scale_dtype) : 0.f;
-            _tile_stored(4, c[0], 64);
-            _tile_stored(6, c[2], 64);
-            add_scaled(total, 0, c[0], scale);
-            add_scaled(total + 16, 0, c[2], scale + 16);
-            if (two) {
-                _tile_stored(5, c[1], 64);
-                _tile_stored(7, c[3], 64);
-                add_scaled(total, 16, c[1], scale);
-                add_scaled(total + 16, 16, c[3], scale + 16);
-            }
-        }
-        const __m512i across = _mm512_set_epi32(15 * TOKENS, 14 * TOKENS, 13 * TOKENS, 12 * TOKENS, 11 * TOKENS,
-                                                10 * TOKENS, 9 * TOKENS, 8 * TOKENS, 7 * TOKENS, 6 * TOKENS,
-                                                5 * TOKENS, 4 * TOKENS, 3 * TOKENS, 2 * TOKENS, TOKENS, 0);
-        for (int t = 0; t < TOKENS && t0 + t < M; t++)
-            for (int h = 0; h < 2 && 16 * h < rows; h++) {
-                const int real = rows - 16 * h < 16 ? rows - 16 * h : 16;
-                _mm512_mask_storeu_ps(y + (t0 + t) * ldy + n0 + 16 * h, (__mmask16)((1u << real) - 1),
-                                      _mm512_i32gather_ps(across, &total[16 * h][t], 4));
-            }
+/* Rows [n0, n0 + 32)'s scales for each run (scale 0 past N): run_scale[j * 32 + r]. */
+static void run_scales(const void *scales, int scale_dtype, const int32_t *block_group, const int64_t *run_end,
+                       int64_t nruns, int64_t n0, int64_t N, int64_t g_count, float *run_scale) {
+    for (int64_t j = 0; j < nruns; j++) {
+        const int32_t g = block_group[j ? run_end[j - 1] : 0];
+        for (int r = 0; r < ROWS; r++)
+            run_scale[j * ROWS + r] = n0 + r < N ? load_scale(scales, (n0 + r) * g_count + g, scale_dtype) : 0.f;
     }
 }
 
@@ -138,16 +87,24 @@ int wna16_amx_matmul(int bits, const uint8_t *wq, const void *scales, int scale_
                      const int32_t *block_group, int64_t N, int64_t kp, int64_t g_count, const bf16 *x, int64_t ldx,
                      int64_t M, float *y, int64_t ldy, int num_threads) {
     if (M <= 0 || !tiles_permitted()) return 2;
-    const int64_t groups = (M + TOKENS - 1) / TOKENS * 2;
+    const int64_t groups = (M + TOKENS - 1) / TOKENS * 2, nblocks = kp / BLOCK;
     uint32_t *xv = malloc(sizeof(uint32_t) * (size_t)groups * (size_t)(kp / 2) * 16);
-    if (xv == NULL) return 1;
+    int64_t *run_end = malloc(sizeof(int64_t) * (size_t)nblocks), nruns = 0; /* runs of blocks of one group */
+    if (xv == NULL || run_end == NULL) {
+        free(xv);
+        free(run_end);
+        return 1;
+    }
+    for (int64_t b = 1; b <= nblocks; b++)
+        if (b == nblocks || block_group[b] != block_group[b - 1]) run_end[nruns++] = b;
     tokens_to_pairs(x, ldx, M, kp, groups, xv);
     const int64_t blocks = (N + ROWS - 1) / ROWS;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
         bf16 *panel = malloc(sizeof(bf16) * ROWS * (size_t)kp);
-        if (panel == NULL) {
+        float *run_scale = malloc(sizeof(float) * ROWS * (size_t)nruns);
+        if (panel == NULL || run_scale == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -156,14 +113,19 @@ int wna16_amx_matmul(int bits, const uint8_t *wq, const void *scales, int scale_
             configure_tiles();
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) {
-                decode_panel(bits, wq, zeros, block_group, b * ROWS, N, kp, g_count, panel);
-                panel_times_tokens(panel, xv, scales, scale_dtype, block_group, b * ROWS, N, kp, g_count, M, y, ldy);
+                const int64_t n0 = b * ROWS;
+                decode_panel(bits, wq, zeros, block_group, n0, N, kp, g_count, panel);
+                run_scales(scales, scale_dtype, block_group, run_end, nruns, n0, N, g_count, run_scale);
+                amx_scaled_runs(panel, kp, xv, M, n0, (int)(N - n0 < ROWS ? N - n0 : ROWS), nruns, run_end, run_scale,
+                                y, 1, ldy);
             }
             _tile_release();
         }
         free(panel);
+        free(run_scale);
     }
     free(xv);
+    free(run_end);
     return failed;
 }
 
