@@ -257,7 +257,7 @@ def test_int8_gemm_sums_exactly(isa, tmp_path, monkeypatch):
 
 def test_int8_linear_chooses_its_gemm(monkeypatch):
     """int8_linear takes int8_cpu.c's GEMM where torch._int_mm has no int8 kernel, and on
-    AVX-512 VNNI builds for VNNI_GEMM_TOKENS tokens (where oneDNN's slows down); else
+    AVX-512 VNNI builds for `vnni_gemm_tokens()` (where oneDNN's slows down); else
     torch._int_mm. Either way the same values."""
     from distributed.native_build import cpu_flags
     from models.layers.quantization import int8_gemm
@@ -276,7 +276,7 @@ def test_int8_linear_chooses_its_gemm(monkeypatch):
         xq, x_scale = quantize_per_token(torch.randn(m, 64, generator=gen))
         want = gemm_reference(xq, x_scale, w, w_scale, None)
         for has_int8_kernel in (False, True):
-            ours = not has_int8_kernel or (kernel.gemm_vnni and m in int8_gemm.VNNI_GEMM_TOKENS)
+            ours = not has_int8_kernel or (kernel.gemm_vnni and m in int8_gemm.vnni_gemm_tokens())
             monkeypatch.setattr(int8_gemm, "torch_int_mm_has_int8_kernel", lambda v=has_int8_kernel: v)
             monkeypatch.setattr(torch, "_int_mm", refuse if ours else real_int_mm)
             got = int8_linear(xq, x_scale, w, w_scale, None, torch.float32).double()
@@ -286,6 +286,18 @@ def test_int8_linear_chooses_its_gemm(monkeypatch):
                 with pytest.raises(AssertionError, match="torch._int_mm called"):
                     int8_linear(xq, x_scale, w, w_scale, None, torch.float32)
     assert kernel.gemm_vnni == ("avx512_vnni" in cpu_flags().split())
+
+
+@pytest.mark.parametrize("flags, tiles, expected", [("fpu avx512_vnni amx_int8 amx_tile", True, "AMX_VNNI_GEMM_TOKENS"),
+                                                    ("fpu avx512_vnni amx_int8 amx_tile", False, "VNNI_GEMM_TOKENS"),
+                                                    ("fpu avx512_vnni", True, "VNNI_GEMM_TOKENS")])
+def test_our_vnni_gemm_takes_fewer_tokens_where_onednn_runs_on_amx(monkeypatch, flags, tiles, expected):
+    from models.layers.quantization import int8_gemm
+
+    monkeypatch.setattr(int8_gemm, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: tiles, raising=False)
+    assert int8_gemm.vnni_gemm_tokens.__wrapped__() == getattr(int8_gemm, expected)
+    assert set(int8_gemm.AMX_VNNI_GEMM_TOKENS) < set(int8_gemm.VNNI_GEMM_TOKENS)
 
 
 def test_portable_int8_passes_give_the_same_bits(tmp_path, monkeypatch):

@@ -13,7 +13,9 @@ GEMM and on CUDA cuBLASLt's, or through int8_cpu.c's own GEMM (the same exact su
   where K is large (0.43x the time at K = 4096). Since its tiles ask for the rows 64 KiB
   ahead, ours streams a weight from memory faster (2026-12-07, same VM, 2 threads): at 1
   token 0.78-0.96x oneDNN's time, at 32-40 tokens 0.48-0.86x on 4096- and 11008-wide
-  weights (1536x1024: 0.99-1.04x); from 48 tokens oneDNN's blocked GEMM gains;
+  weights (1536x1024: 0.99-1.04x); from 48 tokens oneDNN's blocked GEMM gains. Where
+  oneDNN's runs on AMX tiles (`amx_int8`), only up to `AMX_VNNI_GEMM_TOKENS` tokens
+  (`vnni_gemm_tokens`);
 - without VNNI or AMX, where torch._int_mm is a reference loop (0.6 GOP/s): int8_cpu.c's
   AVX2 GEMM (16-bit products in vpmaddwd).
 
@@ -46,6 +48,11 @@ _MIN_SCALE = 1e-12  # an all-zero row gets this scale: its values stay exactly 0
 _CUDA_INT_MM_MIN_ROWS = 16  # cuBLASLt's int8 GEMM wants more rows than this
 #: Token counts whose products take int8_cpu.c's VNNI GEMM over oneDNN's (module docstring).
 VNNI_GEMM_TOKENS = range(1, 41)
+#: ... where oneDNN's int8 GEMM runs on AMX. Ours / torch._int_mm, us, 2 threads, weights cycled
+#: (2026-12-07, an Intel Xeon VM with AMX), 4096x1024, 1024x4096, 4096x4096: 1 token 104 / 243, 130 / 214,
+#: 623 / 1374; 8 tokens 191 / 244, 218 / 238, 770 / 1280; 16 tokens 330 / 248, 336 / 246, 1303 / 1395; 24
+#: tokens 443 / 289, 479 / 269, 1823 / 1450; 40 tokens 708 / 351, 757 / 340, 2876 / 1624.
+AMX_VNNI_GEMM_TOKENS = range(1, 13)
 
 SOURCE = Path(__file__).with_name("kernels") / "int8_cpu.c"
 # int8_moe.c (a decode step's W8A8 experts, quantization/int8_moe.py) builds into the same
@@ -141,6 +148,15 @@ def torch_int_mm_has_int8_kernel() -> bool:
     return any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
+@functools.cache
+def vnni_gemm_tokens() -> range:
+    """The token counts our VNNI GEMM takes over torch._int_mm: AMX_VNNI_GEMM_TOKENS where
+    oneDNN's int8 GEMM runs on AMX (the CPU has `amx_int8` and torch allows the tiles),
+    else VNNI_GEMM_TOKENS."""
+    amx = "amx_int8" in cpu_flags().split() and bool(getattr(torch.cpu, "_is_amx_tile_supported", bool)())
+    return AMX_VNNI_GEMM_TOKENS if amx else VNNI_GEMM_TOKENS
+
+
 def int8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """(xq [M, K] @ weight [N, K]^T) * x_scale [M] * weight_scale [N] (+ bias) in
@@ -148,7 +164,7 @@ def int8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w
     m = xq.shape[0]
     kernel = _c_kernel(xq, weight)
     if (kernel is not None and kernel.has_gemm and xq.stride(-1) == 1 and weight.stride(-1) == 1
-            and ((kernel.gemm_vnni and m in VNNI_GEMM_TOKENS) or not torch_int_mm_has_int8_kernel())):
+            and ((kernel.gemm_vnni and m in vnni_gemm_tokens()) or not torch_int_mm_has_int8_kernel())):
         acc = kernel.gemm(xq, weight)
     else:
         if xq.is_cuda and m <= _CUDA_INT_MM_MIN_ROWS:  # decode batches: pad with zero rows
