@@ -183,15 +183,15 @@ _KERNEL = wna16_cpu.load()
 @pytest.mark.skipif(_KERNEL is None or not _KERNEL.has_amx, reason="no AMX tiles on this CPU (or its compiler)")
 @pytest.mark.parametrize("grouping", sorted(GROUPINGS))
 @pytest.mark.parametrize("bits", [4, 8])
-def test_amx_tiles_sum_the_exact_weights(bits: int, grouping: str) -> None:
-    """bfloat16 batches of AMX_MIN_TOKENS tokens and more on AMX CPUs: q - z exact in the
-    tiles, each run of a group's blocks summed in float32 and times its scale, so the
-    float32 output is the exact product up to float32 rounding, for every token count
-    (partial 16- and 32-token groups), a partial last 32-row block, ragged and act-order
-    groups, and any thread count."""
+def test_amx_tiles_multiply_the_weights_rounded_to_bfloat16(bits: int, grouping: str) -> None:
+    """bfloat16 batches of AMX_MIN_TOKENS tokens and more on AMX CPUs: the weights (q - z)
+    * s rounded once to bfloat16 (the bfloat16 tiles' values), float32 sums, so the float32
+    output is that product up to float32 rounding, for every token count (partial 16- and
+    32-token groups), a partial last 32-row block, ragged and act-order groups, and any
+    thread count; the tiles' path (the same weights, another summation order) agrees."""
     layer, weight = _layer(77, 320, bits, GROUPINGS[grouping](320), scale_dtype=torch.bfloat16, seed=bits)
     layout = get_wna16_layout(layer)
-    w = weight.double()
+    w = weight.bfloat16().double()
     for m in (wna16_cpu.AMX_MIN_TOKENS, 16, 17, 33, 70):
         x = torch.randn(m, 320, generator=torch.Generator().manual_seed(m)).bfloat16()
         xp = x if layout.input_perm is None else (  # the layout's order
@@ -201,6 +201,8 @@ def test_amx_tiles_sum_the_exact_weights(bits: int, grouping: str) -> None:
         exact = x.double() @ w.t()
         bound = 1e-5 * (x.double().abs() @ w.abs().t()).max().item()  # float32 sums
         assert (y.double() - exact).abs().max().item() <= bound
+        tiles = wna16_cpu.wna16_matmul(xp, layout, None)  # torch's bfloat16 tiles: bfloat16 out
+        torch.testing.assert_close(tiles.float(), y, rtol=2.0**-7, atol=bound)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -210,8 +212,10 @@ def test_amx_tiles_sum_the_exact_weights(bits: int, grouping: str) -> None:
     assert torch.equal(one, y)
     # and through the layer: x in its own order, bfloat16 out (rounded once)
     x = torch.randn(40, 320).bfloat16()
-    torch.testing.assert_close(apply_wna16(layer, x, None).float(), x.float() @ weight.t(), atol=1e-4,
-                               rtol=2.0**-7)
+    got = apply_wna16(layer, x, None).float()
+    torch.testing.assert_close(got, x.float() @ w.float().t(), atol=1e-4, rtol=2.0**-7)
+    reference = x.float() @ weight.t()  # the weights unrounded: bfloat16's rounding apart, no more
+    assert ((got - reference).norm() / reference.norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -49,7 +49,8 @@ static void block_times_tokens(const bf16 *a, int64_t lda, const uint32_t *xv, i
         _tile_zero(7);
         for (int64_t k = 0; k < K; k += 32) {
             if (k + PREFETCH_AHEAD < K) /* each row's line PREFETCH_AHEAD inputs on: 32 streams */
-                for (int r = 0; r < ROWS; r++) _mm_prefetch((const char *)(a + r * lda + k + PREFETCH_AHEAD), _MM_HINT_T0);
+                for (int r = 0; r < ROWS; r++)
+                    _mm_prefetch((const char *)(a + r * lda + k + PREFETCH_AHEAD), _MM_HINT_T0);
             _tile_loadd(0, a + k, lda * sizeof(bf16));
             _tile_loadd(1, a + 16 * lda + k, lda * sizeof(bf16));
             _tile_loadd(2, b0 + (k / 2) * 16, 64);

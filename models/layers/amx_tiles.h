@@ -2,10 +2,11 @@
  * fp8_amx.c: fp8 ones): the process's permission for the tile state, the tile
  * configuration (8 tiles of 16 rows of 64 bytes), the tokens rearranged into TDPBF16PS's
  * B layout, a C tile's columns stored as output rows, and the product of a panel of exact
- * weight values whose runs of inputs each carry their own scale (`amx_scaled_runs`). A work item is 32 weight rows (two A tiles: tmm0, tmm1) by 32
- * tokens (two B tiles: tmm2, tmm3) into four C tiles (tmm4: rows 0-15 x tokens 0-15, tmm5:
- * rows 0-15 x tokens 16-31, tmm6, tmm7 the same for rows 16-31). Needs AMX-TILE, AMX-BF16
- * and AVX-512 (each includer checks). Static inline: each includer compiles its own copy.
+ * weight values whose runs of inputs each carry their own scale (`amx_scaled_runs`). A
+ * work item is 32 weight rows (two A tiles: tmm0, tmm1) by 32 tokens (two B tiles: tmm2,
+ * tmm3) into four C tiles (tmm4: rows 0-15 x tokens 0-15, tmm5: rows 0-15 x tokens 16-31,
+ * tmm6, tmm7 the same for rows 16-31). Needs AMX-TILE, AMX-BF16 and AVX-512 (each
+ * includer checks). Static inline: each includer compiles its own copy.
  */
 #ifndef AMX_TILES_H
 #define AMX_TILES_H
@@ -85,6 +86,7 @@ static inline void store_tile(const float c[16][16], int64_t n0, int rows, int64
     }
 }
 
+/* The bias of rows [n0, n0 + rows) as float32 lanes (0 past them, and without a bias). */
 static inline __m512 bias_of(const bf16 *bias, int64_t n0, int rows) {
     if (bias == NULL) return _mm512_setzero_ps();
     const __m256i b = _mm256_maskz_loadu_epi16((__mmask16)((1u << rows) - 1), bias + n0);
@@ -97,7 +99,7 @@ static inline __m512 bias_of(const bf16 *bias, int64_t n0, int rows) {
  * run j the 32-input blocks [run_end[j - 1], run_end[j]) (run_end[-1] = 0; the last
  * run_end kp / 32). Each run is summed in the C tiles (float32; products of bfloat16
  * values are exact), then times its rows' scales into a float32 total; y is float32
- * (y_f32) or bfloat16, rows ldy apart, each output rounded once. Runs on the calling
+ * (y_f32) or bfloat16 (the total rounded once), rows ldy apart. Runs on the calling
  * thread, whose tiles are configured. */
 static inline void amx_scaled_runs(const bf16 *panel, int64_t kp, const uint32_t *xv, int64_t M, int64_t n0, int rows,
                                    int64_t nruns, const int64_t *run_end, const float *run_scale, void *y, int y_f32,

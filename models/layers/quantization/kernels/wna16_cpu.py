@@ -14,9 +14,9 @@ whole weight:
   straight into bfloat16 dot products (`gemv_bf16`), about half the instructions of
   the float32 GEMV;
 - bfloat16 tokens from `AMX_MIN_TOKENS` on, on CPUs with AMX (`wna16_amx.c`): each
-  32-row block decoded once into a panel of exact q - z values, the tiles' operands, and
-  each group's float32 sums times its scale: the weight is never rounded, and there is
-  no dequantised tile to write and read back (3x the tiles at 32 tokens);
+  32-row block decoded once into a panel of bfloat16 weights (rounded once, the values
+  the bfloat16 tiles hold), the AMX tiles' operands: no dequantised tile to write to
+  memory and read back (3.7-4x the tiles' speed at 32 tokens);
 - more tokens (prefill, large batches) elsewhere: rows are dequantised a tile at a time
   (`_TILE_BYTES` of scratch; bfloat16 tiles for a bfloat16 model, whose GEMM is 2-4x
   float32's on an AVX512-BF16 CPU, and which our AVX2 kernel reads where torch's
@@ -70,10 +70,10 @@ LINK_LIBS = ("-lm",)
 BF16_DOT_MAX_TOKENS = 16
 # From this many bfloat16 tokens on, where the library has AMX tiles (wna16_amx.c), they are
 # the product: the GEMVs / the tiles against them, int4 in groups of 128, 2 threads of an
-# Intel Xeon VM with AMX (2026-12-07), 8192x1024, 1024x4096, 4096x4096: 4 tokens 0.65 /
-# 0.70, 0.33 / 0.50, 1.18 / 1.39 ms; 8 tokens 1.28 / 0.71, 0.57 / 0.50, 2.20 / 1.43; 32
-# tokens (dequantised tiles) 2.81 / 1.02, 1.63 / 0.63, 6.07 / 2.04; 64 tokens 3.05 / 1.29,
-# 2.03 / 1.14, 7.48 / 2.47.
+# Intel Xeon VM with AMX (2026-12-07), 8192x1024, 1024x4096, 4096x4096, ms: 4 tokens 0.65 /
+# 0.70, 0.33 / 0.50, 1.18 / 1.39; 8 tokens 1.28 / 0.68-0.78, 0.57 / 0.32-0.41, 2.20 /
+# 1.41-1.55; 32 tokens (dequantised tiles) 2.81 / 0.76-0.82, 1.63 / 0.46-0.53, 6.07 /
+# 1.49-1.62; 64 tokens 3.05 / 1.08-1.24, 2.03 / 0.83-0.87, 7.48 / 2.51-2.86.
 AMX_MIN_TOKENS = 8
 GEMV_MAX_TOKENS = {torch.bfloat16: 6, torch.float32: 8}
 AVX2_GEMV_MAX_TOKENS = {torch.bfloat16: 24, torch.float32: 32}
@@ -134,10 +134,10 @@ class Wna16Kernel:
 
     def amx_matmul(self, x: torch.Tensor, layout: WNA16Layout) -> torch.Tensor | None:
         """bfloat16 tokens x [M, Kp] (unit stride along Kp) -> y [M, N] float32 on AMX tiles
-        (wna16_amx.c; `has_amx` only), q - z exact in the tiles and each group's sums times
-        its scale; None where the tiles are refused. MemoryError where its scratch (the
-        tokens, 2 bytes an input padded to 32 tokens; 64 bytes an input a thread) cannot be
-        allocated."""
+        (wna16_amx.c; `has_amx` only), the weights rounded once to bfloat16 as the tiles'
+        are, float32 sums; None where the tiles are refused. MemoryError where its scratch
+        (the tokens, 2 bytes an input padded to 32 tokens; 64 bytes an input a thread)
+        cannot be allocated."""
         y = torch.empty(x.shape[0], layout.out_features, dtype=torch.float32)
         status = self._amx(layout.bits, layout.qweight.data_ptr(), layout.scales.data_ptr(),
                            SCALE_DTYPES[layout.scales.dtype], layout.zeros.data_ptr(), layout.block_group.data_ptr(),
