@@ -18,7 +18,8 @@ import torch
 
 from models.layers.quantization import fp8_kernels
 from models.layers.quantization.fp8_kernels import AMX_MIN_ROWS, fp8_linear
-from tests.test_quant_fp8_checkpoints import FP8, dequantize_fp8_blocks, quantize_fp8_blocks
+from tests.test_fp8_bf16 import _case
+from tests.test_quant_fp8_checkpoints import FP8, dequantize_fp8_blocks
 
 _KERNEL = fp8_kernels.load()
 pytestmark = pytest.mark.skipif(_KERNEL is None or not _KERNEL.has_amx, reason="needs a CPU with AMX tiles")
@@ -26,13 +27,7 @@ pytestmark = pytest.mark.skipif(_KERNEL is None or not _KERNEL.has_amx, reason="
 
 @pytest.fixture
 def kernel() -> fp8_kernels.Fp8DequantKernel:
-    """The library fp8_linear uses now (other tests clear `load`'s cache)."""
-    return fp8_kernels.load()
-
-
-def _case(n: int, k: int, block: tuple[int, int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return quantize_fp8_blocks(torch.randn(n, k, generator=gen), *block)
+    return fp8_kernels.load()  # the library fp8_linear uses now (other tests clear `load`'s cache)
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.37, 3e-5])

@@ -2,7 +2,8 @@
  * fp8_amx.c: fp8 ones): the process's permission for the tile state, the tile
  * configuration (8 tiles of 16 rows of 64 bytes), the tokens rearranged into TDPBF16PS's
  * B layout, a C tile's columns stored as output rows, and the product of a panel of exact
- * weight values whose runs of inputs each carry their own scale (`amx_scaled_runs`). A
+ * weight values whose runs of inputs each carry their own scale (`amx_scaled_runs`), and
+ * the threads' loop over a weight's 32-row panels (`amx_panel_product`). A
  * work item is 32 weight rows (two A tiles: tmm0, tmm1) by 32 tokens (two B tiles: tmm2,
  * tmm3) into four C tiles (tmm4: rows 0-15 x tokens 0-15, tmm5: rows 0-15 x tokens 16-31,
  * tmm6, tmm7 the same for rows 16-31). Needs AMX-TILE, AMX-BF16 and AVX-512 (each
@@ -13,6 +14,7 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -157,6 +159,52 @@ static inline void amx_scaled_runs(const bf16 *panel, int64_t kp, const uint32_t
                                              (__m256i)_mm512_cvtneps_pbh(v));
             }
     }
+}
+
+/* Fills `panel` (32 rows of K bfloat16 values) with weight rows [n0, n0 + 32) (zero past N)
+ * and `run_scale` with their scales by run (amx_scaled_runs' layout). */
+typedef void (*amx_panel_fill)(const void *ctx, int64_t n0, bf16 *panel, float *run_scale);
+
+/* y [M, N] (float32 where y_f32, else bfloat16; rows ldy apart) = x [M, K] (bfloat16, rows
+ * ldx apart) times the weight `fill` decodes, 32 rows at a time into each thread's panel,
+ * with `nruns` runs of inputs ending at run_end (amx_scaled_runs), on `num_threads`
+ * OpenMP threads splitting the 32-row blocks. K a multiple of 32. Returns 0; 1 where
+ * scratch (the tokens, 2 bytes an input padded to 32 tokens; a 32 x K panel and the runs'
+ * scales a thread) could not be allocated; 2 where the process may not use the tiles. */
+static inline int amx_panel_product(const bf16 *x, int64_t ldx, int64_t M, int64_t N, int64_t K, int64_t nruns,
+                                    const int64_t *run_end, amx_panel_fill fill, const void *ctx, void *y,
+                                    int y_f32, int64_t ldy, int num_threads) {
+    if (M <= 0 || !tiles_permitted()) return 2;
+    const int64_t groups = (M + TOKENS - 1) / TOKENS * 2, blocks = (N + ROWS - 1) / ROWS;
+    uint32_t *xv = malloc(sizeof(uint32_t) * (size_t)groups * (size_t)(K / 2) * 16);
+    if (xv == NULL) return 1;
+    tokens_to_pairs(x, ldx, M, K, groups, xv);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        bf16 *panel = malloc(sizeof(bf16) * ROWS * (size_t)K);
+        float *run_scale = malloc(sizeof(float) * ROWS * (size_t)nruns);
+        if (panel == NULL || run_scale == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            configure_tiles();
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t n0 = b * ROWS;
+                fill(ctx, n0, panel, run_scale);
+                amx_scaled_runs(panel, K, xv, M, n0, (int)(N - n0 < ROWS ? N - n0 : ROWS), nruns, run_end, run_scale,
+                                y, y_f32, ldy);
+            }
+            _tile_release();
+        }
+        free(panel);
+        free(run_scale);
+    }
+    free(xv);
+    return failed;
 }
 
 #endif

@@ -24,22 +24,30 @@
 #include "../amx_tiles.h"
 #include "fp8_convert.h"
 
+/* The weight as fp8_amx_linear was given it (amx_panel_fill's context). */
+typedef struct {
+    const uint8_t *w;
+    int64_t w_stride, N, K;
+    const float *scale;
+    int64_t scale_stride, block_n, kblocks;
+} fp8_weight;
+
 /* Rows [n0, n0 + 32) of w (those < N; the rest zero) as exact bfloat16 into panel [32, K],
  * and each k-block's scale of each row (0 past N) into run_scale[kb * 32 + r]. */
-static void convert_panel(const uint8_t *w, int64_t w_stride, int64_t n0, int64_t N, int64_t K, const float *scale,
-                          int64_t scale_stride, int64_t block_n, int64_t kblocks, bf16 *panel, float *run_scale) {
+static void convert_panel(const void *ctx, int64_t n0, bf16 *panel, float *run_scale) {
+    const fp8_weight *wt = ctx;
     for (int r = 0; r < ROWS; r++) {
-        bf16 *dst = panel + r * K;
-        if (n0 + r >= N) {
-            memset(dst, 0, sizeof(bf16) * (size_t)K);
-            for (int64_t kb = 0; kb < kblocks; kb++) run_scale[kb * ROWS + r] = 0.f;
+        bf16 *dst = panel + r * wt->K;
+        if (n0 + r >= wt->N) {
+            memset(dst, 0, sizeof(bf16) * (size_t)wt->K);
+            for (int64_t kb = 0; kb < wt->kblocks; kb++) run_scale[kb * ROWS + r] = 0.f;
             continue;
         }
-        const uint8_t *src = w + (n0 + r) * w_stride;
-        for (int64_t k = 0; k < K; k += 32)
+        const uint8_t *src = wt->w + (n0 + r) * wt->w_stride;
+        for (int64_t k = 0; k < wt->K; k += 32)
             _mm512_storeu_si512((void *)(dst + k), fp8x32_to_bf16(_mm256_loadu_si256((const __m256i *)(src + k))));
-        const float *srow = scale + ((n0 + r) / block_n) * scale_stride;
-        for (int64_t kb = 0; kb < kblocks; kb++) run_scale[kb * ROWS + r] = srow[kb];
+        const float *srow = wt->scale + ((n0 + r) / wt->block_n) * wt->scale_stride;
+        for (int64_t kb = 0; kb < wt->kblocks; kb++) run_scale[kb * ROWS + r] = srow[kb];
     }
 }
 
@@ -47,51 +55,20 @@ static void convert_panel(const uint8_t *w, int64_t w_stride, int64_t n0, int64_
  * (w rows w_stride bytes apart; float32 `scale` rows scale_stride apart, one value per
  * block_n x block_k), on `num_threads` threads. Returns 0; 2 (nothing computed) where K is
  * not a multiple of 32, block_k is neither a multiple of 32 nor all of K, or the process
- * may not use the tiles; 1 where scratch (the tokens, 2 bytes an input padded to 32 tokens;
- * a 32 x K bfloat16 panel a thread) could not be allocated. */
+ * may not use the tiles; 1 where scratch (amx_panel_product's) could not be allocated. */
 int fp8_amx_linear(const bf16 *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
                    const float *scale, int64_t scale_stride, int64_t block_n, int64_t block_k, bf16 *y, int64_t ldy,
                    int num_threads) {
-    if (M <= 0 || K % 32 != 0 || (block_k < K && block_k % 32 != 0) || !tiles_permitted()) return 2;
-    const int64_t kblocks = block_k < K ? (K + block_k - 1) / block_k : 1, groups = (M + TOKENS - 1) / TOKENS * 2;
-    uint32_t *xv = malloc(sizeof(uint32_t) * (size_t)groups * (size_t)(K / 2) * 16);
+    if (K % 32 != 0 || (block_k < K && block_k % 32 != 0)) return 2;
+    const int64_t kblocks = block_k < K ? (K + block_k - 1) / block_k : 1;
     int64_t *run_end = malloc(sizeof(int64_t) * (size_t)kblocks); /* each k-block's end, in 32-input blocks */
-    if (xv == NULL || run_end == NULL) {
-        free(xv);
-        free(run_end);
-        return 1;
-    }
+    if (run_end == NULL) return 1;
     for (int64_t kb = 0; kb < kblocks; kb++)
         run_end[kb] = kblocks == 1 || (kb + 1) * block_k >= K ? K / 32 : (kb + 1) * block_k / 32;
-    tokens_to_pairs(x, ldx, M, K, groups, xv);
-    const int64_t blocks = (N + ROWS - 1) / ROWS;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        bf16 *panel = malloc(sizeof(bf16) * ROWS * (size_t)K);
-        float *run_scale = malloc(sizeof(float) * ROWS * (size_t)kblocks);
-        if (panel == NULL || run_scale == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-            configure_tiles();
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; b++) {
-                const int64_t n0 = b * ROWS;
-                convert_panel(w, w_stride, n0, N, K, scale, scale_stride, block_n, kblocks, panel, run_scale);
-                amx_scaled_runs(panel, K, xv, M, n0, (int)(N - n0 < ROWS ? N - n0 : ROWS), kblocks, run_end,
-                                run_scale, y, 0, ldy);
-            }
-            _tile_release();
-        }
-        free(panel);
-        free(run_scale);
-    }
-    free(xv);
+    const fp8_weight wt = {w, w_stride, N, K, scale, scale_stride, block_n, kblocks};
+    const int status = amx_panel_product(x, ldx, M, N, K, kblocks, run_end, convert_panel, &wt, y, 0, ldy, num_threads);
     free(run_end);
-    return failed;
+    return status;
 }
 
 int fp8_has_amx(void) { return tiles_permitted(); }

@@ -42,73 +42,54 @@ static inline void decode_block_bf16(int bits, const uint8_t *row, int64_t b, __
     _mm512_storeu_si512((void *)dst, (__m512i)_mm512_cvtne2ps_pbh(c, a));
 }
 
-/* Rows [n0, n0 + 32) of W (those < N; the rest zero) as bfloat16 weights into panel [32, kp]. */
-static void decode_panel(int bits, const uint8_t *wq, const void *scales, int scale_dtype, const uint8_t *zeros,
-                         const int32_t *block_group, int64_t n0, int64_t N, int64_t kp, int64_t g_count, bf16 *panel) {
-    const int64_t row_bytes = kp * bits / 8;
+/* The weight as wna16_amx_matmul was given it (amx_panel_fill's context). */
+typedef struct {
+    int bits, scale_dtype;
+    const uint8_t *wq, *zeros;
+    const void *scales;
+    const int32_t *block_group;
+    int64_t N, kp, g_count;
+} wna16_weight;
+
+/* Rows [n0, n0 + 32) of W (those < N; the rest zero) as bfloat16 weights into panel [32,
+ * kp]; their one run's scale 1 (the scales are in the weights). */
+static void decode_panel(const void *ctx, int64_t n0, bf16 *panel, float *run_scale) {
+    const wna16_weight *wt = ctx;
+    const int64_t row_bytes = wt->kp * wt->bits / 8;
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int r = 0; r < ROWS; r++) {
-        bf16 *dst = panel + r * kp;
-        if (n0 + r >= N) {
-            memset(dst, 0, sizeof(bf16) * (size_t)kp);
+        bf16 *dst = panel + r * wt->kp;
+        run_scale[r] = 1.f;
+        if (n0 + r >= wt->N) {
+            memset(dst, 0, sizeof(bf16) * (size_t)wt->kp);
             continue;
         }
-        const uint8_t *row = wq + (n0 + r) * row_bytes;
+        const uint8_t *row = wt->wq + (n0 + r) * row_bytes;
         int32_t g = -1;
         __m512i table = _mm512_setzero_si512(), zv = _mm512_setzero_si512();
         __m512 sv = _mm512_setzero_ps();
-        for (int64_t b = 0; b < kp / BLOCK; b++) {
-            if (block_group[b] != g) { /* a new group: its zero point and scale, and the 16 weights a code stands for */
-                g = block_group[b];
-                zv = _mm512_set1_epi32(zeros[(n0 + r) * g_count + g]);
-                sv = _mm512_set1_ps(load_scale(scales, (n0 + r) * g_count + g, scale_dtype));
+        for (int64_t b = 0; b < wt->kp / BLOCK; b++) {
+            if (wt->block_group[b] != g) { /* a new group: its zero point and scale, the 16 weights a code stands for */
+                g = wt->block_group[b];
+                zv = _mm512_set1_epi32(wt->zeros[(n0 + r) * wt->g_count + g]);
+                sv = _mm512_set1_ps(load_scale(wt->scales, (n0 + r) * wt->g_count + g, wt->scale_dtype));
                 table = _mm512_castsi256_si512(
                     (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iota, zv)), sv)));
             }
-            decode_block_bf16(bits, row, b, table, zv, sv, dst + b * BLOCK);
+            decode_block_bf16(wt->bits, row, b, table, zv, sv, dst + b * BLOCK);
         }
     }
 }
 
 /* y [M, N] float32 (rows ldy apart) = x [M, kp] bfloat16 (rows ldx apart) times W^T, on
  * `num_threads` threads. Returns 0; 2 where the process may not use the tiles (nothing
- * computed); 1 where scratch (the tokens, 2 bytes an input padded to 32 tokens; a 32 x kp
- * bfloat16 panel a thread) could not be allocated. */
+ * computed); 1 where scratch (amx_panel_product's) could not be allocated. */
 int wna16_amx_matmul(int bits, const uint8_t *wq, const void *scales, int scale_dtype, const uint8_t *zeros,
                      const int32_t *block_group, int64_t N, int64_t kp, int64_t g_count, const bf16 *x, int64_t ldx,
                      int64_t M, float *y, int64_t ldy, int num_threads) {
-    if (M <= 0 || !tiles_permitted()) return 2;
-    const int64_t groups = (M + TOKENS - 1) / TOKENS * 2, run_end = kp / BLOCK; /* one run: the scales are in */
-    uint32_t *xv = malloc(sizeof(uint32_t) * (size_t)groups * (size_t)(kp / 2) * 16);
-    if (xv == NULL) return 1;
-    float ones[ROWS];
-    for (int r = 0; r < ROWS; r++) ones[r] = 1.f;
-    tokens_to_pairs(x, ldx, M, kp, groups, xv);
-    const int64_t blocks = (N + ROWS - 1) / ROWS;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        bf16 *panel = malloc(sizeof(bf16) * ROWS * (size_t)kp);
-        if (panel == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-            configure_tiles();
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; b++) {
-                const int64_t n0 = b * ROWS;
-                decode_panel(bits, wq, scales, scale_dtype, zeros, block_group, n0, N, kp, g_count, panel);
-                amx_scaled_runs(panel, kp, xv, M, n0, (int)(N - n0 < ROWS ? N - n0 : ROWS), 1, &run_end, ones, y, 1,
-                                ldy);
-            }
-            _tile_release();
-        }
-        free(panel);
-    }
-    free(xv);
-    return failed;
+    const wna16_weight wt = {bits, scale_dtype, wq, zeros, scales, block_group, N, kp, g_count};
+    const int64_t run_end = kp / BLOCK; /* one run: the scales are in the weights */
+    return amx_panel_product(x, ldx, M, N, kp, 1, &run_end, decode_panel, &wt, y, 1, ldy, num_threads);
 }
 
 int wna16_has_amx(void) { return tiles_permitted(); }
