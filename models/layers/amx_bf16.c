@@ -32,6 +32,31 @@
 #define PREFETCH_AHEAD 256
 #endif
 
+/* Column t of a 16 x 16 float32 tile (its 16 rows' values for token t). */
+static inline __m512 tile_column(const float c[16][16], int t) {
+    const __m512i rows = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+    return _mm512_i32gather_ps(rows, &c[0][t], 4);
+}
+
+/* C tile `c` (16 weight rows from n0, `rows` of them real, by 16 tokens from t0, `tokens`
+ * of them real) to y as bfloat16, plus the rows' bias: each token's 16 sums gathered from
+ * the tile's column, rounded and stored side by side. */
+static inline void store_tile(const float c[16][16], int64_t n0, int rows, int64_t t0, int tokens, __m512 bias,
+                              bf16 *y, int64_t ldy) {
+    const __mmask16 mask = (__mmask16)((1u << rows) - 1);
+    for (int t = 0; t < tokens; t++) {
+        const __m512 v = _mm512_add_ps(tile_column(c, t), bias);
+        _mm256_mask_storeu_epi16(y + (t0 + t) * ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* The bias of rows [n0, n0 + rows) as float32 lanes (0 past them, and without a bias). */
+static inline __m512 bias_of(const bf16 *bias, int64_t n0, int rows) {
+    if (bias == NULL) return _mm512_setzero_ps();
+    const __m256i b = _mm256_maskz_loadu_epi16((__mmask16)((1u << rows) - 1), bias + n0);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
 /* One 32-row block (A rows at `a`, `lda` values apart; `rows` of them real, from n0)
  * against every 32 tokens (16 where only 16 are left: two products a step, not four). */
 static void block_times_tokens(const bf16 *a, int64_t lda, const uint32_t *xv, int64_t K, int64_t M, int64_t n0,

@@ -1,10 +1,9 @@
 /* What our AMX kernels share (amx_bf16.c: bfloat16 weights; wna16_amx.c: int4/int8 ones;
  * fp8_amx.c: fp8 ones): the process's permission for the tile state, the tile
  * configuration (8 tiles of 16 rows of 64 bytes), the tokens rearranged into TDPBF16PS's
- * B layout, a C tile's columns stored as output rows, and the product of a panel of exact
- * weight values whose runs of inputs each carry their own scale (`amx_scaled_runs`), and
- * the threads' loop over a weight's 32-row panels (`amx_panel_product`). A
- * work item is 32 weight rows (two A tiles: tmm0, tmm1) by 32 tokens (two B tiles: tmm2,
+ * B layout, the product of a panel of decoded weight values whose runs of inputs each
+ * carry their own scale (`amx_scaled_runs`), and the threads' loop over a weight's 32-row
+ * panels (`amx_panel_product`). A work item is 32 weight rows (two A tiles: tmm0, tmm1) by 32 tokens (two B tiles: tmm2,
  * tmm3) into four C tiles (tmm4: rows 0-15 x tokens 0-15, tmm5: rows 0-15 x tokens 16-31,
  * tmm6, tmm7 the same for rows 16-31). Needs AMX-TILE, AMX-BF16 and AVX-512 (each
  * includer checks). Static inline: each includer compiles its own copy.
@@ -68,31 +67,6 @@ static inline void tokens_to_pairs(const bf16 *x, int64_t ldx, int64_t M, int64_
             dst[p * 16] = pair;
         }
     }
-}
-
-/* Column t of a 16 x 16 float32 tile (its 16 rows' values for token t). */
-static inline __m512 tile_column(const float c[16][16], int t) {
-    const __m512i rows = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
-    return _mm512_i32gather_ps(rows, &c[0][t], 4);
-}
-
-/* C tile `c` (16 weight rows from n0, `rows` of them real, by 16 tokens from t0, `tokens`
- * of them real) to y as bfloat16, plus the rows' bias: each token's 16 sums gathered from
- * the tile's column, rounded and stored side by side. */
-static inline void store_tile(const float c[16][16], int64_t n0, int rows, int64_t t0, int tokens, __m512 bias,
-                              bf16 *y, int64_t ldy) {
-    const __mmask16 mask = (__mmask16)((1u << rows) - 1);
-    for (int t = 0; t < tokens; t++) {
-        const __m512 v = _mm512_add_ps(tile_column(c, t), bias);
-        _mm256_mask_storeu_epi16(y + (t0 + t) * ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
-    }
-}
-
-/* The bias of rows [n0, n0 + rows) as float32 lanes (0 past them, and without a bias). */
-static inline __m512 bias_of(const bf16 *bias, int64_t n0, int rows) {
-    if (bias == NULL) return _mm512_setzero_ps();
-    const __m256i b = _mm256_maskz_loadu_epi16((__mmask16)((1u << rows) - 1), bias + n0);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
 /* y[t, n0 + r] = sum over runs j of run_scale[j * 32 + r] * sum over the run's inputs of

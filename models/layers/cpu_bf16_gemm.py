@@ -111,9 +111,16 @@ def dot_max_rows() -> int:
     kernel = load()
     if kernel is not None and kernel.has_amx:
         return AMX_DOT_MAX_ROWS
+    return ONEDNN_AMX_MAX_ROWS if onednn_runs_amx(cpu_flags(), "amx_bf16") else MAX_ROWS
+
+
+def onednn_runs_amx(flags: str, feature: str) -> bool:
+    """Whether oneDNN's GEMM runs on AMX tiles for `feature` ("amx_bf16", "amx_int8"): the
+    CPU `flags` name it, torch allows the tiles, and `ONEDNN_MAX_CPU_ISA` does not stop
+    below them. Asked once per process by each caller (cached there)."""
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
-    amx = "amx_bf16" in cpu_flags().split() and bool(getattr(torch.cpu, "_is_amx_tile_supported", bool)())
-    return ONEDNN_AMX_MAX_ROWS if amx and (isa == "ALL" or "AMX" in isa) else MAX_ROWS
+    return (feature in flags.split() and bool(getattr(torch.cpu, "_is_amx_tile_supported", bool)())
+            and (isa == "ALL" or "AMX" in isa))
 
 
 @functools.cache

@@ -42,6 +42,7 @@ import torch
 
 from distributed.native_build import BF16_CONVERT_H, cpu_flags, load_kernel
 from distributed.native_calls import NativeLibrary
+from models.layers.cpu_bf16_gemm import onednn_runs_amx
 
 INT8_MAX = 127.0
 _MIN_SCALE = 1e-12  # an all-zero row gets this scale: its values stay exactly 0
@@ -151,10 +152,8 @@ def torch_int_mm_has_int8_kernel() -> bool:
 @functools.cache
 def vnni_gemm_tokens() -> range:
     """The token counts our VNNI GEMM takes over torch._int_mm: AMX_VNNI_GEMM_TOKENS where
-    oneDNN's int8 GEMM runs on AMX (the CPU has `amx_int8` and torch allows the tiles),
-    else VNNI_GEMM_TOKENS."""
-    amx = "amx_int8" in cpu_flags().split() and bool(getattr(torch.cpu, "_is_amx_tile_supported", bool)())
-    return AMX_VNNI_GEMM_TOKENS if amx else VNNI_GEMM_TOKENS
+    oneDNN's int8 GEMM runs on AMX (`cpu_bf16_gemm.onednn_runs_amx`), else VNNI_GEMM_TOKENS."""
+    return AMX_VNNI_GEMM_TOKENS if onednn_runs_amx(cpu_flags(), "amx_int8") else VNNI_GEMM_TOKENS
 
 
 def int8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
